@@ -1,0 +1,202 @@
+"""PET hyperparameters: :class:`PETConfig`, with metatrain's names and defaults.
+
+Every field has the name and default of metatrain's ``pet`` model hypers (v2026.4),
+so a metatrain ``model_hypers`` dict converts with :meth:`PETConfig.from_hypers`.
+The config is frozen and hashable: it is a static argument of every pure function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Tuple
+
+
+_CHOICES = {
+    "cutoff_function": ("Bump", "Cosine"),
+    "adaptive_cutoff_method": ("solver", "grid"),
+    "normalization": ("RMSNorm", "LayerNorm"),
+    "activation": ("SwiGLU", "SiLU"),
+    "transformer_type": ("PreLN", "PostLN"),
+    "featurizer_type": ("feedforward", "residual"),
+}
+
+_POSITIVE_INT = (
+    "d_pet",
+    "d_head",
+    "d_node",
+    "d_feedforward",
+    "num_heads",
+    "num_attention_layers",
+    "num_gnn_layers",
+)
+
+
+@dataclass(frozen=True)
+class LongRangeConfig:
+    """metatrain's ``long_range`` hypers. Only ``enable=False`` is supported."""
+
+    enable: bool = False
+    use_ewald: bool = False
+    smearing: float = 1.4
+    kspace_resolution: float = 1.33
+    interpolation_nodes: int = 5
+
+
+@dataclass(frozen=True)
+class PETConfig:
+    """Hyperparameters of a PET model (lengths in Å).
+
+    Attributes:
+        atomic_types: atomic numbers the model knows, e.g. ``(1, 6, 7, 8)``. Stored
+            sorted; the species index of a type is its position in this tuple.
+        cutoff: neighbour-list radius r_c, also the largest adaptive cutoff.
+        cutoff_width: width w of the switching function f(r) used by the network.
+        cutoff_function: ``"Bump"`` (C-infinity tanh-cot) or ``"Cosine"``.
+        num_neighbors_adaptive: target neighbour count of the adaptive cutoff, or
+            ``None`` for a fixed cutoff.
+        adaptive_cutoff_method: ``"solver"`` (Newton-bisection) or ``"grid"`` (legacy).
+        cutoff_width_adaptive: taper width used only to count neighbours in the
+            adaptive cutoff.
+        d_pet: width of the edge tokens (transformer model dimension).
+        d_head: hidden width of the readout heads.
+        d_node: width of the node features. When it differs from ``d_pet`` the
+            transformer layers carry a node residual stream of this width.
+        d_feedforward: hidden width of the edge feed-forward network.
+        num_heads: attention heads; ``d_pet`` must be divisible by it.
+        num_attention_layers: transformer layers inside each GNN layer.
+        num_gnn_layers: message-passing layers.
+        normalization: ``"RMSNorm"`` or ``"LayerNorm"`` inside transformer layers.
+        activation: ``"SwiGLU"`` or ``"SiLU"`` feed-forward networks.
+        attention_temperature: attention scores are divided by sqrt(d_pet/num_heads)
+            times this.
+        transformer_type: ``"PreLN"`` or ``"PostLN"``.
+        featurizer_type: ``"feedforward"`` (modern) or ``"residual"`` (original PET).
+        zbl: add the ZBL short-range repulsion to the energy.
+        long_range: long-range part (not supported: must stay disabled).
+        system_conditioning: charge/spin conditioning (not supported).
+        max_charge, max_spin_multiplicity: sizes of the conditioning tables.
+    """
+
+    atomic_types: Tuple[int, ...] = (1, 6, 7, 8)
+    cutoff: float = 4.5
+    cutoff_width: float = 0.5
+    cutoff_function: str = "Bump"
+    num_neighbors_adaptive: Optional[float] = None
+    adaptive_cutoff_method: str = "solver"
+    cutoff_width_adaptive: float = 1.0
+    d_pet: int = 128
+    d_head: int = 128
+    d_node: int = 256
+    d_feedforward: int = 256
+    num_heads: int = 8
+    num_attention_layers: int = 2
+    num_gnn_layers: int = 2
+    normalization: str = "RMSNorm"
+    activation: str = "SwiGLU"
+    attention_temperature: float = 1.0
+    transformer_type: str = "PreLN"
+    featurizer_type: str = "feedforward"
+    zbl: bool = False
+    long_range: LongRangeConfig = field(default_factory=LongRangeConfig)
+    system_conditioning: bool = False
+    max_charge: int = 10
+    max_spin_multiplicity: int = 10
+
+    def __post_init__(self) -> None:
+        types = self.atomic_types
+        if isinstance(types, int) or not hasattr(types, "__iter__"):
+            raise ValueError(f"atomic_types must be a sequence of atomic numbers, got {types!r}")
+        types = tuple(int(t) for t in types)
+        if len(types) == 0:
+            raise ValueError("atomic_types must not be empty")
+        if len(set(types)) != len(types):
+            raise ValueError(f"atomic_types has duplicates: {types}")
+        if min(types) < 0:
+            raise ValueError(f"atomic_types must be non-negative, got {types}")
+        object.__setattr__(self, "atomic_types", tuple(sorted(types)))
+
+        if isinstance(self.long_range, Mapping):
+            object.__setattr__(self, "long_range", LongRangeConfig(**self.long_range))
+
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            # metatrain compares some of these case-insensitively; normalise
+            match = [c for c in choices if isinstance(value, str) and c.lower() == value.lower()]
+            if not match:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+            object.__setattr__(self, name, match[0])
+
+        for name in _POSITIVE_INT:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.d_pet % self.num_heads != 0:
+            raise ValueError(
+                f"d_pet must be divisible by num_heads, got d_pet={self.d_pet} "
+                f"and num_heads={self.num_heads}"
+            )
+        for name in ("cutoff", "cutoff_width", "cutoff_width_adaptive", "attention_temperature"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.cutoff_width >= self.cutoff:
+            raise ValueError(
+                f"cutoff_width must be smaller than cutoff, got cutoff_width="
+                f"{self.cutoff_width} and cutoff={self.cutoff}"
+            )
+        if self.num_neighbors_adaptive is not None:
+            value = self.num_neighbors_adaptive
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(
+                    f"num_neighbors_adaptive must be a positive number or None, got {value!r}"
+                )
+            object.__setattr__(self, "num_neighbors_adaptive", float(value))
+        if self.long_range.enable:
+            raise NotImplementedError(
+                "long_range.enable=True (torch-pme long-range features) is not "
+                "implemented in petfunc"
+            )
+        if self.system_conditioning:
+            raise NotImplementedError(
+                "system_conditioning=True (charge/spin embeddings) is not implemented in petfunc"
+            )
+
+    # derived quantities ------------------------------------------------------------
+    @property
+    def num_species(self) -> int:
+        return len(self.atomic_types)
+
+    @property
+    def num_readout_layers(self) -> int:
+        """1 for the feedforward featurizer, ``num_gnn_layers`` for the residual one."""
+        return 1 if self.featurizer_type == "feedforward" else self.num_gnn_layers
+
+    @property
+    def adaptive(self) -> bool:
+        return self.num_neighbors_adaptive is not None
+
+    # conversions ------------------------------------------------------------------
+    def to_hypers(self) -> dict:
+        """metatrain-style ``model_hypers`` dict (plus ``atomic_types``)."""
+        out = dataclasses.asdict(self)
+        out["atomic_types"] = list(self.atomic_types)
+        return out
+
+    @classmethod
+    def from_hypers(cls, hypers: Mapping[str, Any], atomic_types=None) -> "PETConfig":
+        """Build a config from a metatrain ``model_hypers`` mapping.
+
+        Keys that petfunc does not know raise, so a misspelt option never goes unseen.
+        """
+        hypers = dict(hypers)
+        if atomic_types is not None:
+            hypers["atomic_types"] = tuple(atomic_types)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(hypers) - known)
+        if unknown:
+            raise ValueError(f"unknown PET hyperparameters: {unknown}")
+        if "long_range" in hypers and isinstance(hypers["long_range"], Mapping):
+            hypers["long_range"] = LongRangeConfig(**dict(hypers["long_range"]))
+        return cls(**hypers)

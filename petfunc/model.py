@@ -1,0 +1,293 @@
+"""PET as pure functions: ``init(config, seed) -> params`` and
+``energy(params, positions, cell, neighbors, config) -> [n_structures]``.
+
+Paper/metatrain symbols and their names here:
+
+=====================  ===========================================================
+r_e, d_e, f_e          ``vectors``, ``distances``, ``cutoff_factors`` (flat edges)
+V_ik, D_ik, F_ik       NEF-gathered vectors, sqrt(|V|^2 + 1e-15), factors (0 on padding)
+h_i, m_ik              node features (d_node) and edge messages (d_pet)
+eps_i                  raw atomic energy; E_s = c sum eps_i + sum w_Z (+ ZBL)
+=====================  ===========================================================
+
+Every position-dependent quantity (edge vectors, distances, switching function,
+adaptive radii) is computed inside :func:`energy`, so ``torch.func.grad`` of it gives
+exact forces and stress. The parameter tree's dotted paths equal metatrain's
+``backend.*`` state-dict keys; ``composition_weights`` ``[n_species]`` (eV) and
+``energy_scale`` ``[]`` hold metatrain's composition model and scaler.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import adaptive, nn, transformer
+from .config import PETConfig
+from .cutoff import switching_function
+from .neighbors import Neighbors
+
+
+TARGET = "energy"
+BLOCK = "energy___0"
+
+
+# ---------------------------------------------------------------------------------------
+# parameters
+
+
+def init(
+    config: PETConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+    generator: Optional[torch.Generator] = None,
+):
+    """Fresh parameters with torch's default initialisation distributions.
+
+    Args:
+        config: the architecture.
+        seed: seed of a private ``torch.Generator`` (ignored if ``generator`` is given).
+        dtype, device: of every tensor.
+        generator: a CPU ``torch.Generator`` to draw from; the global RNG is never used.
+    Returns:
+        nested dict of tensors; :func:`petfunc.tree.flatten` gives metatrain's keys.
+    """
+    if generator is None:
+        generator = torch.Generator().manual_seed(int(seed))
+    g, dt, dev = generator, dtype, device
+    d, dn, dh, ns = config.d_pet, config.d_node, config.d_head, config.num_species
+
+    gnn_layers = []
+    for layer_index in range(config.num_gnn_layers):
+        layer = {
+            "trans": {
+                "layers": [
+                    transformer.init_layer(config, g, dt, dev)
+                    for _ in range(config.num_attention_layers)
+                ]
+            },
+            "edge_embedder": nn.init_linear(4, d, g, dt, dev),
+            "compress": nn.init_mlp2((2 if layer_index == 0 else 3) * d, d, d, g, dt, dev),
+        }
+        if layer_index > 0:
+            layer["neighbor_embedder"] = nn.init_embedding(ns, d, g, dt, dev)
+        gnn_layers.append(layer)
+
+    params = {"gnn_layers": gnn_layers}
+    if config.featurizer_type == "feedforward":
+        params["combination_norms"] = [
+            nn.init_norm(2 * d, "LayerNorm", dt, dev) for _ in range(config.num_gnn_layers)
+        ]
+        params["combination_mlps"] = [
+            nn.init_mlp2(2 * d, 2 * d, d, g, dt, dev) for _ in range(config.num_gnn_layers)
+        ]
+    r = config.num_readout_layers
+    params["node_embedders"] = [nn.init_embedding(ns, dn, g, dt, dev) for _ in range(r)]
+    params["edge_embedder"] = nn.init_embedding(ns, d, g, dt, dev)
+    params["node_heads"] = {TARGET: [nn.init_mlp2(dn, dh, dh, g, dt, dev) for _ in range(r)]}
+    params["edge_heads"] = {TARGET: [nn.init_mlp2(d, dh, dh, g, dt, dev) for _ in range(r)]}
+    params["node_last_layers"] = {
+        TARGET: [{BLOCK: nn.init_linear(dh, 1, g, dt, dev)} for _ in range(r)]
+    }
+    params["edge_last_layers"] = {
+        TARGET: [{BLOCK: nn.init_linear(dh, 1, g, dt, dev)} for _ in range(r)]
+    }
+    params["composition_weights"] = torch.zeros(ns, dtype=dt, device=device)
+    params["energy_scale"] = torch.ones((), dtype=dt, device=device)
+    return params
+
+
+# ---------------------------------------------------------------------------------------
+# geometry
+
+
+def edge_vectors(positions: torch.Tensor, cell: torch.Tensor, neighbors: Neighbors) -> torch.Tensor:
+    """``[n_edges, 3]`` vectors r_e = x_j - x_i + S @ cell (Å)."""
+    shifts = neighbors.cell_shifts.to(positions.dtype)
+    cells = cell[neighbors.structure_index[neighbors.centers]]  # [n_edges, 3, 3]
+    lattice = torch.einsum("ea,eab->eb", shifts, cells)
+    return positions[neighbors.neighbors] - positions[neighbors.centers] + lattice
+
+
+def cutoff_factors(config: PETConfig, distances: torch.Tensor, neighbors: Neighbors) -> torch.Tensor:
+    """``[n_edges]`` switching function f_e, with the adaptive pair radii if enabled."""
+    if config.adaptive:
+        radii = adaptive.atomic_cutoffs(config, neighbors.centers, distances, neighbors.n_atoms)
+        r_cut = 0.5 * (radii[neighbors.centers] + radii[neighbors.neighbors])
+    else:
+        r_cut = config.cutoff
+    return switching_function(config.cutoff_function)(distances, r_cut, config.cutoff_width)
+
+
+# ---------------------------------------------------------------------------------------
+# the network
+
+
+def _readout(params, config, layer: int, nodes, edges, nef_mask, factors):
+    """Atomic energies ``[n_atoms]`` of one readout layer (node + masked edge sum)."""
+    node_hidden = nn.mlp2(params["node_heads"][TARGET][layer], nodes, final_activation=True)
+    edge_hidden = nn.mlp2(params["edge_heads"][TARGET][layer], edges, final_activation=True)
+    node_energy = nn.linear(params["node_last_layers"][TARGET][layer][BLOCK], node_hidden)[:, 0]
+    edge_energy = nn.linear(params["edge_last_layers"][TARGET][layer][BLOCK], edge_hidden)[..., 0]
+    edge_energy = torch.where(nef_mask, edge_energy, torch.zeros_like(edge_energy))
+    return node_energy + (edge_energy * factors).sum(dim=1)
+
+
+def _gnn_layer(params, config, layer: int, nodes, messages, geometry, species_nbr, bias):
+    """One CartesianTransformer: returns new ``(nodes, edges)``."""
+    embedded = nn.linear(params["edge_embedder"], geometry)  # [n_atoms, M, d_pet]
+    if layer == 0:
+        tokens = torch.cat([embedded, messages], dim=2)
+    else:
+        tokens = torch.cat(
+            [embedded, nn.embedding(params["neighbor_embedder"], species_nbr), messages], dim=2
+        )
+    edges = nn.mlp2(params["compress"], tokens)
+    for layer_params in params["trans"]["layers"]:
+        nodes, edges = transformer.layer(layer_params, config, nodes, edges, bias)
+    return nodes, edges
+
+
+def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETConfig):
+    """Raw network energies eps_i ``[n_atoms]`` (before scale and composition).
+
+    Args:
+        params: parameter tree of :func:`init`.
+        positions: ``[n_atoms, 3]`` Cartesian positions (Å).
+        cell: ``[n_structures, 3, 3]`` lattice vectors as rows (zero rows if not periodic).
+        neighbors: the integer graph of :mod:`petfunc.neighbors`.
+        config: the architecture.
+    """
+    vectors = edge_vectors(positions, cell, neighbors)
+    distances = torch.linalg.vector_norm(vectors, dim=-1) + 1e-15
+    factors = cutoff_factors(config, distances, neighbors)
+
+    nef, mask = neighbors.nef_index, neighbors.nef_mask
+    n_atoms, width = nef.shape
+    nef_vectors = vectors[nef]  # [n_atoms, M, 3]; padded slots hold edge 0's vector
+    nef_distances = torch.sqrt((nef_vectors**2).sum(dim=2) + 1e-15)
+    nef_factors = torch.where(mask, factors[nef], torch.zeros_like(nef_vectors[..., 0]))
+    geometry = torch.cat([nef_vectors, nef_distances[..., None]], dim=2)
+    species = neighbors.species
+    species_nbr = species[neighbors.neighbors][nef]  # [n_atoms, M]
+
+    # key 0 is the centre (factor 1); log(max(f, 1e-15)) down-weights padded/cut keys
+    ones = torch.ones_like(nef_factors[:, :1])
+    bias = torch.log(torch.cat([ones, nef_factors], dim=1).clamp_min(1e-15))
+
+    messages = nn.embedding(params["edge_embedder"], species_nbr)
+    reverse = neighbors.reverse_index
+    layers = params["gnn_layers"]
+    readout_features = []
+    if config.featurizer_type == "feedforward":
+        nodes = nn.embedding(params["node_embedders"][0], species)
+        for index in range(config.num_gnn_layers):
+            nodes, edges = _gnn_layer(
+                layers[index], config, index, nodes, messages, geometry, species_nbr, bias
+            )
+            reversed_edges = edges.reshape(n_atoms * width, -1)[reverse].reshape(edges.shape)
+            mixed = nn.layer_norm(
+                params["combination_norms"][index], torch.cat([edges, reversed_edges], dim=2)
+            )
+            messages = messages + edges + nn.mlp2(params["combination_mlps"][index], mixed)
+        readout_features.append((nodes, messages))
+    else:  # residual featurizer: fresh node embeddings each layer, every layer read out
+        for index in range(config.num_gnn_layers):
+            nodes = nn.embedding(params["node_embedders"][index], species)
+            nodes, edges = _gnn_layer(
+                layers[index], config, index, nodes, messages, geometry, species_nbr, bias
+            )
+            readout_features.append((nodes, edges))
+            reversed_edges = edges.reshape(n_atoms * width, -1)[reverse].reshape(edges.shape)
+            messages = 0.5 * (messages + reversed_edges)
+
+    energies = None
+    for index, (nodes, edges) in enumerate(readout_features):
+        e = _readout(params, config, index, nodes, edges, mask, nef_factors)
+        energies = e if energies is None else energies + e
+    return energies
+
+
+def _structure_sum(values: torch.Tensor, structure_index: torch.Tensor, n_structures: int):
+    # scatter_add into a fresh buffer: index_add crashes inductor on CPU when S == 1
+    out = torch.zeros(n_structures, dtype=values.dtype, device=values.device)
+    return out.scatter_add(0, structure_index, values)
+
+
+def per_atom_energies(params, positions, cell, neighbors: Neighbors, config: PETConfig):
+    """Energies per atom ``[n_atoms]`` in eV: c eps_i + w_{Z_i} (+ half the ZBL pairs)."""
+    raw = atomic_energies(params, positions, cell, neighbors, config)
+    scale = params["energy_scale"].to(raw.dtype)
+    out = scale * raw + params["composition_weights"].to(raw.dtype)[neighbors.species]
+    if config.zbl:
+        from . import zbl
+
+        out = out + zbl.atomic_energies(positions, cell, neighbors, config)
+    return out
+
+
+def energy(params, positions, cell, neighbors: Neighbors, config: PETConfig):
+    """Total energy of each structure ``[n_structures]`` (eV).
+
+    ``E_s = c * sum_{i in s} eps_i + sum_{i in s} w_{Z_i}`` (+ ZBL), metatrain's
+    evaluation-mode output. See :func:`atomic_energies` for the arguments.
+    """
+    raw = atomic_energies(params, positions, cell, neighbors, config)
+    n_structures = cell.shape[0]
+    sidx = neighbors.structure_index
+    scale = params["energy_scale"].to(raw.dtype)
+    weights = params["composition_weights"].to(raw.dtype)[neighbors.species]
+    total = scale * _structure_sum(raw, sidx, n_structures) + _structure_sum(weights, sidx, n_structures)
+    if config.zbl:
+        from . import zbl
+
+        total = total + _structure_sum(zbl.atomic_energies(positions, cell, neighbors, config), sidx, n_structures)
+    return total
+
+
+def raw_energy(params, positions, cell, neighbors: Neighbors, config: PETConfig):
+    """Network energy per structure ``sum eps_i`` ``[n_structures]``, in units of the
+    energy scale, without composition or ZBL: metatrain's training-mode output."""
+    raw = atomic_energies(params, positions, cell, neighbors, config)
+    return _structure_sum(raw, neighbors.structure_index, cell.shape[0])
+
+
+class PET:
+    """A PET architecture bound to its config. Holds no tensors; all methods are pure.
+
+    >>> model = PET(PETConfig(atomic_types=(1, 6, 7, 8)))
+    >>> params = model.init(seed=0)
+    >>> energy = model.energy(params, positions, cell, neighbors)
+    """
+
+    def __init__(self, config: PETConfig):
+        if not isinstance(config, PETConfig):
+            raise TypeError(f"PET needs a PETConfig, got {type(config).__name__}")
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"PET({self.config!r})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PET) and other.config == self.config
+
+    def __hash__(self) -> int:
+        return hash(self.config)
+
+    def init(self, seed: int = 0, dtype=torch.float32, device=None, generator=None):
+        """See :func:`petfunc.model.init`."""
+        return init(self.config, seed=seed, dtype=dtype, device=device, generator=generator)
+
+    def energy(self, params, positions, cell, neighbors):
+        """Total energies ``[n_structures]`` (eV); see :func:`petfunc.model.energy`."""
+        return energy(params, positions, cell, neighbors, self.config)
+
+    def per_atom_energies(self, params, positions, cell, neighbors):
+        """Energies per atom ``[n_atoms]`` (eV)."""
+        return per_atom_energies(params, positions, cell, neighbors, self.config)
+
+    def raw_energy(self, params, positions, cell, neighbors):
+        """Training-mode network energy ``[n_structures]`` (units of the energy scale)."""
+        return raw_energy(params, positions, cell, neighbors, self.config)

@@ -1,0 +1,217 @@
+"""The neighbour graph: integer data built eagerly, outside any traced code.
+
+Conventions (as in ASE and metatrain):
+
+* ``cell`` is ``[n_structures, 3, 3]`` and its **rows** are the lattice vectors; rows
+  of non-periodic directions are zero, so a molecule has an all-zero cell.
+* an edge ``e = (i, j, S)`` (``centers[e] = i``, ``neighbors[e] = j``, integer
+  ``cell_shifts[e] = S``) has the vector ``r_e = positions[j] - positions[i] + S @ cell``.
+* the list is *full*: both ``(i, j, S)`` and ``(j, i, -S)`` are present.
+
+PET does not use the flat edge list directly. It arranges edges in the NEF
+(node, edge, feature) grid ``[n_atoms, max_neighbors]``: row ``i`` holds the edges
+centred on ``i`` in list order; ``nef_index[i, k]`` is the flat edge id and
+``nef_mask[i, k]`` says whether the slot is real. Padded slots point at the first
+edge, as in metatrain. ``reverse_index`` maps each flattened slot ``i*M + k`` to the
+slot of the reversed edge ``j -> i`` (padded slots get 0, 1, 2, ..., as metatrain).
+
+The flat list may hold more edges than PET uses (the adaptive cutoff counts every
+edge within ``cutoff``, ZBL may need a longer list); the NEF grid holds only the edges
+PET keeps (``d <= cutoff`` or, adaptive, ``d <= (r_i + r_j) / 2``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+
+
+class Neighbors(NamedTuple):
+    """Integer description of a batch of structures (no floats, no gradients).
+
+    Attributes:
+        species: ``[n_atoms]`` species index of each atom (position of its atomic
+            number in ``config.atomic_types``).
+        structure_index: ``[n_atoms]`` which structure each atom belongs to.
+        centers: ``[n_edges]`` atom i of each edge.
+        neighbors: ``[n_edges]`` atom j of each edge.
+        cell_shifts: ``[n_edges, 3]`` integer lattice shift S of each edge.
+        nef_index: ``[n_atoms, max_neighbors]`` flat edge id in each NEF slot.
+        nef_mask: ``[n_atoms, max_neighbors]`` True for real slots.
+        reverse_index: ``[n_atoms * max_neighbors]`` flat NEF slot of the reversed edge.
+    """
+
+    species: torch.Tensor
+    structure_index: torch.Tensor
+    centers: torch.Tensor
+    neighbors: torch.Tensor
+    cell_shifts: torch.Tensor
+    nef_index: torch.Tensor
+    nef_mask: torch.Tensor
+    reverse_index: torch.Tensor
+
+    @property
+    def n_atoms(self) -> int:
+        return self.species.shape[0]
+
+    @property
+    def max_neighbors(self) -> int:
+        return self.nef_index.shape[1]
+
+    def to(self, device) -> "Neighbors":
+        return Neighbors(*(t.to(device) for t in self))
+
+
+# ---------------------------------------------------------------------------------------
+# flat edge lists
+
+
+def species_index(numbers, atomic_types: Sequence[int]) -> np.ndarray:
+    """Map atomic numbers to species indices; unknown species raise ``ValueError``."""
+    numbers = np.asarray(numbers, dtype=np.int64)
+    lookup = {int(z): i for i, z in enumerate(atomic_types)}
+    unknown = sorted({int(z) for z in np.unique(numbers)} - set(lookup))
+    if unknown:
+        raise ValueError(
+            f"atomic number(s) {unknown} are not among the model's atomic_types "
+            f"{tuple(atomic_types)}"
+        )
+    return np.array([lookup[int(z)] for z in numbers], dtype=np.int64)
+
+
+def check_structure(positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray, label: str = "structure"):
+    """Raise a clear ``ValueError`` on NaN/inf positions or a singular periodic cell."""
+    positions = np.asarray(positions, dtype=np.float64)
+    if positions.ndim != 2 or positions.shape[1] != 3:
+        raise ValueError(f"{label}: positions must have shape [n_atoms, 3], got {positions.shape}")
+    if not np.all(np.isfinite(positions)):
+        raise ValueError(f"{label}: positions contain NaN or infinite values")
+    cell = np.asarray(cell, dtype=np.float64)
+    if cell.shape != (3, 3):
+        raise ValueError(f"{label}: cell must have shape [3, 3], got {cell.shape}")
+    if not np.all(np.isfinite(cell)):
+        raise ValueError(f"{label}: cell contains NaN or infinite values")
+    pbc = np.asarray(pbc, dtype=bool).reshape(-1)
+    if pbc.shape != (3,):
+        raise ValueError(f"{label}: pbc must have 3 entries, got {pbc.shape}")
+    if pbc.any():
+        periodic_rows = cell[pbc]
+        # Gram determinant of the periodic lattice vectors: zero if they are degenerate
+        gram = periodic_rows @ periodic_rows.T
+        scale = max(float(np.abs(periodic_rows).max()), 1e-300) ** (2 * pbc.sum())
+        if abs(np.linalg.det(gram)) <= 1e-12 * scale:
+            raise ValueError(
+                f"{label}: the cell is singular along its periodic directions "
+                f"(pbc={pbc.tolist()}, cell={cell.tolist()})"
+            )
+
+
+def edge_list(positions, cell, pbc, cutoff: float):
+    """Full neighbour list of one structure with vesin: (centers, neighbors, shifts).
+
+    Pairs are within ``cutoff`` (strict); periodic images of an atom itself are
+    included, the zero-shift self pair is not. ``cell`` rows for non-periodic
+    directions are ignored.
+    """
+    from vesin import NeighborList
+
+    positions = np.ascontiguousarray(positions, dtype=np.float64)
+    pbc = np.asarray(pbc, dtype=bool).reshape(3)
+    box = np.array(cell, dtype=np.float64).reshape(3, 3)
+    box[~pbc] = 0.0
+    if not pbc.any():
+        box = np.zeros((3, 3))
+    if len(positions) == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, np.zeros((0, 3), dtype=np.int64)
+    calculator = NeighborList(cutoff=float(cutoff), full_list=True)
+    i, j, shifts = calculator.compute(positions, box, pbc.tolist() if pbc.any() and not pbc.all() else bool(pbc.all()), quantities="ijS")
+    return i.astype(np.int64), j.astype(np.int64), shifts.astype(np.int64).reshape(-1, 3)
+
+
+# ---------------------------------------------------------------------------------------
+# NEF layout
+
+
+def reverse_edges(centers: np.ndarray, neighbors: np.ndarray, shifts: np.ndarray) -> np.ndarray:
+    """For each edge (i, j, S) the id of the edge (j, i, -S); raises if one is missing."""
+    n = len(centers)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    forward = np.column_stack([centers, neighbors, shifts])
+    backward = np.column_stack([neighbors, centers, -shifts])
+    order_f = np.lexsort(forward.T[::-1])
+    order_b = np.lexsort(backward.T[::-1])
+    if not np.array_equal(forward[order_f], backward[order_b]):
+        raise ValueError(
+            "the neighbour list is not symmetric: some edge (i, j, S) has no reverse "
+            "edge (j, i, -S); PET needs a full neighbour list"
+        )
+    reverse = np.empty(n, dtype=np.int64)
+    reverse[order_b] = order_f
+    return reverse
+
+
+def nef_layout(centers: np.ndarray, neighbors: np.ndarray, shifts: np.ndarray, kept: np.ndarray, n_atoms: int):
+    """NEF grid of the kept edges: (nef_index, nef_mask, reverse_index) as numpy arrays.
+
+    Args:
+        centers, neighbors, shifts: the flat edge list ``[n_edges]``, ``[n_edges, 3]``.
+        kept: ``[n_kept]`` ids of the edges PET uses, in list order. It must be closed
+            under reversal.
+        n_atoms: number of atoms in the batch.
+    """
+    kept = np.asarray(kept, dtype=np.int64)
+    c = centers[kept]
+    counts = np.bincount(c, minlength=n_atoms) if len(c) else np.zeros(n_atoms, dtype=np.int64)
+    width = int(counts.max()) if n_atoms > 0 and len(c) else 0
+    order = np.argsort(c, kind="stable")
+    starts = np.cumsum(counts) - counts
+    slot = np.empty(len(c), dtype=np.int64)
+    slot[order] = np.arange(len(c)) - starts[c[order]]
+
+    pad_edge = kept[0] if len(kept) else 0
+    nef_index = np.full((n_atoms, width), pad_edge, dtype=np.int64)
+    nef_index[c, slot] = kept
+    nef_mask = np.zeros((n_atoms, width), dtype=bool)
+    nef_mask[c, slot] = True
+
+    rev_local = reverse_edges(c, neighbors[kept], shifts[kept])
+    reverse_index = np.empty((n_atoms, width), dtype=np.int64)
+    reverse_index[c, slot] = neighbors[kept] * width + slot[rev_local]
+    # padded slots get 0, 1, 2, ... (many identical indices make index backward slow)
+    n_pad = n_atoms * width - len(c)
+    reverse_index[~nef_mask] = np.arange(n_pad, dtype=np.int64)
+    return nef_index, nef_mask, reverse_index.reshape(-1)
+
+
+def build(
+    species: np.ndarray,
+    structure_index: np.ndarray,
+    centers: np.ndarray,
+    neighbors: np.ndarray,
+    shifts: np.ndarray,
+    kept: Optional[np.ndarray] = None,
+    device=None,
+) -> Neighbors:
+    """Assemble :class:`Neighbors` from batch-level (already offset) numpy arrays."""
+    n_atoms = len(species)
+    if kept is None:
+        kept = np.arange(len(centers), dtype=np.int64)
+    nef_index, nef_mask, reverse_index = nef_layout(centers, neighbors, shifts, kept, n_atoms)
+
+    def t(a, dtype=torch.long):
+        return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
+
+    return Neighbors(
+        species=t(species),
+        structure_index=t(structure_index),
+        centers=t(centers),
+        neighbors=t(neighbors),
+        cell_shifts=t(np.asarray(shifts).reshape(-1, 3)),
+        nef_index=t(nef_index),
+        nef_mask=t(nef_mask, torch.bool),
+        reverse_index=t(reverse_index),
+    )

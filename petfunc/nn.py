@@ -1,0 +1,100 @@
+"""Layer primitives as (init, apply) pairs over dict parameters.
+
+Initialisations reproduce torch's defaults (``nn.Linear``: weight and bias
+~ U(+-1/sqrt(fan_in)); ``nn.Embedding``: N(0, 1); norms: weight 1, bias 0) but draw
+from an explicit ``torch.Generator``, never from the global RNG.
+All apply functions are pure, differentiable twice, and traceable by ``make_fx``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+Tensor = torch.Tensor
+
+
+def _uniform(shape, bound: float, generator, dtype, device) -> Tensor:
+    u = torch.rand(shape, generator=generator, dtype=torch.float64, device="cpu")
+    return ((2.0 * u - 1.0) * bound).to(dtype=dtype, device=device)
+
+
+def init_linear(d_in: int, d_out: int, generator, dtype, device, bias: bool = True):
+    """Parameters of ``y = x W^T + b`` with W of shape [d_out, d_in]."""
+    bound = 1.0 / math.sqrt(d_in) if d_in > 0 else 0.0
+    params = {"weight": _uniform((d_out, d_in), bound, generator, dtype, device)}
+    if bias:
+        params["bias"] = _uniform((d_out,), bound, generator, dtype, device)
+    return params
+
+
+def linear(params: Dict[str, Tensor], x: Tensor) -> Tensor:
+    return F.linear(x, params["weight"], params.get("bias"))
+
+
+def init_embedding(num: int, dim: int, generator, dtype, device):
+    """Embedding table [num, dim] ~ N(0, 1)."""
+    w = torch.randn((num, dim), generator=generator, dtype=torch.float64, device="cpu")
+    return {"weight": w.to(dtype=dtype, device=device)}
+
+
+def init_norm(dim: int, kind: str, dtype, device):
+    """RMSNorm (weight) or LayerNorm (weight and bias)."""
+    params = {"weight": torch.ones(dim, dtype=dtype, device=device)}
+    if kind == "LayerNorm":
+        params["bias"] = torch.zeros(dim, dtype=dtype, device=device)
+    return params
+
+
+def rms_norm(params: Dict[str, Tensor], x: Tensor) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight, eps = machine epsilon of x's dtype."""
+    return F.rms_norm(x, (x.shape[-1],), params["weight"], eps=torch.finfo(x.dtype).eps)
+
+
+def layer_norm(params: Dict[str, Tensor], x: Tensor, eps: float = 1e-5) -> Tensor:
+    return F.layer_norm(x, (x.shape[-1],), params["weight"], params["bias"], eps)
+
+
+def norm(params: Dict[str, Tensor], x: Tensor, kind: str) -> Tensor:
+    return rms_norm(params, x) if kind == "RMSNorm" else layer_norm(params, x)
+
+
+def init_feedforward(d_in: int, d_ff: int, activation: str, generator, dtype, device):
+    """Two-layer FFN; with SwiGLU ``w_in`` maps to 2 d_ff (value and gate halves)."""
+    d_hidden = 2 * d_ff if activation == "SwiGLU" else d_ff
+    return {
+        "w_in": init_linear(d_in, d_hidden, generator, dtype, device),
+        "w_out": init_linear(d_ff, d_in, generator, dtype, device),
+    }
+
+
+def feedforward(params, x: Tensor, activation: str) -> Tensor:
+    h = linear(params["w_in"], x)
+    if activation == "SwiGLU":
+        value, gate = h.chunk(2, dim=-1)
+        # metatrain's gate is sigmoid(g), not SiLU(g)
+        h = value * torch.sigmoid(gate)
+    else:
+        h = F.silu(h)
+    return linear(params["w_out"], h)
+
+
+def init_mlp2(d_in: int, d_hidden: int, d_out: int, generator, dtype, device):
+    """``Sequential(Linear, SiLU, Linear)``: keys ``"0"`` and ``"2"`` as in torch."""
+    return {
+        "0": init_linear(d_in, d_hidden, generator, dtype, device),
+        "2": init_linear(d_hidden, d_out, generator, dtype, device),
+    }
+
+
+def mlp2(params, x: Tensor, final_activation: bool = False) -> Tensor:
+    y = linear(params["2"], F.silu(linear(params["0"], x)))
+    return F.silu(y) if final_activation else y
+
+
+def embedding(params: Dict[str, Tensor], index: Tensor) -> Tensor:
+    return params["weight"][index]

@@ -1,0 +1,166 @@
+"""From ASE ``Atoms`` to PET inputs: ``positions, cell, neighbors = from_atoms(frames, config)``.
+
+:class:`Structure` keeps one structure's numpy data and its flat edge list, so a
+dataset computes neighbour lists once; :func:`collate` concatenates any set of them
+into a batch and builds the batch's NEF grid. Both run eagerly: they are the only
+place where shapes depend on the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from . import neighbors as nbl
+from .config import PETConfig
+
+
+@dataclass
+class Structure:
+    """One structure with its full neighbour list (all numpy, positions in Å)."""
+
+    numbers: np.ndarray  # [n_atoms] atomic numbers
+    species: np.ndarray  # [n_atoms] species indices
+    positions: np.ndarray  # [n_atoms, 3]
+    cell: np.ndarray  # [3, 3] rows; zero rows for non-periodic directions
+    pbc: np.ndarray  # [3] bool
+    centers: np.ndarray  # [n_edges]
+    neighbors: np.ndarray  # [n_edges]
+    shifts: np.ndarray  # [n_edges, 3]
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+
+def list_cutoff(config: PETConfig) -> float:
+    """Radius of the flat neighbour list: the PET cutoff, or the ZBL range if larger."""
+    if config.zbl:
+        from .zbl import zbl_cutoff
+
+        return max(config.cutoff, zbl_cutoff(config))
+    return config.cutoff
+
+
+def prepare(
+    numbers,
+    positions,
+    cell,
+    pbc,
+    config: PETConfig,
+    label: str = "structure",
+) -> Structure:
+    """Validate one structure and compute its neighbour list.
+
+    Raises:
+        ValueError: unknown species, NaN/inf positions, wrong shapes, a singular cell
+            along a periodic direction, or no atoms.
+    """
+    numbers = np.asarray(numbers, dtype=np.int64).reshape(-1)
+    positions = np.asarray(positions, dtype=np.float64)
+    pbc = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,)).copy()
+    cell = np.zeros((3, 3)) if cell is None else np.array(cell, dtype=np.float64).reshape(3, 3)
+    if len(numbers) == 0:
+        raise ValueError(f"{label}: has no atoms")
+    nbl.check_structure(positions, cell, pbc, label)
+    if positions.shape[0] != len(numbers):
+        raise ValueError(
+            f"{label}: {len(numbers)} atomic numbers but {positions.shape[0]} positions"
+        )
+    try:
+        species = nbl.species_index(numbers, config.atomic_types)
+    except ValueError as error:
+        raise ValueError(f"{label}: {error}") from None
+    cell[~pbc] = 0.0
+    centers, neighbors, shifts = nbl.edge_list(positions, cell, pbc, list_cutoff(config))
+    return Structure(numbers, species, positions, cell, pbc, centers, neighbors, shifts)
+
+
+def prepare_atoms(atoms, config: PETConfig, label: str = "structure") -> Structure:
+    """:func:`prepare` for one ``ase.Atoms``."""
+    return prepare(
+        atoms.get_atomic_numbers(),
+        atoms.get_positions(),
+        np.asarray(atoms.cell),
+        atoms.pbc,
+        config,
+        label,
+    )
+
+
+def kept_edges(config: PETConfig, positions, cell, centers, neighbors, shifts, structure_index):
+    """Ids of the flat edges PET keeps (``d <= cutoff``, or the adaptive pair radius).
+
+    Evaluated eagerly in float64 with the same functions :func:`petfunc.model.energy`
+    uses, so the set matches metatrain's masking at these positions.
+    """
+    if len(centers) == 0:
+        return np.zeros(0, dtype=np.int64)
+    pos = torch.as_tensor(positions, dtype=torch.float64)
+    cells = torch.as_tensor(cell, dtype=torch.float64)
+    c = torch.as_tensor(centers)
+    n = torch.as_tensor(neighbors)
+    s = torch.as_tensor(shifts, dtype=torch.float64)
+    lattice = torch.einsum("ea,eab->eb", s, cells[torch.as_tensor(structure_index)[c]])
+    d = torch.linalg.vector_norm(pos[n] - pos[c] + lattice, dim=-1) + 1e-15
+    if config.adaptive:
+        from .adaptive import atomic_cutoffs
+
+        radii = atomic_cutoffs(config, c, d, len(positions))
+        r_cut = 0.5 * (radii[c] + radii[n])
+    else:
+        r_cut = torch.full_like(d, config.cutoff)
+    return torch.nonzero(d <= r_cut).reshape(-1).numpy()
+
+
+def collate(
+    structures: Sequence[Structure],
+    config: PETConfig,
+    dtype: Optional[torch.dtype] = None,
+    device=None,
+    positions: Optional[Sequence[np.ndarray]] = None,
+    cells: Optional[Sequence[np.ndarray]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, nbl.Neighbors]:
+    """Concatenate structures into ``(positions [n_atoms, 3], cell [n_structures, 3, 3],
+    neighbors)``.
+
+    ``positions``/``cells`` optionally replace the stored geometry (e.g. rotated copies
+    for augmentation); the edge list is reused, so they must be a rigid motion of it.
+    """
+    if len(structures) == 0:
+        raise ValueError("cannot build a batch from zero structures")
+    dtype = dtype or torch.get_default_dtype()
+    pos_list = list(positions) if positions is not None else [s.positions for s in structures]
+    cell_list = list(cells) if cells is not None else [s.cell for s in structures]
+    offsets = np.cumsum([0] + [len(s) for s in structures])
+    species = np.concatenate([s.species for s in structures])
+    structure_index = np.repeat(np.arange(len(structures)), [len(s) for s in structures])
+    centers = np.concatenate([s.centers + o for s, o in zip(structures, offsets)])
+    neighbors = np.concatenate([s.neighbors + o for s, o in zip(structures, offsets)])
+    shifts = np.concatenate([s.shifts for s in structures]).reshape(-1, 3)
+    all_positions = np.concatenate(pos_list).astype(np.float64)
+    all_cells = np.stack(cell_list).astype(np.float64)
+    kept = kept_edges(config, all_positions, all_cells, centers, neighbors, shifts, structure_index)
+    graph = nbl.build(species, structure_index, centers, neighbors, shifts, kept, device=device)
+    return (
+        torch.as_tensor(all_positions, dtype=dtype, device=device),
+        torch.as_tensor(all_cells, dtype=dtype, device=device),
+        graph,
+    )
+
+
+def from_atoms(frames, config: PETConfig, dtype: Optional[torch.dtype] = None, device=None):
+    """PET inputs for one ``ase.Atoms`` or a list of them.
+
+    Returns:
+        ``positions [n_atoms, 3]``, ``cell [n_structures, 3, 3]`` (dtype ``dtype`` or
+        torch's default) and the integer :class:`~petfunc.neighbors.Neighbors`.
+    """
+    if not isinstance(frames, (list, tuple)):
+        frames = [frames]
+    structures: List[Structure] = [
+        prepare_atoms(atoms, config, label=f"structure {i}") for i, atoms in enumerate(frames)
+    ]
+    return collate(structures, config, dtype=dtype, device=device)
