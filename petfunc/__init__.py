@@ -9,9 +9,22 @@ from .derivatives import (
     energy_forces_stress,
     forces,
 )
+from .io import from_metatrain, load_params, save_params
 from .model import PET, init
 from .neighbors import Neighbors
 from .structures import Structure, collate, from_atoms, prepare, prepare_atoms
 
 
 __version__ = "0.1.0"
+from .compile import compile
+from .data import Batch, Dataset, Sample, make_batch, read_dataset
+from .loss import LossTerm, LossWeights, make_loss
+from .train import (
+    TrainState,
+    apply_gradients,
+    init_state,
+    make_grad_step,
+    make_optimizer,
+    make_train_step,
+    warmup_cosine,
+)

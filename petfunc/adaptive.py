@@ -101,7 +101,8 @@ def cutoffs_grid(centers, distances, n_atoms: int, nu: float, r_max: float, widt
     else:
         omega = _unit_gradient(diff).abs().clamp_min(1e-12)
     logw = -0.5 * (diff / omega) ** 2
-    w = torch.exp(logw - logw.max()) if logw.numel() else logw
+    # the shift cancels in the normalisation: detached, it couples no atoms' gradients
+    w = torch.exp(logw - logw.max().detach()) if logw.numel() else logw
     w = w / w.sum(dim=1, keepdim=True)
     return w @ probes
 

@@ -150,6 +150,25 @@ def _gnn_layer(params, config, layer: int, nodes, messages, geometry, species_nb
     return nodes, edges
 
 
+def _cut_padding_gradient(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` ``[n_atoms, M, ...]`` unchanged, with no gradient through padded slots.
+
+    Padded slots carry metatrain's filler values (edge 0's geometry, real slots
+    0, 1, 2, ... of the reverse gather), which may come from another structure. They
+    enter the energy only as attention keys weighted ~1e-15, so cutting their gradient
+    changes forces at round-off level and keeps structures of a batch independent.
+    """
+    mask = mask.reshape(mask.shape + (1,) * (values.dim() - mask.dim()))
+    return torch.where(mask, values, values.detach())
+
+
+def _reversed_edges(edges: torch.Tensor, reverse: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Features of the reverse edge j -> i in each NEF slot ``[n_atoms, M, d]``."""
+    n_atoms, width, d = edges.shape
+    gathered = edges.reshape(n_atoms * width, d)[reverse].reshape(edges.shape)
+    return _cut_padding_gradient(gathered, mask)
+
+
 def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETConfig):
     """Raw network energies eps_i ``[n_atoms]`` (before scale and composition).
 
@@ -166,7 +185,9 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
 
     nef, mask = neighbors.nef_index, neighbors.nef_mask
     n_atoms, width = nef.shape
-    nef_vectors = vectors[nef]  # [n_atoms, M, 3]; padded slots hold edge 0's vector
+    # [n_atoms, M, 3]; padded slots hold edge 0's vector, as in metatrain, but with
+    # their gradient cut: edge 0 may belong to another structure of the batch
+    nef_vectors = _cut_padding_gradient(vectors[nef], mask)
     nef_distances = torch.sqrt((nef_vectors**2).sum(dim=2) + 1e-15)
     nef_factors = torch.where(mask, factors[nef], torch.zeros_like(nef_vectors[..., 0]))
     geometry = torch.cat([nef_vectors, nef_distances[..., None]], dim=2)
@@ -174,7 +195,7 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
     species_nbr = species[neighbors.neighbors][nef]  # [n_atoms, M]
 
     # key 0 is the centre (factor 1); log(max(f, 1e-15)) down-weights padded/cut keys
-    ones = torch.ones_like(nef_factors[:, :1])
+    ones = nef_factors.new_ones((n_atoms, 1))  # not ones_like(f[:, :1]): M may be 0
     bias = torch.log(torch.cat([ones, nef_factors], dim=1).clamp_min(1e-15))
 
     messages = nn.embedding(params["edge_embedder"], species_nbr)
@@ -187,7 +208,7 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
             nodes, edges = _gnn_layer(
                 layers[index], config, index, nodes, messages, geometry, species_nbr, bias
             )
-            reversed_edges = edges.reshape(n_atoms * width, -1)[reverse].reshape(edges.shape)
+            reversed_edges = _reversed_edges(edges, reverse, mask)
             mixed = nn.layer_norm(
                 params["combination_norms"][index], torch.cat([edges, reversed_edges], dim=2)
             )
@@ -200,7 +221,7 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
                 layers[index], config, index, nodes, messages, geometry, species_nbr, bias
             )
             readout_features.append((nodes, edges))
-            reversed_edges = edges.reshape(n_atoms * width, -1)[reverse].reshape(edges.shape)
+            reversed_edges = _reversed_edges(edges, reverse, mask)
             messages = 0.5 * (messages + reversed_edges)
 
     energies = None

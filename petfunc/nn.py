@@ -33,7 +33,17 @@ def init_linear(d_in: int, d_out: int, generator, dtype, device, bias: bool = Tr
 
 
 def linear(params: Dict[str, Tensor], x: Tensor) -> Tensor:
-    return F.linear(x, params["weight"], params.get("bias"))
+    """``x W^T + b`` over the last axis of x.
+
+    Not ``F.linear``: under ``torch.func`` grad-of-grad with symbolic shapes its
+    decomposition reads concrete sizes of >2-d inputs and bakes them into a trace.
+    """
+    weight, bias = params["weight"], params.get("bias")
+    if bias is None:
+        return torch.matmul(x, weight.t())
+    if x.dim() == 2:
+        return torch.addmm(bias, x, weight.t())
+    return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t()).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def init_embedding(num: int, dim: int, generator, dtype, device):

@@ -15,7 +15,10 @@ from metatrain.pet import PET as MttPET
 from metatrain.utils.architectures import get_default_hypers
 from metatrain.utils.data import DatasetInfo
 from metatrain.utils.data.target_info import get_energy_target_info
-from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
+from metatrain.utils.neighbor_lists import (
+    get_requested_neighbor_lists,
+    get_system_with_neighbor_lists,
+)
 
 import petfunc
 
@@ -76,6 +79,8 @@ def load_params(model, params):
 def evaluate(model, frames, stress: bool = True):
     """Energies [S], per-atom energies [N], forces [N, 3], strain derivative [S, 3, 3]."""
     systems = systems_to_torch(frames, dtype=torch.float64)
+    # every list the model and its submodules ask for (ZBL has its own)
+    requested = get_requested_neighbor_lists(model)
     strains = []
     new_systems = []
     positions = []
@@ -83,7 +88,7 @@ def evaluate(model, frames, stress: bool = True):
         strain = torch.eye(3, dtype=torch.float64, requires_grad=True)
         pos = system.positions.clone().requires_grad_(True)
         s = System(types=system.types, positions=pos @ strain, cell=system.cell @ strain, pbc=system.pbc)
-        s = get_system_with_neighbor_lists(s, model.requested_neighbor_lists())
+        s = get_system_with_neighbor_lists(s, requested)
         strains.append(strain)
         positions.append(pos)
         new_systems.append(s)

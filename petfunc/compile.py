@@ -1,0 +1,186 @@
+"""``petfunc.compile(fn, *example_args)``: trace once with ``make_fx``, compile with
+``torch.compile(dynamic=True, fullgraph=True)``.
+
+The function (a train step, an energy-forces-stress evaluation, a Hessian...) may
+take and return any pytree of tensors (dicts, lists, NamedTuples such as
+:class:`~petfunc.TrainState`, :class:`~petfunc.data.Batch`, torchopt states).
+
+1. The pytree is flattened; tensors become graph inputs, everything else is a
+   constant that must not change between calls.
+2. ``make_fx`` traces the whole function, torch.func transforms included, into one
+   aten graph, on fake inputs whose data sizes are symbols (parameter sizes, in
+   ``static_argnums``, stay fixed). Duck shaping is off while tracing and during the
+   first compiled call, so equal sizes at trace time (say 3 structures and the 3 of
+   xyz) are not merged into one symbol.
+3. ``torch.compile(graph, dynamic=True, fullgraph=True)`` compiles that graph
+   once; any later batch, whatever its numbers of structures, atoms, edges and
+   neighbours, reuses it, provided no size is 0 or 1 (torch specialises those):
+   :func:`petfunc.data.make_batch` pads batches for this.
+4. Calls run under ``torch.no_grad()``: gradients are graph outputs, never a
+   backward through the compiled region (which would silently drop second-order
+   terms).
+
+``compiled.num_graphs`` counts the graphs Dynamo compiled for this function:
+1 after the first call, and it must stay 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+
+@contextlib.contextmanager
+def no_duck_shape():
+    """Give every input size its own symbol while tracing (no merging of equal sizes)."""
+    config = torch.fx.experimental._config
+    old = config.use_duck_shape
+    config.use_duck_shape = False
+    try:
+        yield
+    finally:
+        config.use_duck_shape = old
+
+
+def _split(args):
+    leaves, spec = pytree.tree_flatten(args)
+    is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+    tensors = [x for x, t in zip(leaves, is_tensor) if t]
+    constants = [None if t else x for x, t in zip(leaves, is_tensor)]
+    return tensors, constants, is_tensor, spec
+
+
+def _merge(tensors, constants, is_tensor, spec):
+    it = iter(tensors)
+    leaves = [next(it) if t else c for c, t in zip(constants, is_tensor)]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _fake_inputs(tensors, static):
+    """Fake copies of the inputs: symbolic sizes for data, static sizes for ``static``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False), allow_non_fake_inputs=True)
+    fakes = []
+    for t, is_static in zip(tensors, static):
+        kind = DimDynamic.STATIC if is_static else DimDynamic.DYNAMIC
+        context = StatelessSymbolicContext(dynamic_sizes=[kind] * t.dim())
+        fakes.append(mode.from_tensor(t, symbolic_context=context))
+    return mode, fakes
+
+
+class Compiled:
+    """A traced and compiled function with the signature of the original."""
+
+    def __init__(self, fn: Callable, example_args: tuple, backend: Any = "inductor",
+                 options: Optional[dict] = None, static_argnums=(0,)):
+        self.fn = fn
+        self.backend = backend
+        tensors, self._constants, self._is_tensor, self._spec = _split(example_args)
+        # which graph inputs have static sizes (parameters, optimizer state)
+        self._static = []
+        for index, arg in enumerate(example_args):
+            n = len([x for x in pytree.tree_leaves(arg) if isinstance(x, torch.Tensor)])
+            self._static += [index in static_argnums] * n
+        # 0-d tensors enter the graph as [1]: Dynamo would turn a 0-d float input into
+        # a symbolic Python float and restart its analysis to specialise it
+        self._scalar = [t.dim() == 0 for t in tensors]
+        self._out_spec = None
+
+        def flat_fn(*flat_tensors):
+            flat = [t.reshape(()) if s else t for t, s in zip(flat_tensors, self._scalar)]
+            args = _merge(flat, self._constants, self._is_tensor, self._spec)
+            out = fn(*args)
+            out_leaves, out_spec = pytree.tree_flatten(out)
+            self._out_spec = out_spec
+            return tuple(out_leaves)
+
+        inputs = self._graph_inputs(tensors)
+        mode, fakes = _fake_inputs(inputs, self._static)
+        with mode, torch.no_grad():
+            self.graph = make_fx(flat_fn, tracing_mode="real")(*fakes)
+        self.num_graphs = 0
+        inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+
+        def counting_backend(gm, example_inputs):
+            self.num_graphs += 1
+            return inner(gm, example_inputs)
+
+        if options:
+            # torch.compile takes options only with a named backend: no counting hook
+            self._compiled = torch.compile(
+                self.graph, dynamic=True, fullgraph=True, backend=backend, options=options
+            )
+        else:
+            self._compiled = torch.compile(self.graph, dynamic=True, fullgraph=True, backend=counting_backend)
+        self._count_via_backend = not options
+        self._called = False
+
+    def _graph_inputs(self, tensors):
+        return [t.reshape(1) if s else t for t, s in zip(tensors, self._scalar)]
+
+    def __call__(self, *args):
+        tensors, constants, is_tensor, spec = _split(args)
+        if spec != self._spec or is_tensor != self._is_tensor:
+            raise TypeError(
+                "compiled function called with arguments whose structure differs from "
+                "the example it was traced with"
+            )
+        for a, b in zip(constants, self._constants):
+            if a is not b and a != b:
+                raise ValueError(
+                    f"compiled function called with a non-tensor argument {a!r} that differs "
+                    f"from the traced value {b!r}; trace again for other constants"
+                )
+        inputs = self._graph_inputs(tensors)
+        with torch.no_grad():
+            if not self._called:
+                for t, is_static in zip(inputs, self._static):
+                    if is_static:
+                        torch._dynamo.mark_static(t)
+                with no_duck_shape():
+                    out = self._compiled(*inputs)
+                self._called = True
+                if not self._count_via_backend:
+                    self.num_graphs = 1
+            else:
+                out = self._compiled(*inputs)
+        return pytree.tree_unflatten(list(out), self._out_spec)
+
+    def eager_graph(self, *args):
+        """Run the traced (uncompiled) graph: the reference for compiled == traced."""
+        tensors, *_ = _split(args)
+        with torch.no_grad():
+            out = self.graph(*self._graph_inputs(tensors))
+        return pytree.tree_unflatten(list(out), self._out_spec)
+
+
+def compile(
+    fn: Callable,
+    *example_args,
+    backend: Any = "inductor",
+    options: Optional[dict] = None,
+    static_argnums=(0,),
+) -> Compiled:
+    """Trace ``fn(*example_args)`` with ``make_fx`` and compile it (see module doc).
+
+    Args:
+        fn: a pure function of pytrees of tensors.
+        example_args: arguments to trace with. Every size of every tensor must be at
+            least 2 (build batches with :func:`petfunc.data.make_batch`, which pads).
+        backend: ``torch.compile`` backend: ``"inductor"`` (fast code, slow to
+            compile) or ``"aot_eager"`` (quick to compile, for tests).
+        options: inductor options, passed to ``torch.compile``.
+        static_argnums: arguments whose tensor sizes never change (parameters,
+            optimizer state): they are traced with static sizes, which makes tracing
+            and compiling much faster. All other tensors get symbolic sizes.
+
+    Returns:
+        a callable with ``fn``'s signature; ``.num_graphs`` counts compilations.
+    """
+    return Compiled(fn, example_args, backend=backend, options=options, static_argnums=static_argnums)

@@ -1,0 +1,383 @@
+"""Labelled structures, datasets and training batches.
+
+A :class:`Sample` is a :class:`~petfunc.structures.Structure` with its labels in eV,
+eV/Å and eV/Å^3 (NaN or ``None`` where missing). A :class:`Batch` holds the model
+inputs plus targets already in *training units*, as metatrain's trainer prepares
+them: the composition energy sum_i w_{Z_i} is removed (in float64, so float32
+training loses no precision to large totals) and everything is divided by the
+energy scale c:
+
+* ``energy``: (E - sum w) / c per structure;
+* ``forces``: F / c per atom;
+* ``strain_derivative``: dE/d eps / c = V sigma / c (or -W / c from a virial).
+
+Batches whose sizes (structures, atoms, edges, NEF width) could fall below 2 get a
+padding structure (a 3-atom triangle with NaN labels, skipped by the loss): sizes 0
+and 1 are specialised by ``torch.compile`` and would force a recompilation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, List, NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .config import PETConfig
+from .neighbors import Neighbors
+from .structures import Structure, collate, prepare
+
+
+class Batch(NamedTuple):
+    """Model inputs and training-unit targets of a batch (see module docstring)."""
+
+    positions: torch.Tensor  # [n_atoms, 3]
+    cell: torch.Tensor  # [n_structures, 3, 3]
+    neighbors: Neighbors
+    energy: torch.Tensor  # [n_structures]
+    forces: torch.Tensor  # [n_atoms, 3]
+    strain_derivative: torch.Tensor  # [n_structures, 3, 3]
+
+    @property
+    def n_structures(self) -> int:
+        return self.cell.shape[0]
+
+    def to(self, device) -> "Batch":
+        return Batch(
+            self.positions.to(device),
+            self.cell.to(device),
+            self.neighbors.to(device),
+            self.energy.to(device),
+            self.forces.to(device),
+            self.strain_derivative.to(device),
+        )
+
+
+@dataclass
+class Sample:
+    """A structure with labels (eV, eV/Å, eV/Å^3); missing labels are ``None``."""
+
+    structure: Structure
+    energy: Optional[float] = None
+    forces: Optional[np.ndarray] = None  # [n_atoms, 3]
+    stress: Optional[np.ndarray] = None  # [3, 3], ASE sign convention
+    virial: Optional[np.ndarray] = None  # [3, 3], W = -dE/d eps
+
+    def __len__(self) -> int:
+        return len(self.structure)
+
+    def strain_derivative(self) -> np.ndarray:
+        """dE/d eps [3, 3] from the stress (times V) or the virial (times -1); NaN if none."""
+        if self.stress is not None:
+            volume = abs(np.linalg.det(self.structure.cell))
+            if volume == 0.0:
+                raise ValueError("a stress label needs a periodic cell with non-zero volume")
+            return np.asarray(self.stress, dtype=np.float64).reshape(3, 3) * volume
+        if self.virial is not None:
+            return -np.asarray(self.virial, dtype=np.float64).reshape(3, 3)
+        return np.full((3, 3), np.nan)
+
+
+def sample_from_atoms(
+    atoms,
+    config: PETConfig,
+    energy_key: Optional[str] = "energy",
+    forces_key: Optional[str] = "forces",
+    stress_key: Optional[str] = "stress",
+    virial_key: Optional[str] = None,
+    energy_unit: float = 1.0,
+    length_unit: float = 1.0,
+    label: str = "structure",
+) -> Sample:
+    """Read labels from an ``ase.Atoms`` (``info``/``arrays`` or an attached calculator).
+
+    ``energy_unit``/``length_unit`` convert the file's units to eV and Å
+    (multiplicative factors). Keys set to ``None`` are not read.
+    """
+    def lookup(key):
+        if key is None:
+            return None
+        if key in atoms.info:
+            return atoms.info[key]
+        if key in atoms.arrays:
+            return atoms.arrays[key]
+        calc = atoms.calc
+        if calc is not None and key in getattr(calc, "results", {}):
+            return calc.results[key]
+        return None
+
+    structure = prepare(
+        atoms.get_atomic_numbers(),
+        atoms.get_positions() * length_unit,
+        np.asarray(atoms.cell) * length_unit,
+        atoms.pbc,
+        config,
+        label,
+    )
+    energy = lookup(energy_key)
+    forces = lookup(forces_key)
+    stress = lookup(stress_key)
+    virial = lookup(virial_key)
+    if energy is not None:
+        energy = float(np.asarray(energy).reshape(())) * energy_unit
+    if forces is not None:
+        forces = np.asarray(forces, dtype=np.float64) * energy_unit / length_unit
+        if forces.shape != (len(structure), 3):
+            raise ValueError(f"{label}: forces have shape {forces.shape}, expected ({len(structure)}, 3)")
+    if stress is not None:
+        stress = np.asarray(stress, dtype=np.float64)
+        if stress.shape == (6,):
+            from ase.stress import voigt_6_to_full_3x3_stress
+
+            stress = voigt_6_to_full_3x3_stress(stress)
+        stress = stress.reshape(3, 3) * energy_unit / length_unit**3
+    if virial is not None:
+        virial = np.asarray(virial, dtype=np.float64).reshape(3, 3) * energy_unit
+    return Sample(structure, energy, forces, stress, virial)
+
+
+# ---------------------------------------------------------------------------------------
+# composition and scale (metatrain's CompositionModel and Scaler)
+
+
+def composition_counts(samples: Sequence[Sample], n_species: int) -> np.ndarray:
+    """``[n_samples, n_species]`` number of atoms of each species."""
+    return np.stack([np.bincount(s.structure.species, minlength=n_species) for s in samples]).astype(np.float64)
+
+
+def fit_composition(samples: Sequence[Sample], n_species: int, batch_size: int = 16) -> np.ndarray:
+    """Per-species energies w (eV) by ridge-regularised least squares on total energies.
+
+    Accumulates X^T X and X^T y per block of ``batch_size`` structures in dataset
+    order and solves (X^T X + 1e-14 mean(diag) I) w = X^T y, as metatrain does;
+    species that never appear get 0. Structures without an energy label are skipped.
+    """
+    labelled = [s for s in samples if s.energy is not None and np.isfinite(s.energy)]
+    if not labelled:
+        return np.zeros(n_species)
+    xtx = torch.zeros((n_species, n_species), dtype=torch.float64)
+    xty = torch.zeros(n_species, dtype=torch.float64)
+    for start in range(0, len(labelled), batch_size):
+        chunk = labelled[start : start + batch_size]
+        x = torch.as_tensor(composition_counts(chunk, n_species))
+        y = torch.tensor([s.energy for s in chunk], dtype=torch.float64)
+        xtx += x.T @ x
+        xty += torch.tensordot(x, y, dims=([0], [0]))
+    present = torch.diagonal(xtx) > 0
+    w = torch.zeros(n_species, dtype=torch.float64)
+    sub = xtx[present][:, present]
+    ridge = 1e-14 * torch.diagonal(sub).mean()
+    w[present] = torch.linalg.solve(sub + ridge * torch.eye(int(present.sum()), dtype=torch.float64), xty[present])
+    return w.numpy()
+
+
+def fit_scale(samples: Sequence[Sample], composition: np.ndarray) -> float:
+    """Energy scale c: the uncentred RMS of the per-atom residual (E - sum w)/N."""
+    residuals = [
+        (s.energy - composition[s.structure.species].sum()) / len(s)
+        for s in samples
+        if s.energy is not None and np.isfinite(s.energy)
+    ]
+    if not residuals:
+        return 1.0
+    scale = float(np.sqrt(np.mean(np.square(residuals))))
+    return scale if scale > 0 else 1.0
+
+
+# ---------------------------------------------------------------------------------------
+# batches
+
+
+def random_rotations(n: int, generator: torch.Generator) -> np.ndarray:
+    """``[n, 3, 3]`` Haar-random rotations, each negated (improper) with probability 1/2."""
+    q = torch.randn((n, 4), generator=generator, dtype=torch.float64)
+    q = q / q.norm(dim=1, keepdim=True)
+    w, x, y, z = q.unbind(1)
+    r = torch.stack(
+        [
+            1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),
+            2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w),
+            2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y),
+        ],
+        dim=1,
+    ).reshape(n, 3, 3)
+    sign = torch.randint(0, 2, (n,), generator=generator) * 2 - 1
+    return (r * sign[:, None, None]).numpy()
+
+
+_PADDING_CACHE = {}
+
+
+def padding_sample(config: PETConfig) -> Sample:
+    """A 3-atom triangle (side 1 Å, first species) with no labels, for padding."""
+    if config not in _PADDING_CACHE:
+        positions = np.array([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.5, 0.8, 0.0]])
+        numbers = [config.atomic_types[0]] * 3
+        _PADDING_CACHE[config] = Sample(prepare(numbers, positions, None, False, config, "padding"))
+    return _PADDING_CACHE[config]
+
+
+def needs_padding(samples: Sequence[Sample]) -> bool:
+    """True when a batch of ``samples`` could have a size below 2 (S, N, E or NEF width)."""
+    if len(samples) < 2:
+        return True
+    edges = sum(len(s.structure.centers) for s in samples)
+    if edges < 2:
+        return True
+    width = max(
+        (np.bincount(s.structure.centers).max() if len(s.structure.centers) else 0) for s in samples
+    )
+    return width < 2
+
+
+def make_batch(
+    samples: Sequence[Sample],
+    config: PETConfig,
+    composition: Sequence[float],
+    scale: float,
+    dtype: Optional[torch.dtype] = None,
+    device=None,
+    rotations: Optional[np.ndarray] = None,
+    pad: bool = True,
+) -> Batch:
+    """Collate labelled samples into a :class:`Batch` in training units.
+
+    Args:
+        composition: per-species energies w (eV), in ``config.atomic_types`` order.
+        scale: energy scale c (eV).
+        rotations: optional ``[n_samples, 3, 3]`` augmentation rotations (row-vector
+            convention: x' = x R).
+        pad: add :func:`padding_sample` when a size could fall below 2.
+    """
+    samples = list(samples)
+    if rotations is None:
+        rotations = np.broadcast_to(np.eye(3), (len(samples), 3, 3))
+    rotations = list(rotations)
+    if pad and needs_padding(samples):
+        samples.append(padding_sample(config))
+        rotations.append(np.eye(3))
+    composition = np.asarray(composition, dtype=np.float64)
+    structures = [s.structure for s in samples]
+    positions = [s.structure.positions @ r for s, r in zip(samples, rotations)]
+    cells = [s.structure.cell @ r for s, r in zip(samples, rotations)]
+    pos, cell, graph = collate(structures, config, dtype=dtype, device=device, positions=positions, cells=cells)
+
+    energy = np.array(
+        [
+            (s.energy - composition[s.structure.species].sum()) / scale if s.energy is not None else np.nan
+            for s in samples
+        ]
+    )
+    forces = np.concatenate(
+        [
+            (s.forces @ r) / scale if s.forces is not None else np.full((len(s), 3), np.nan)
+            for s, r in zip(samples, rotations)
+        ]
+    )
+    strain = np.stack([r.T @ s.strain_derivative() @ r / scale for s, r in zip(samples, rotations)])
+
+    def t(a):
+        return torch.as_tensor(a, dtype=pos.dtype, device=device)
+
+    return Batch(pos, cell, graph, t(energy), t(forces), t(strain))
+
+
+class Dataset:
+    """A list of :class:`Sample` with batching helpers."""
+
+    def __init__(self, samples: Sequence[Sample], config: PETConfig):
+        self.samples: List[Sample] = list(samples)
+        self.config = config
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return Dataset(self.samples[index], self.config)
+        return self.samples[index]
+
+    @property
+    def has_forces(self) -> bool:
+        return any(s.forces is not None for s in self.samples)
+
+    @property
+    def has_stress(self) -> bool:
+        return any(s.stress is not None or s.virial is not None for s in self.samples)
+
+    @property
+    def has_energy(self) -> bool:
+        return any(s.energy is not None for s in self.samples)
+
+    def fit_composition_and_scale(self):
+        """``(composition [n_species], scale)`` fitted on this dataset (metatrain's way)."""
+        w = fit_composition(self.samples, self.config.num_species)
+        return w, fit_scale(self.samples, w)
+
+    def batch_indices(self, batch_size: int, shuffle: bool = False, seed: int = 0, drop_last: bool = False):
+        order = np.arange(len(self.samples))
+        if shuffle:
+            order = np.random.default_rng(seed).permutation(len(self.samples))
+        batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+        if drop_last and batches and len(batches[-1]) < batch_size and len(batches) > 1:
+            batches = batches[:-1]
+        return batches
+
+    def batches(
+        self,
+        batch_size: int,
+        composition,
+        scale: float,
+        dtype=None,
+        device=None,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        augment: bool = False,
+    ) -> Iterator[Batch]:
+        """Yield training batches (see :func:`make_batch`)."""
+        generator = torch.Generator().manual_seed(int(seed))
+        for idx in self.batch_indices(batch_size, shuffle, seed, drop_last):
+            chosen = [self.samples[i] for i in idx]
+            rotations = random_rotations(len(chosen), generator) if augment else None
+            yield make_batch(chosen, self.config, composition, scale, dtype, device, rotations)
+
+
+def read_dataset(
+    path,
+    config: PETConfig,
+    energy_key: Optional[str] = "energy",
+    forces_key: Optional[str] = "forces",
+    stress_key: Optional[str] = "stress",
+    virial_key: Optional[str] = None,
+    energy_unit: float = 1.0,
+    length_unit: float = 1.0,
+    index=":",
+) -> Dataset:
+    """Read an extxyz (or any ASE-readable) file into a :class:`Dataset`.
+
+    Raises:
+        FileNotFoundError / ValueError: unreadable file, or a structure with bad data
+            (the message names the file and the structure index).
+    """
+    import ase.io
+
+    try:
+        frames = ase.io.read(str(path), index=index)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"dataset file not found: {path}") from None
+    except Exception as error:  # ASE raises many kinds of errors on bad files
+        raise ValueError(f"could not read dataset file {path}: {error}") from error
+    if not isinstance(frames, list):
+        frames = [frames]
+    if not frames:
+        raise ValueError(f"dataset file {path} holds no structures")
+    samples = [
+        sample_from_atoms(
+            atoms, config, energy_key, forces_key, stress_key, virial_key,
+            energy_unit, length_unit, label=f"{path}: structure {i}",
+        )
+        for i, atoms in enumerate(frames)
+    ]
+    return Dataset(samples, config)

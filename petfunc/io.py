@@ -1,0 +1,508 @@
+"""Saving, loading and importing PET parameters.
+
+* :func:`save_params` / :func:`load_params`: petfunc's own file, a ``torch.save`` of
+  plain data (strings, ints and a ``{dotted.name: tensor}`` dict, the config as JSON).
+  It loads with ``torch.load(weights_only=True)``, so reading a file never runs
+  pickled code, and it is written atomically (temporary file + ``os.replace``).
+* :func:`from_metatrain`: a metatrain PET checkpoint (``.ckpt`` or ``.ckpt.gz``, model
+  versions 1 to 16) or an exported metatomic ``model.pt`` to ``(config, params)``.
+  This needs the optional ``metatrain`` extra, and unpickles the checkpoint: only load
+  checkpoints you trust.
+* :func:`to_metatrain_state_dict`: the reverse for the network weights.
+
+The composition weights and the energy scale that :func:`from_metatrain` reads are
+kept in float64 whatever the network dtype: :func:`petfunc.model.energy` casts them
+to the computation dtype, as metatrain does with its float64 buffers.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import io
+import json
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+import torch
+
+from . import tree
+from .config import PETConfig
+from .model import BLOCK, TARGET, init
+
+
+FORMAT = "petfunc.params"
+FORMAT_VERSION = 1
+
+#: parameters that are not metatrain ``backend.*`` network weights
+EXTRA_KEYS = ("composition_weights", "energy_scale")
+
+PathLike = Union[str, os.PathLike]
+
+
+# ---------------------------------------------------------------------------------------
+# checking a parameter tree against a config
+
+
+def _expected_shapes(config: PETConfig) -> Dict[str, torch.Size]:
+    """``{name: shape}`` of every parameter of ``config`` (in init's order)."""
+    # the draws are cheap next to reading a file; float32 halves them for big models
+    return {k: v.shape for k, v in tree.flatten(init(config, dtype=torch.float32)).items()}
+
+
+def check_params(config: PETConfig, params, what: str = "parameters", expected=None) -> None:
+    """Raise ``ValueError`` naming every missing, unexpected or misshapen parameter."""
+    expected = _expected_shapes(config) if expected is None else expected
+    flat = tree.flatten(params)
+    problems = []
+    missing = [k for k in expected if k not in flat]
+    unexpected = [k for k in flat if k not in expected]
+    if missing:
+        problems.append(f"missing {missing}")
+    if unexpected:
+        problems.append(f"unexpected {unexpected}")
+    for key, shape in expected.items():
+        value = flat.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            problems.append(f"{key} is a {type(value).__name__}, not a tensor")
+        elif value.shape != shape:
+            problems.append(f"{key} has shape {list(value.shape)}, expected {list(shape)}")
+        elif not value.is_floating_point():
+            problems.append(f"{key} has dtype {value.dtype}, expected a floating dtype")
+    if problems:
+        raise ValueError(f"{what} do not match the config: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------
+# petfunc's own file format
+
+
+def save_params(path: PathLike, config: PETConfig, params) -> None:
+    """Write ``config`` and ``params`` to ``path`` (atomically; overwrites).
+
+    The file is a ``torch.save`` of ``{"format", "format_version", "config" (JSON),
+    "params" ({dotted.name: tensor})}``: plain data that
+    ``torch.load(path, weights_only=True)`` reads without running pickled code.
+    Tensors are stored on the CPU with their own dtype.
+    """
+    if not isinstance(config, PETConfig):
+        raise TypeError(f"config must be a PETConfig, got {type(config).__name__}")
+    check_params(config, params)
+    flat = {k: v.detach().to("cpu").clone().contiguous() for k, v in tree.flatten(params).items()}
+    payload = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "config": json.dumps(config.to_hypers(), sort_keys=True),
+        "params": flat,
+    }
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def load_params(
+    path: PathLike, dtype: Optional[torch.dtype] = None, device=None
+) -> Tuple[PETConfig, Any]:
+    """Read a file written by :func:`save_params`.
+
+    Args:
+        path: the file.
+        dtype: cast every tensor to this dtype (default: keep the stored dtypes).
+        device: put every tensor there (default: CPU).
+
+    Returns:
+        ``(config, params)``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is unreadable, corrupt, not a petfunc parameter file, or
+            its parameters do not match its config.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no petfunc parameter file at {str(path)!r}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # corrupt archives and pickles raise many types
+        hint = ""
+        if "weights_only" in str(error) or "Unsupported global" in str(error):
+            hint = (
+                " It holds Python objects, not plain tensors; for a metatrain "
+                "checkpoint use petfunc.from_metatrain."
+            )
+        raise ValueError(
+            f"{str(path)!r} is not a readable petfunc parameter file "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}).{hint}"
+        ) from error
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ValueError(
+            f"{str(path)!r} is not a petfunc parameter file (no '{FORMAT}' format tag)"
+        )
+    version = payload.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"{str(path)!r} has petfunc parameter format version {version!r}; this "
+            f"petfunc reads version {FORMAT_VERSION}"
+        )
+    try:
+        hypers = json.loads(payload["config"])
+        config = PETConfig.from_hypers(hypers)
+    except (KeyError, TypeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{str(path)!r}: unreadable config ({error})") from error
+    except ValueError as error:
+        raise ValueError(f"{str(path)!r}: invalid config: {error}") from error
+    flat = payload.get("params")
+    if not isinstance(flat, dict) or not all(isinstance(v, torch.Tensor) for v in flat.values()):
+        raise ValueError(f"{str(path)!r}: 'params' is not a dict of tensors")
+    params = tree.unflatten(flat)
+    check_params(config, params, what=f"the parameters in {str(path)!r}")
+    if dtype is not None or device is not None:
+        params = tree.tree_map(lambda t: t.to(dtype=dtype or t.dtype, device=device), params)
+    return config, params
+
+
+# ---------------------------------------------------------------------------------------
+# metatrain
+
+
+def _require_metatrain():
+    try:
+        import metatensor.torch  # noqa: F401  (registers TorchScript classes)
+        import metatomic.torch  # noqa: F401
+        from metatrain.pet import PET as MetatrainPET
+    except ImportError as error:
+        raise ImportError(
+            "reading metatrain checkpoints needs metatrain, an optional dependency: "
+            "install it with `pip install 'petfunc[metatrain]'`"
+        ) from error
+    return MetatrainPET
+
+
+def _read_bytes(path: Path) -> bytes:
+    if not path.is_file():
+        raise FileNotFoundError(f"no metatrain checkpoint at {str(path)!r}")
+    data = path.read_bytes()
+    if data[:2] == b"\x1f\x8b":  # gzip magic, whatever the extension
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as error:
+            raise ValueError(f"{str(path)!r}: corrupt gzip file ({error})") from error
+    return data
+
+
+def _is_torchscript(data: bytes) -> bool:
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        return False
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        return any("/code/" in name for name in archive.namelist())
+
+
+def _copy_checkpoint(checkpoint: Mapping) -> dict:
+    """Copy what :meth:`PET.upgrade_checkpoint` mutates, sharing the tensors."""
+    out = {k: v for k, v in checkpoint.items() if "optimizer" not in k and "scheduler" not in k}
+    for key in ("model_data", "train_hypers"):
+        if key in out:
+            out[key] = copy.deepcopy(out[key])
+    for key in ("model_state_dict", "best_model_state_dict"):
+        state = out.get(key)
+        if state is not None:
+            out[key] = {
+                k: (copy.deepcopy(v) if not isinstance(v, torch.Tensor) else v)
+                for k, v in state.items()
+            }
+    return out
+
+
+def _choose_target(dataset_info, target: Optional[str]) -> str:
+    targets = dict(dataset_info.targets)
+    if target is not None:
+        if target not in targets:
+            raise ValueError(f"the checkpoint has no target {target!r}; it has {sorted(targets)}")
+        return target
+    if TARGET in targets:
+        return TARGET
+    energies = [name for name, info in targets.items() if getattr(info, "quantity", None) == "energy"]
+    if len(energies) == 1:
+        return energies[0]
+    raise ValueError(
+        f"cannot tell which target of the checkpoint is the energy (targets: "
+        f"{sorted(targets)}); pass target=..."
+    )
+
+
+def _merge_lora(state: Dict[str, torch.Tensor], scaling_of) -> Dict[str, torch.Tensor]:
+    """Replace every LoRA-wrapped linear (``X.linear.*``, ``X.lora_A/B.weight``) by a
+    plain ``X.weight = W + s * B @ A`` and ``X.bias``; ``s = scaling_of(X, rank)``."""
+    out = dict(state)
+    prefixes = [k[: -len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight")]
+    for prefix in prefixes:
+        a = out.pop(f"{prefix}.lora_A.weight")
+        b = out.pop(f"{prefix}.lora_B.weight")
+        w = out.pop(f"{prefix}.linear.weight")
+        scaling = float(scaling_of(prefix, a.shape[0]))
+        merged = w.double() + scaling * (b.double() @ a.double())
+        out[f"{prefix}.weight"] = merged.to(w.dtype)
+        if f"{prefix}.linear.bias" in out:
+            out[f"{prefix}.bias"] = out.pop(f"{prefix}.linear.bias")
+    return out
+
+
+def _network_params(state: Mapping[str, torch.Tensor], target: str) -> Dict[str, torch.Tensor]:
+    """``backend.*`` weights without prefix, the chosen target's heads renamed to
+    petfunc's ``energy`` / ``energy___0``, other targets' heads dropped."""
+    heads = ("node_heads.", "edge_heads.", "node_last_layers.", "edge_last_layers.")
+    prefix = "backend."
+    out = {}
+    for key, value in state.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix):]
+        if name == "species_to_species_index":
+            continue
+        if name.startswith("system_conditioning."):
+            raise NotImplementedError(
+                "this checkpoint uses system conditioning (charge/spin embeddings), "
+                "which petfunc does not implement"
+            )
+        if name.startswith(heads):
+            group, rest = name.split(".", 1)
+            if not rest.startswith(f"{target}."):
+                continue  # another target's head
+            rest = rest[len(target) + 1:]
+            if group.endswith("last_layers"):
+                layer, block, leaf = rest.split(".", 2)
+                if block != f"{target}___0":
+                    raise ValueError(
+                        f"target {target!r} has a last-layer block {block!r}; petfunc "
+                        "supports a single scalar energy block"
+                    )
+                rest = f"{layer}.{BLOCK}.{leaf}"
+            name = f"{group}.{TARGET}.{rest}"
+        out[name] = value
+    return out
+
+
+def _composition_and_scale(state, target: str, atomic_types):
+    import metatensor.torch as mts
+
+    comp_keys = [
+        k for k in state
+        if k.startswith("additive_models.") and k.endswith(f".{target}_composition_buffer")
+    ]
+    if len(comp_keys) != 1:
+        raise ValueError(
+            f"expected one composition buffer for target {target!r}, found {comp_keys}"
+        )
+    block = mts.load_buffer(state[comp_keys[0]]).block()
+    values = block.values.detach().to(torch.float64).reshape(-1)
+    if values.shape[0] != len(block.samples):
+        raise ValueError("the composition block does not hold one weight per atomic type")
+    column = block.samples.names.index("center_type")
+    by_type = {int(s[column]): values[n] for n, s in enumerate(block.samples.values)}
+    weights = torch.stack(
+        [by_type.get(int(t), torch.zeros((), dtype=torch.float64)) for t in atomic_types]
+    )
+
+    scale_key = f"scaler.{target}_scaler_buffer"
+    if scale_key not in state:
+        raise ValueError(f"the checkpoint has no scaler buffer {scale_key!r}")
+    scale_values = mts.load_buffer(state[scale_key]).block().values.detach()
+    if scale_values.numel() != 1:
+        raise ValueError(
+            f"the energy scale of target {target!r} has {scale_values.numel()} entries; "
+            "petfunc supports one scale per target"
+        )
+    return weights, scale_values.reshape(()).to(torch.float64)
+
+
+def _assemble(config, network, weights, scale, dtype, source):
+    if dtype is None:
+        floats = [v.dtype for v in network.values() if v.is_floating_point()]
+        dtype = floats[0] if floats else torch.float32
+    flat = {k: v.detach().to(dtype) for k, v in network.items()}
+    params = tree.unflatten(flat)
+    params["composition_weights"] = weights
+    params["energy_scale"] = scale
+    expected = _expected_shapes(config)
+    check_params(config, params, what=f"the weights of {source}", expected=expected)
+    # reorder like init(), so that flatten() gives metatrain's state-dict order
+    flat = tree.flatten(params)
+    return tree.unflatten({k: flat[k] for k in expected})
+
+
+def _config_from_hypers(hypers: Mapping, atomic_types, source: str) -> PETConfig:
+    hypers = dict(hypers)
+    if hypers.get("system_conditioning"):
+        raise NotImplementedError(
+            f"{source} uses system conditioning (charge/spin embeddings), which petfunc "
+            "does not implement"
+        )
+    if dict(hypers.get("long_range") or {}).get("enable"):
+        raise NotImplementedError(
+            f"{source} uses PET's long-range (torch-pme) features, which petfunc does "
+            "not implement"
+        )
+    try:
+        return PETConfig.from_hypers(hypers, atomic_types=[int(t) for t in atomic_types])
+    except ValueError as error:
+        raise ValueError(f"{source}: hypers petfunc cannot use: {error}") from error
+
+
+def from_metatrain(
+    source: Union[PathLike, Mapping[str, Any]],
+    dtype: Optional[torch.dtype] = None,
+    target: Optional[str] = None,
+) -> Tuple[PETConfig, Any]:
+    """Config and parameters of a metatrain PET.
+
+    Args:
+        source: a checkpoint path (``.ckpt``, or gzip-compressed ``.ckpt.gz``), a
+            checkpoint dict as returned by ``torch.load`` (not modified), or the path
+            of an exported metatomic model (``model.pt``).
+        dtype: dtype of the network weights (default: the checkpoint's). The
+            composition weights and the energy scale stay float64.
+        target: which energy target to read (default: ``"energy"``, or the only
+            target whose quantity is energy).
+
+    Checkpoints of every PET model version (1 to 16) are upgraded with metatrain's
+    own ``PET.upgrade_checkpoint``. As metatrain's ``"export"`` context does, this
+    reads ``best_model_state_dict`` (``model_state_dict`` if that is missing), and
+    merges LoRA finetuning weights into the plain weights.
+
+    Raises:
+        ImportError: metatrain is not installed (``pip install 'petfunc[metatrain]'``).
+        NotImplementedError: system conditioning or long-range checkpoints.
+        ValueError: not a PET checkpoint, or weights that do not fit the hypers.
+    """
+    metatrain_pet = _require_metatrain()
+    if isinstance(source, Mapping):
+        label = "the checkpoint"
+        checkpoint = _copy_checkpoint(source)
+    else:
+        label = repr(str(source))
+        data = _read_bytes(Path(source))
+        if _is_torchscript(data):
+            return _from_exported(data, dtype, target, label)
+        try:
+            checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        except Exception as error:
+            raise ValueError(
+                f"{label} is not a readable metatrain checkpoint ({type(error).__name__}: {error})"
+            ) from error
+        if not isinstance(checkpoint, dict):
+            raise ValueError(f"{label} is not a metatrain checkpoint (a {type(checkpoint).__name__})")
+
+    name = checkpoint.get("architecture_name")
+    if name != "pet":
+        raise ValueError(f"{label} is not a PET checkpoint (architecture_name={name!r})")
+    version = checkpoint.get("model_ckpt_version") or 1
+    latest = metatrain_pet.__checkpoint_version__
+    if version > latest:
+        raise ValueError(
+            f"{label} has PET model version {version}; the installed metatrain reads up "
+            f"to version {latest}: upgrade metatrain"
+        )
+    checkpoint["model_ckpt_version"] = version
+    if version < latest:
+        checkpoint = metatrain_pet.upgrade_checkpoint(checkpoint)
+
+    model_data = checkpoint["model_data"]
+    dataset_info = model_data["dataset_info"]
+    config = _config_from_hypers(model_data["model_hypers"], dataset_info.atomic_types, label)
+    target = _choose_target(dataset_info, target)
+
+    latest_state = checkpoint.get("model_state_dict") or {}
+    state = dict(checkpoint.get("best_model_state_dict") or latest_state)
+    if not state:
+        raise ValueError(f"{label} holds no model weights (no model_state_dict)")
+    finetune = state.pop("finetune_config", None) or latest_state.get("finetune_config") or {}
+    if finetune.get("method") == "lora":
+        alpha = float(dict(finetune.get("config") or {}).get("alpha", 8))  # metatrain's default
+        state = _merge_lora(state, lambda prefix, rank: alpha / rank)
+    elif any(k.endswith(".lora_A.weight") for k in state):
+        raise ValueError(f"{label} has LoRA weights but its finetune_config is not 'lora'")
+
+    network = _network_params(state, target)
+    weights, scale = _composition_and_scale(state, target, config.atomic_types)
+    return config, _assemble(config, network, weights, scale, dtype, label)
+
+
+def _from_exported(data: bytes, dtype, target, label):
+    """An exported metatomic ``AtomisticModel`` wrapping a metatrain PET."""
+    module = torch.jit.load(io.BytesIO(data), map_location="cpu")
+    pet = getattr(module, "module", module)
+    try:
+        backend = pet.backend
+    except AttributeError:
+        raise ValueError(f"{label} is a TorchScript file but not an exported PET") from None
+    names = (
+        "cutoff", "cutoff_function", "cutoff_width", "num_neighbors_adaptive",
+        "adaptive_cutoff_method", "d_pet", "d_node", "d_head", "d_feedforward",
+        "num_heads", "num_gnn_layers", "num_attention_layers", "normalization",
+        "activation", "attention_temperature", "transformer_type", "featurizer_type",
+    )
+    try:
+        hypers = {n: getattr(backend, n) for n in names}
+        hypers["cutoff_width_adaptive"] = pet.cutoff_width_adaptive
+        atomic_types = list(pet.atomic_types)
+    except AttributeError as error:
+        raise ValueError(f"{label}: not an exported PET of a known version ({error})") from None
+    hypers["system_conditioning"] = getattr(backend, "system_conditioning", None) is not None
+    hypers["long_range"] = {"enable": bool(getattr(pet, "long_range", False))}
+    state = {k[len("module."):] if k.startswith("module.") else k: v for k, v in module.state_dict().items()}
+    # PET's additive models are [composition] or [composition, ZBL]
+    hypers["zbl"] = any(k.startswith("additive_models.1.") for k in state)
+    config = _config_from_hypers(hypers, atomic_types, label)
+
+    # the exported LoRA modules carry their own alpha / rank
+    def scaling(prefix, rank):
+        module = pet
+        for part in prefix.split("."):  # ScriptModules have no get_submodule
+            module = getattr(module, part)
+        return module.scaling
+
+    state = _merge_lora(state, scaling)
+
+    outputs = [k.split(".")[2] for k in state if k.startswith("backend.node_heads.")]
+    targets = sorted(set(outputs))
+    if target is None:
+        target = TARGET if TARGET in targets else (targets[0] if len(targets) == 1 else None)
+    if target not in targets:
+        raise ValueError(f"{label}: cannot pick the energy target among {targets}; pass target=...")
+    network = _network_params(state, target)
+    weights, scale = _composition_and_scale(state, target, config.atomic_types)
+    return config, _assemble(config, network, weights, scale, dtype, label)
+
+
+def to_metatrain_state_dict(params, config: Optional[PETConfig] = None) -> Dict[str, torch.Tensor]:
+    """metatrain's ``backend.*`` state-dict entries for ``params`` (network weights only).
+
+    With ``config`` the ``backend.species_to_species_index`` buffer is included too.
+    The composition weights and energy scale live in metatensor buffers
+    (``additive_models.0.*``, ``scaler.*``); they are not part of this dict.
+    """
+    flat = tree.flatten(params)
+    out: Dict[str, torch.Tensor] = {}
+    if config is not None:
+        index = torch.full((max(config.atomic_types) + 1,), -1, dtype=torch.long)
+        for i, t in enumerate(config.atomic_types):
+            index[t] = i
+        out["backend.species_to_species_index"] = index
+    out.update({f"backend.{k}": v for k, v in flat.items() if k not in EXTRA_KEYS})
+    return out

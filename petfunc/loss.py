@@ -1,0 +1,144 @@
+"""The training loss of metatrain's PET trainer, as a pure function of (params, batch).
+
+With ``E_s`` the network energy in training units (``model.raw_energy``), ``N_s``
+the atoms of structure s, and targets from :class:`~petfunc.data.Batch`:
+
+* energy:  ``L_E = mean_s  l(E_s / N_s, E'_s / N_s)``
+* forces:  ``L_F = mean_{i,a} l(-dE/dx_ia, F_ia / c)``
+* stress:  ``L_S = mean_{s,a,b} l(dE/d eps_sab / N_s, Sigma_sab / (c N_s))``
+
+``L = w_E L_E + w_F L_F + w_S L_S`` where each ``l`` is ``mse``, ``mae`` or ``huber``
+(delta 1) and means run over non-NaN targets only. Derivatives come from
+``torch.func.grad`` inside the loss, so the parameter gradient of the loss is a
+grad of a grad.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict
+
+import torch
+
+from .data import Batch
+from .derivatives import energy_and_forces, energy_forces_strain_derivative
+
+
+_TYPES = ("mse", "mae", "huber")
+
+
+@dataclass(frozen=True)
+class LossTerm:
+    """Weight and type (``mse``, ``mae``, ``huber``) of one loss term."""
+
+    weight: float = 1.0
+    type: str = "mse"
+
+    def __post_init__(self):
+        if self.type not in _TYPES:
+            raise ValueError(f"loss type must be one of {_TYPES}, got {self.type!r}")
+        if not self.weight >= 0:
+            raise ValueError(f"loss weight must be >= 0, got {self.weight!r}")
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    """Which terms the loss has. A term with weight 0 is not computed at all
+    (no forces are differentiated for an energy-only loss)."""
+
+    energy: LossTerm = LossTerm()
+    forces: LossTerm = LossTerm()
+    stress: LossTerm = LossTerm()
+
+    @classmethod
+    def make(cls, energy=1.0, forces=1.0, stress=1.0, type: str = "mse") -> "LossWeights":
+        """Convenience constructor: floats become terms of one ``type``."""
+
+        def term(x):
+            return x if isinstance(x, LossTerm) else LossTerm(float(x), type)
+
+        return cls(term(energy), term(forces), term(stress))
+
+
+def _elementwise(kind: str, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    diff = pred - target
+    if kind == "mse":
+        return diff * diff
+    if kind == "mae":
+        return diff.abs()
+    absolute = diff.abs()
+    return torch.where(absolute < 1.0, 0.5 * diff * diff, absolute - 0.5)
+
+
+def _masked(pred: torch.Tensor, target: torch.Tensor):
+    valid = ~torch.isnan(target)
+    # NaN targets are replaced before subtracting, so no NaN reaches the gradient
+    safe_target = torch.where(valid, target, torch.zeros_like(target))
+    safe_pred = torch.where(valid, pred, torch.zeros_like(pred))
+    return safe_pred, safe_target, valid
+
+
+def _term(kind, pred, target):
+    """(mean loss over valid entries, sum of squared errors, sum of abs errors, count)."""
+    pred, target, valid = _masked(pred, target)
+    count = valid.sum().to(pred.dtype)
+    per_entry = _elementwise(kind, pred, target)
+    mean = per_entry.sum() / count.clamp_min(1.0)
+    diff = pred - target
+    return mean, (diff * diff).sum(), diff.abs().sum(), count
+
+
+def make_loss(energy_fn: Callable, weights: LossWeights = LossWeights()):
+    """``loss_fn(params, batch) -> (loss, metrics)`` for an energy function.
+
+    ``energy_fn(params, positions, cell, neighbors)`` must return energies in the
+    batch's training units: for PET that is ``model.raw_energy`` (metatrain's
+    training-mode output); passing a :class:`~petfunc.PET` picks it.
+
+    ``metrics`` holds tensors: ``loss``, per-term losses, and for each term the sums
+    of squared and absolute errors and the count of labels, in training units
+    (multiply by the energy scale for eV), so batches can be aggregated exactly.
+    """
+    from .model import PET
+
+    if isinstance(energy_fn, PET):
+        energy_fn = energy_fn.raw_energy
+    use_forces = weights.forces.weight > 0
+    use_stress = weights.stress.weight > 0
+    if use_stress:
+        derivatives = energy_forces_strain_derivative(energy_fn)
+    elif use_forces:
+        derivatives = energy_and_forces(energy_fn)
+    else:
+        derivatives = None
+
+    def loss_fn(params, batch: Batch):
+        args = (params, batch.positions, batch.cell, batch.neighbors)
+        if derivatives is None:
+            energies = energy_fn(*args)
+        else:
+            out = derivatives(*args)
+            energies, forces = out[0], out[1]
+        n_atoms = torch.zeros_like(energies).scatter_add(
+            0, batch.neighbors.structure_index, torch.ones_like(batch.positions[:, 0])
+        )
+        metrics: Dict[str, torch.Tensor] = {}
+        loss = torch.zeros((), dtype=energies.dtype, device=energies.device)
+
+        mean, sse, sae, count = _term(weights.energy.type, energies / n_atoms, batch.energy / n_atoms)
+        loss = loss + weights.energy.weight * mean
+        metrics.update(energy_loss=mean, energy_sse=sse, energy_sae=sae, energy_count=count)
+        if use_forces:
+            mean, sse, sae, count = _term(weights.forces.type, forces, batch.forces)
+            loss = loss + weights.forces.weight * mean
+            metrics.update(forces_loss=mean, forces_sse=sse, forces_sae=sae, forces_count=count)
+        if use_stress:
+            per_atom = out[2] / n_atoms[:, None, None]
+            target = batch.strain_derivative / n_atoms[:, None, None]
+            mean, sse, sae, count = _term(weights.stress.type, per_atom, target)
+            loss = loss + weights.stress.weight * mean
+            metrics.update(stress_loss=mean, stress_sse=sse, stress_sae=sae, stress_count=count)
+        metrics["loss"] = loss
+        return loss, metrics
+
+    return loss_fn

@@ -1,0 +1,118 @@
+"""PETConfig: metatrain's defaults, normalisation, and errors that name field and value."""
+
+import dataclasses
+import re
+
+import pytest
+
+import petfunc
+from petfunc import PETConfig
+
+
+def test_defaults_are_metatrains():
+    c = PETConfig()
+    assert (c.cutoff, c.cutoff_width, c.cutoff_function) == (4.5, 0.5, "Bump")
+    assert (c.d_pet, c.d_head, c.d_node, c.d_feedforward, c.num_heads) == (128, 128, 256, 256, 8)
+    assert (c.num_attention_layers, c.num_gnn_layers) == (2, 2)
+    assert (c.normalization, c.activation, c.transformer_type, c.featurizer_type) == (
+        "RMSNorm", "SwiGLU", "PreLN", "feedforward",
+    )
+    assert c.num_neighbors_adaptive is None and c.adaptive_cutoff_method == "solver"
+    assert c.cutoff_width_adaptive == 1.0 and c.attention_temperature == 1.0
+    assert not c.zbl and not c.long_range.enable and not c.system_conditioning
+
+
+def test_defaults_match_installed_metatrain():
+    pytest.importorskip("metatrain")
+    from metatrain.utils.architectures import get_default_hypers
+
+    hypers = get_default_hypers("pet")["model"]
+    ours = PETConfig().to_hypers()
+    for key, value in hypers.items():
+        assert key in ours, key
+        assert ours[key] == value, (key, ours[key], value)
+
+
+def test_normalisation_and_hashing():
+    c = PETConfig(atomic_types=[8, 1, 6], cutoff=5, cutoff_function="bump", num_neighbors_adaptive=12)
+    assert c.atomic_types == (1, 6, 8) and c.num_species == 3
+    assert c.cutoff == 5.0 and isinstance(c.cutoff, float)
+    assert c.cutoff_function == "Bump" and c.num_neighbors_adaptive == 12.0 and c.adaptive
+    assert c == PETConfig(atomic_types=(1, 6, 8), cutoff=5.0, num_neighbors_adaptive=12.0)
+    assert hash(c) == hash(PETConfig(atomic_types=(1, 6, 8), cutoff=5.0, num_neighbors_adaptive=12.0))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.d_pet = 3
+    assert PETConfig(featurizer_type="residual", num_gnn_layers=3).num_readout_layers == 3
+    assert PETConfig(num_gnn_layers=3).num_readout_layers == 1
+
+
+def test_hypers_roundtrip():
+    c = PETConfig(atomic_types=(1, 8), num_neighbors_adaptive=9, transformer_type="PostLN")
+    assert PETConfig.from_hypers(c.to_hypers()) == c
+    hypers = c.to_hypers()
+    del hypers["atomic_types"]
+    assert PETConfig.from_hypers(hypers, atomic_types=[8, 1]) == c
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("cutoff_function", "Gaussian"),
+        ("adaptive_cutoff_method", "bisection"),
+        ("normalization", "BatchNorm"),
+        ("activation", "ReLU"),
+        ("transformer_type", "MidLN"),
+        ("featurizer_type", "recurrent"),
+        ("normalization", 3),
+    ],
+)
+def test_bad_choice_names_field_and_value(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be one of .*got {re.escape(repr(value))}$"):
+        PETConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field", ["d_pet", "d_head", "d_node", "d_feedforward", "num_heads", "num_attention_layers", "num_gnn_layers"]
+)
+@pytest.mark.parametrize("value", [0, -2, 2.5, True, "8"])
+def test_bad_sizes_name_field_and_value(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be a positive integer, got {re.escape(repr(value))}$"):
+        PETConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["cutoff", "cutoff_width", "cutoff_width_adaptive", "attention_temperature"])
+@pytest.mark.parametrize("value", [0, -1.0, "4.5", None])
+def test_bad_lengths_name_field_and_value(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be a positive number, got {re.escape(repr(value))}$"):
+        PETConfig(**{field: value})
+
+
+def test_other_errors_name_fields_and_values():
+    with pytest.raises(ValueError, match="d_pet must be divisible by num_heads, got d_pet=20 and num_heads=8"):
+        PETConfig(d_pet=20)
+    with pytest.raises(ValueError, match="cutoff_width must be smaller than cutoff, got cutoff_width=5.0 and cutoff=4.5"):
+        PETConfig(cutoff_width=5.0)
+    with pytest.raises(ValueError, match=r"num_neighbors_adaptive must be a positive number or None, got -3"):
+        PETConfig(num_neighbors_adaptive=-3)
+    with pytest.raises(ValueError, match="atomic_types must not be empty"):
+        PETConfig(atomic_types=())
+    with pytest.raises(ValueError, match=r"atomic_types has duplicates: \(1, 6, 1\)"):
+        PETConfig(atomic_types=(1, 6, 1))
+    with pytest.raises(ValueError, match=r"atomic_types must be non-negative, got \(-1, 6\)"):
+        PETConfig(atomic_types=(-1, 6))
+    with pytest.raises(ValueError, match="atomic_types must be a sequence of atomic numbers, got 6"):
+        PETConfig(atomic_types=6)
+    with pytest.raises(ValueError, match=r"unknown PET hyperparameters: \['d_pett'\]"):
+        PETConfig.from_hypers({"d_pett": 16})
+
+
+def test_unsupported_modules_raise_not_implemented():
+    with pytest.raises(NotImplementedError, match="long_range"):
+        PETConfig(long_range={"enable": True})
+    with pytest.raises(NotImplementedError, match="system_conditioning"):
+        PETConfig(system_conditioning=True)
+
+
+def test_model_needs_a_config():
+    with pytest.raises(TypeError, match="PET needs a PETConfig, got dict"):
+        petfunc.PET({"d_pet": 8})

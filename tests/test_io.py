@@ -1,0 +1,342 @@
+"""petfunc.io: the parameter file (save/load) and the metatrain importer."""
+
+import copy
+import gzip
+import os
+import pickle
+import sys
+
+import pytest
+import torch
+
+import petfunc
+
+
+SMALL = dict(d_pet=8, d_node=16, d_head=8, d_feedforward=16, num_heads=2)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _config(**kw):
+    return petfunc.PETConfig(atomic_types=(1, 6, 8), **{**SMALL, **kw})
+
+
+def _params(config, dtype=torch.float64, seed=0):
+    params = petfunc.PET(config).init(seed=seed, dtype=dtype)
+    params["composition_weights"] = torch.tensor([-13.6, -1029.5, -2041.3], dtype=torch.float64)
+    params["energy_scale"] = torch.tensor(0.42, dtype=torch.float64)
+    return params
+
+
+def _assert_same(a, b):
+    fa, fb = petfunc.tree.flatten(a), petfunc.tree.flatten(b)
+    assert list(fa) == list(fb)
+    for key in fa:
+        assert fa[key].dtype == fb[key].dtype, key
+        assert torch.equal(fa[key], fb[key]), key
+
+
+# ---------------------------------------------------------------------------------------
+# save_params / load_params
+
+
+def test_roundtrip_is_exact(tmp_path):
+    config = _config(num_neighbors_adaptive=7, adaptive_cutoff_method="grid", cutoff_function="Cosine")
+    params = _params(config, dtype=torch.float32)  # float32 network, float64 composition
+    path = tmp_path / "model.pft"
+    petfunc.save_params(path, config, params)
+    loaded_config, loaded = petfunc.load_params(path)
+    assert loaded_config == config
+    _assert_same(loaded, params)
+    assert isinstance(loaded["gnn_layers"], list)
+    # only the file: the temporary file was renamed into place
+    assert os.listdir(tmp_path) == ["model.pft"]
+
+
+def test_load_casts_dtype(tmp_path):
+    config = _config()
+    petfunc.save_params(tmp_path / "p", config, _params(config))
+    _, params = petfunc.load_params(tmp_path / "p", dtype=torch.float32)
+    assert {t.dtype for t in petfunc.tree.flatten(params).values()} == {torch.float32}
+
+
+def test_file_is_plain_data(tmp_path):
+    config = _config()
+    petfunc.save_params(tmp_path / "p", config, _params(config))
+    payload = torch.load(tmp_path / "p", weights_only=True)
+    assert payload["format"] == "petfunc.params"
+    assert set(payload["params"]) == set(petfunc.tree.flatten(_params(config)))
+
+
+def test_overwrite_and_failed_save_keep_old_file(tmp_path, monkeypatch):
+    config = _config()
+    path = tmp_path / "p"
+    petfunc.save_params(path, config, _params(config, seed=1))
+    petfunc.save_params(path, config, _params(config, seed=2))
+    _assert_same(petfunc.load_params(path)[1], _params(config, seed=2))
+
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        petfunc.save_params(path, config, _params(config, seed=3))
+    monkeypatch.undo()
+    _assert_same(petfunc.load_params(path)[1], _params(config, seed=2))
+    assert os.listdir(tmp_path) == ["p"]
+
+
+def test_save_rejects_params_of_another_config(tmp_path):
+    params = _params(_config())
+    with pytest.raises(ValueError, match=r"gnn_layers\.0\.edge_embedder\.weight has shape"):
+        petfunc.save_params(tmp_path / "p", _config(d_pet=12, num_heads=2), params)
+    del params["energy_scale"]
+    with pytest.raises(ValueError, match="missing.*energy_scale"):
+        petfunc.save_params(tmp_path / "p", _config(), params)
+    assert not os.listdir(tmp_path)
+
+
+def test_load_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no petfunc parameter file"):
+        petfunc.load_params(tmp_path / "nope")
+
+
+def test_load_corrupt_and_truncated_files(tmp_path):
+    (tmp_path / "junk").write_bytes(b"\x00\x01garbage" * 100)
+    with pytest.raises(ValueError, match="not a readable petfunc parameter file"):
+        petfunc.load_params(tmp_path / "junk")
+    config = _config()
+    petfunc.save_params(tmp_path / "good", config, _params(config))
+    data = (tmp_path / "good").read_bytes()
+    (tmp_path / "cut").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="not a readable petfunc parameter file"):
+        petfunc.load_params(tmp_path / "cut")
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch pwned_by_pickle",))
+
+
+def test_load_never_runs_pickled_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with open("evil", "wb") as handle:
+        pickle.dump({"format": "petfunc.params", "x": _Evil()}, handle)
+    with pytest.raises(ValueError, match="not a readable petfunc parameter file"):
+        petfunc.load_params("evil")
+    torch.save({"format": "petfunc.params", "x": _Evil()}, "evil2")
+    with pytest.raises(ValueError, match="from_metatrain"):
+        petfunc.load_params("evil2")
+    assert not os.path.exists("pwned_by_pickle")
+
+
+def test_load_wrong_content(tmp_path):
+    torch.save({"weight": torch.zeros(3)}, tmp_path / "other")
+    with pytest.raises(ValueError, match="not a petfunc parameter file"):
+        petfunc.load_params(tmp_path / "other")
+
+    config = _config()
+    petfunc.save_params(tmp_path / "p", config, _params(config))
+    payload = torch.load(tmp_path / "p", weights_only=True)
+
+    bad = dict(payload, format_version=99)
+    torch.save(bad, tmp_path / "version")
+    with pytest.raises(ValueError, match="format version 99"):
+        petfunc.load_params(tmp_path / "version")
+
+    bad = dict(payload, params={k: v for k, v in payload["params"].items() if "compress" not in k})
+    torch.save(bad, tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"missing \[.*compress"):
+        petfunc.load_params(tmp_path / "missing")
+
+    bad = dict(payload, config=payload["config"].replace('"d_pet": 8', '"d_pet": 0'))
+    torch.save(bad, tmp_path / "config")
+    with pytest.raises(ValueError, match="invalid config: d_pet must be a positive integer, got 0"):
+        petfunc.load_params(tmp_path / "config")
+
+    bad = dict(payload, config="{not json")
+    torch.save(bad, tmp_path / "json")
+    with pytest.raises(ValueError, match="unreadable config"):
+        petfunc.load_params(tmp_path / "json")
+
+
+# ---------------------------------------------------------------------------------------
+# from_metatrain
+
+
+def _metatrain():
+    pytest.importorskip("metatrain")
+    import mtt_reference
+
+    return mtt_reference
+
+
+def _checkpoint_path(name):
+    import metatrain.pet
+
+    return os.path.join(os.path.dirname(metatrain.pet.__file__), "tests", "checkpoints", name)
+
+
+def test_from_metatrain_reads_back_a_fresh_model():
+    ref = _metatrain()
+    config = _config(num_neighbors_adaptive=9, transformer_type="PostLN", attention_temperature=2.0)
+    params = _params(config)
+    model = ref.make_model(config)
+    ref.load_params(model, params)
+    checkpoint = model.get_checkpoint()
+    loaded_config, loaded = petfunc.from_metatrain(checkpoint)
+    assert loaded_config == config
+    _assert_same(loaded, params)  # names, order, values and dtypes, bit for bit
+
+    state = petfunc.io.to_metatrain_state_dict(loaded, loaded_config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected
+    assert all(not k.startswith("backend.") for k in missing)
+
+
+def test_from_metatrain_keeps_the_zbl_flag():
+    ref = _metatrain()
+    config = _config(zbl=True)
+    checkpoint = ref.make_model(config).get_checkpoint()
+    loaded, params = petfunc.from_metatrain(checkpoint)
+    assert loaded == config and loaded.zbl
+    petfunc.io.check_params(config, params)  # ZBL has no trainable parameters
+
+
+def test_from_metatrain_does_not_modify_its_input():
+    _metatrain()
+    with gzip.open(_checkpoint_path("model-v4_trainer-v3.ckpt.gz"), "rb") as handle:
+        checkpoint = torch.load(handle, weights_only=False)
+    keys = list(checkpoint["model_state_dict"])
+    hypers = copy.deepcopy(checkpoint["model_data"]["model_hypers"])
+    config, params = petfunc.from_metatrain(checkpoint)
+    assert checkpoint["model_ckpt_version"] == 4
+    assert list(checkpoint["model_state_dict"]) == keys
+    assert checkpoint["model_data"]["model_hypers"] == hypers
+    assert config.featurizer_type == "residual" and config.normalization == "LayerNorm"
+    config2, params2 = petfunc.from_metatrain(checkpoint)
+    assert config2 == config
+    _assert_same(params2, params)
+
+
+def test_from_metatrain_plain_ckpt_and_dtype(tmp_path):
+    _metatrain()
+    with gzip.open(_checkpoint_path("model-v16_trainer-v15.ckpt.gz"), "rb") as handle:
+        data = handle.read()
+    (tmp_path / "model.ckpt").write_bytes(data)
+    config, params = petfunc.from_metatrain(tmp_path / "model.ckpt")
+    config_gz, params_gz = petfunc.from_metatrain(_checkpoint_path("model-v16_trainer-v15.ckpt.gz"))
+    assert config == config_gz
+    _assert_same(params, params_gz)
+    flat = petfunc.tree.flatten(params)
+    assert flat["gnn_layers.0.edge_embedder.weight"].dtype == torch.float32  # as trained
+    assert flat["composition_weights"].dtype == torch.float64  # lossless
+    _, params64 = petfunc.from_metatrain(tmp_path / "model.ckpt", dtype=torch.float64)
+    assert petfunc.tree.flatten(params64)["gnn_layers.0.edge_embedder.weight"].dtype == torch.float64
+
+
+def test_from_metatrain_exported_model(tmp_path):
+    _metatrain()
+    from metatrain.utils.io import model_from_checkpoint
+
+    path = _checkpoint_path("model-v16_trainer-v15.ckpt.gz")
+    with gzip.open(path, "rb") as handle:
+        checkpoint = torch.load(handle, weights_only=False)
+    model_from_checkpoint(checkpoint, "export").export().save(str(tmp_path / "model.pt"))
+    config, params = petfunc.from_metatrain(tmp_path / "model.pt")
+    config_ck, params_ck = petfunc.from_metatrain(path)
+    assert config == config_ck
+    _assert_same(params, params_ck)
+
+
+def test_from_metatrain_merges_lora(tmp_path):
+    ref = _metatrain()
+    import ase.build
+    from metatrain.pet.modules.finetuning import apply_finetuning_strategy
+    from metatrain.utils.io import model_from_checkpoint
+
+    config = _config()
+    model = ref.make_model(config)
+    ref.load_params(model, _params(config))
+    strategy = {"method": "lora", "config": {"rank": 2, "alpha": 3.0}, "inherit_heads": {}}
+    model = apply_finetuning_strategy(model, strategy)
+    lora = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
+    assert lora and all(v.abs().sum() > 0 for v in lora.values())
+    checkpoint = model.get_checkpoint()
+    checkpoint["best_model_state_dict"]["finetune_config"] = strategy  # as the trainer does
+
+    loaded_config, params = petfunc.from_metatrain(checkpoint, dtype=torch.float64)
+    reference = model_from_checkpoint(checkpoint, "export").to(torch.float64).eval()
+    atoms = ase.build.molecule("CH3CH2OH")
+    atoms.rattle(0.05, seed=0)
+    energy, _, forces, _ = ref.evaluate(reference, [atoms])
+    positions, cell, neighbors = petfunc.from_atoms([atoms], loaded_config, dtype=torch.float64)
+    e, f = petfunc.energy_and_forces(petfunc.PET(loaded_config).energy)(params, positions, cell, neighbors)
+    assert abs(float(e[0] - energy[0])) <= 1e-10 * abs(float(energy[0]))
+    assert float((f - forces).abs().max()) <= 1e-10 * float(forces.abs().max())
+
+    # the merge matters: the weights before finetuning give another energy
+    e0 = petfunc.PET(config).energy(_params(config), positions, cell, neighbors)
+    assert abs(float(e0[0] - e[0])) > 1e-6
+
+    # an exported LoRA model carries its scaling alpha / rank on each LoRA module
+    reference.export().save(str(tmp_path / "lora.pt"))
+    config_pt, params_pt = petfunc.from_metatrain(tmp_path / "lora.pt", dtype=torch.float64)
+    assert config_pt == loaded_config
+    _assert_same(params_pt, params)
+
+
+def test_from_metatrain_other_target_name():
+    ref = _metatrain()
+    from metatrain.pet import PET as MetatrainPET
+    from metatrain.utils.data import DatasetInfo
+    from metatrain.utils.data.target_info import get_energy_target_info
+
+    config = _config()
+    base = ref.make_model(config)
+    info = DatasetInfo(
+        length_unit="angstrom", atomic_types=[1, 6, 8],
+        targets={"mtt::U0": get_energy_target_info("mtt::U0", {"quantity": "energy", "unit": "eV"})},
+    )
+    model = MetatrainPET(base.hypers, info)
+    state = model.state_dict()
+    _, params = petfunc.from_metatrain(model.get_checkpoint())
+    flat = petfunc.tree.flatten(params)
+    assert torch.equal(flat["node_heads.energy.0.0.weight"], state["backend.node_heads.mtt::U0.0.0.weight"])
+    assert torch.equal(
+        flat["edge_last_layers.energy.0.energy___0.bias"],
+        state["backend.edge_last_layers.mtt::U0.0.mtt::U0___0.bias"],
+    )
+    with pytest.raises(ValueError, match="no target 'energy'"):
+        petfunc.from_metatrain(model.get_checkpoint(), target="energy")
+
+
+def test_from_metatrain_errors(tmp_path, monkeypatch):
+    ref = _metatrain()
+    checkpoint = ref.make_model(_config()).get_checkpoint()
+
+    with pytest.raises(ValueError, match="not a PET checkpoint"):
+        petfunc.from_metatrain(dict(checkpoint, architecture_name="soap_bpnn"))
+    with pytest.raises(ValueError, match="version 99"):
+        petfunc.from_metatrain(dict(checkpoint, model_ckpt_version=99))
+
+    long_range = copy.deepcopy(checkpoint["model_data"])
+    long_range["model_hypers"]["long_range"]["enable"] = True
+    with pytest.raises(NotImplementedError, match="long-range"):
+        petfunc.from_metatrain(dict(checkpoint, model_data=long_range))
+
+    with pytest.raises(FileNotFoundError):
+        petfunc.from_metatrain(tmp_path / "missing.ckpt")
+    (tmp_path / "junk.ckpt.gz").write_bytes(gzip.compress(b"not a checkpoint"))
+    with pytest.raises(ValueError, match="not a readable metatrain checkpoint"):
+        petfunc.from_metatrain(tmp_path / "junk.ckpt.gz")
+
+    monkeypatch.setitem(sys.modules, "metatrain.pet", None)
+    with pytest.raises(ImportError, match=r"petfunc\[metatrain\]"):
+        petfunc.from_metatrain(checkpoint)

@@ -1,0 +1,253 @@
+"""petfunc against metatrain's own eager PET on the same weights (float64).
+
+Energies, per-atom energies, forces and strain derivatives (stress) must agree to
+1e-10 relative for the default architecture and for every architecture switch, and
+``from_metatrain`` must reproduce every checkpoint shipped with metatrain's PET tests.
+
+Energies are compared without the composition term (it is large and identical on
+both sides by construction): ``E - sum_i w_{Z_i}`` and ``e_i - w_{Z_i}``.
+"""
+
+import glob
+import gzip
+import os
+
+import numpy as np
+import pytest
+import torch
+
+
+pytest.importorskip("metatrain")
+
+import ase  # noqa: E402
+import ase.build  # noqa: E402
+from metatrain.utils.io import model_from_checkpoint  # noqa: E402
+
+import mtt_reference as ref  # noqa: E402
+import petfunc  # noqa: E402
+
+
+RTOL = 1e-10
+CHECKPOINT_DIR = os.path.join(
+    os.path.dirname(__import__("metatrain.pet", fromlist=["_"]).__file__), "tests", "checkpoints"
+)
+CHECKPOINTS = sorted(glob.glob(os.path.join(CHECKPOINT_DIR, "*.ckpt.gz")))
+
+SMALL = dict(d_pet=16, d_node=32, d_head=16, d_feedforward=32, num_heads=2)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one thread is much faster on a shared, busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------------------
+# structures
+
+
+def _molecules():
+    ethanol = ase.build.molecule("CH3CH2OH")
+    ethanol.rattle(0.05, seed=1)
+    acetamide = ase.build.molecule("CH3CONH2")  # has N: every species of (1, 6, 7, 8)
+    acetamide.rattle(0.05, seed=2)
+    return [ethanol, acetamide]
+
+
+def _small_cell():
+    """2-atom primitive diamond: lattice vectors of 2.5 A, far below the 4.5 A cutoff."""
+    atoms = ase.build.bulk("C", "diamond", a=3.57)
+    atoms.rattle(0.05, seed=3)
+    return atoms
+
+
+def _cubic_cell():
+    atoms = ase.build.bulk("C", "diamond", a=3.57, cubic=True)
+    atoms.symbols[[1, 6]] = "N"
+    atoms.rattle(0.08, seed=4)
+    return atoms
+
+
+def _slab():
+    """Mixed pbc (T, T, F): a two-layer C/O/H slab, zero cell row along z."""
+    positions = [
+        [0.0, 0.0, 0.0], [1.3, 1.2, 0.1], [0.1, 1.4, 1.3], [1.5, 0.2, 1.4], [0.8, 0.7, 2.5],
+    ]
+    atoms = ase.Atoms(
+        "CCOCH", positions=positions, cell=[[2.6, 0.0, 0.0], [0.4, 2.7, 0.0], [0, 0, 0]],
+        pbc=[True, True, False],
+    )
+    atoms.rattle(0.03, seed=5)
+    return atoms
+
+
+def frames():
+    return _molecules() + [_small_cell(), _cubic_cell(), _slab()]
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def random_params(config, seed=0):
+    """Fresh float64 parameters with perturbed norms, random composition and a scale."""
+    params = petfunc.PET(config).init(seed=seed, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(seed + 1000)
+    flat = petfunc.tree.flatten(params)
+    for key, value in flat.items():
+        if "norm" in key:  # weights 1 and biases 0 would hide a missing norm affine
+            noise = torch.randn(value.shape, generator=generator, dtype=torch.float64)
+            flat[key] = value + 0.2 * noise
+    n = config.num_species
+    flat["composition_weights"] = 20.0 * torch.randn(n, generator=generator, dtype=torch.float64) - 50.0
+    flat["energy_scale"] = torch.tensor(0.37, dtype=torch.float64)
+    return petfunc.tree.unflatten(flat)
+
+
+def assert_close(actual, expected, what, rtol=RTOL):
+    """max |a - b| <= rtol * max |b| (with a tiny absolute floor for all-zero refs)."""
+    actual, expected = actual.detach(), expected.detach()
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    error = float((actual - expected).abs().max()) if expected.numel() else 0.0
+    assert error <= rtol * scale + 1e-13, f"{what}: max error {error:.3e}, scale {scale:.3e}"
+    return error / max(scale, 1e-300)
+
+
+def composition(params, frames_, config):
+    w = petfunc.tree.flatten(params)["composition_weights"].double()
+    lookup = {z: i for i, z in enumerate(config.atomic_types)}
+    per_atom = [w[[lookup[int(z)] for z in a.numbers]] for a in frames_]
+    return torch.cat(per_atom), torch.stack([p.sum() for p in per_atom])
+
+
+def compare(config, params, mtt_model, frames_):
+    """Evaluate both implementations on ``frames_`` (one batch) and compare."""
+    energy, per_atom, forces, strain = ref.evaluate(mtt_model, frames_)
+
+    model = petfunc.PET(config)
+    positions, cell, neighbors = petfunc.from_atoms(frames_, config, dtype=torch.float64)
+    e, f, w = petfunc.energy_forces_strain_derivative(model.energy)(params, positions, cell, neighbors)
+    pa = model.per_atom_energies(params, positions, cell, neighbors)
+    _, _, stress = petfunc.energy_forces_stress(model.energy)(params, positions, cell, neighbors)
+
+    comp_atoms, comp_total = composition(params, frames_, config)
+    errors = {
+        "energy": assert_close(e - comp_total, energy - comp_total, "energy - composition"),
+        "per_atom": assert_close(pa - comp_atoms, per_atom - comp_atoms, "per-atom energy - composition"),
+        "forces": assert_close(f, forces, "forces"),
+        "strain": assert_close(w, strain, "dE/dstrain"),
+    }
+    # stress = dE/deps / V for the fully periodic structures, NaN for the others
+    for s, atoms in enumerate(frames_):
+        if atoms.pbc.all():
+            assert_close(stress[s], strain[s] / abs(np.linalg.det(atoms.cell)), f"stress {s}")
+        else:
+            assert torch.isnan(stress[s]).all()
+    assert torch.isfinite(f).all() and (f.abs() > 0).any()
+    return errors
+
+
+# ---------------------------------------------------------------------------------------
+# random weights, every switch
+
+
+def test_default_config():
+    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8))
+    params = random_params(config)
+    mtt = ref.make_model(config)
+    ref.load_params(mtt, params)
+    compare(config, params, mtt, frames())
+
+
+VARIANTS = {
+    "residual_featurizer": dict(featurizer_type="residual"),
+    "PostLN": dict(transformer_type="PostLN"),
+    "LayerNorm": dict(normalization="LayerNorm"),
+    "SiLU": dict(activation="SiLU"),
+    "Cosine": dict(cutoff_function="Cosine"),
+    "d_node_equals_d_pet": dict(d_node=16),
+    "attention_temperature": dict(attention_temperature=0.6),
+    "adaptive_solver": dict(num_neighbors_adaptive=8, adaptive_cutoff_method="solver"),
+    "adaptive_grid": dict(num_neighbors_adaptive=8, adaptive_cutoff_method="grid"),
+    "three_gnn_one_attention": dict(num_gnn_layers=3, num_attention_layers=1),
+    # the original PET (checkpoints <= v7): every legacy switch at once
+    "original_pet": dict(
+        featurizer_type="residual", transformer_type="PostLN", normalization="LayerNorm",
+        activation="SiLU", cutoff_function="Cosine", d_node=16, cutoff_width=0.2,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_switch(name):
+    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), **{**SMALL, **VARIANTS[name]})
+    params = random_params(config, seed=len(name))
+    mtt = ref.make_model(config)
+    ref.load_params(mtt, params)
+    compare(config, params, mtt, frames())
+
+
+# ---------------------------------------------------------------------------------------
+# metatrain checkpoints
+
+
+def _checkpoint_id(path):
+    return os.path.basename(path).replace(".ckpt.gz", "")
+
+
+def test_all_checkpoints_found():
+    names = {_checkpoint_id(p) for p in CHECKPOINTS}
+    assert len(CHECKPOINTS) == 34, sorted(names)
+    assert {"model-v1_trainer-v1", "model-v8_trainer-v7", "model-v16_trainer-v15"} <= names
+
+
+@pytest.mark.parametrize("path", CHECKPOINTS, ids=[_checkpoint_id(p) for p in CHECKPOINTS])
+def test_checkpoint(path):
+    if "conditioning" in os.path.basename(path):
+        with pytest.raises(NotImplementedError, match="conditioning"):
+            petfunc.from_metatrain(path)
+        pytest.skip("system conditioning (charge/spin) is not implemented in petfunc")
+    config, params = petfunc.from_metatrain(path, dtype=torch.float64)
+    with gzip.open(path, "rb") as handle:
+        checkpoint = torch.load(handle, weights_only=False, map_location="cpu")
+    mtt = model_from_checkpoint(checkpoint, context="export").to(torch.float64).eval()
+    assert list(mtt.atomic_types) == list(config.atomic_types)
+    compare_checkpoint = [_molecules()[0], _cubic_cell()]
+    energy, per_atom, forces, strain = ref.evaluate(mtt, compare_checkpoint)
+
+    model = petfunc.PET(config)
+    positions, cell, neighbors = petfunc.from_atoms(compare_checkpoint, config, dtype=torch.float64)
+    e, f, w = petfunc.energy_forces_strain_derivative(model.energy)(params, positions, cell, neighbors)
+    pa = model.per_atom_energies(params, positions, cell, neighbors)
+    comp_atoms, comp_total = composition(params, compare_checkpoint, config)
+    # the tiny checkpoints' network energies are small next to the composition: compare
+    # the totals relative to themselves too
+    assert_close(e, energy, "energy")
+    assert_close(e - comp_total, energy - comp_total, "energy - composition", rtol=1e-9)
+    assert_close(pa - comp_atoms, per_atom - comp_atoms, "per-atom energy - composition", rtol=1e-9)
+    assert_close(f, forces, "forces")
+    assert_close(w, strain, "dE/dstrain")
+
+
+def test_atoms_without_neighbours():
+    """Isolated atoms (an empty NEF grid, M = 0) alone and batched with real structures."""
+    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), **SMALL)
+    params = random_params(config, seed=7)
+    mtt = ref.make_model(config)
+    ref.load_params(mtt, params)
+    far_pair = ase.Atoms("HO", positions=[[0, 0, 0], [20.0, 0, 0]])
+    for batch in ([ase.Atoms("N")], [far_pair], [far_pair, _molecules()[0], ase.Atoms("C"), _small_cell()]):
+        energy, per_atom, forces, strain = ref.evaluate(mtt, batch)
+        model = petfunc.PET(config)
+        positions, cell, neighbors = petfunc.from_atoms(batch, config, dtype=torch.float64)
+        e, f, w = petfunc.energy_forces_strain_derivative(model.energy)(params, positions, cell, neighbors)
+        pa = model.per_atom_energies(params, positions, cell, neighbors)
+        comp_atoms, comp_total = composition(params, batch, config)
+        assert_close(e - comp_total, energy - comp_total, "energy - composition")
+        assert_close(pa - comp_atoms, per_atom - comp_atoms, "per-atom energy - composition")
+        assert_close(f, forces, "forces")
+        assert_close(w, strain, "dE/dstrain")
