@@ -15,12 +15,6 @@ import petfunc
 SMALL = dict(d_pet=8, d_node=16, d_head=8, d_feedforward=16, num_heads=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _config(**kw):

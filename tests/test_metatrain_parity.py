@@ -36,13 +36,6 @@ CHECKPOINTS = sorted(glob.glob(os.path.join(CHECKPOINT_DIR, "*.ckpt.gz")))
 SMALL = dict(d_pet=16, d_node=32, d_head=16, d_feedforward=32, num_heads=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is much faster on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------

@@ -19,12 +19,6 @@ SMALL = dict(atomic_types=(1, 6, 7, 8), d_pet=8, d_node=16, d_head=8, d_feedforw
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _params(config, seed=0, dtype=F64):
