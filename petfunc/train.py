@@ -58,11 +58,63 @@ def warmup_cosine(learning_rate: float, total_steps: int, warmup_fraction: float
     return schedule
 
 
+class AdamState(NamedTuple):
+    """Step count (0-d int64) and first/second moment trees of :func:`adam`."""
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None):
+    """Adam (AdamW with ``weight_decay``) as a torchopt ``GradientTransformation``.
+
+    The update is ``torch.optim.Adam``'s (``AdamW``'s) to round-off, in the
+    parameters' dtype, with the bias corrections in float64 (torchopt's own adam
+    computes them in float32, ~1e-5 relative off). ``learning_rate`` is a float or a
+    schedule of the step count; the first step uses ``schedule(0)``, as torch's
+    ``LambdaLR`` does.
+    """
+    b1, b2 = betas
+    tree_map = torch.utils._pytree.tree_map
+
+    def init(params):
+        leaves = torch.utils._pytree.tree_leaves(params)
+        device = leaves[0].device if leaves else None
+        zeros = tree_map(torch.zeros_like, params)
+        return AdamState(torch.zeros((), dtype=torch.int64, device=device), zeros, tree_map(torch.zeros_like, params))
+
+    def update(grads, state, params=None, inplace=False):
+        del inplace  # always functional
+        count = state.count + 1
+        # no tensors made from Python floats here: a 0-d constant in a traced graph
+        # becomes a symbolic float for Dynamo, which then restarts its analysis
+        t = count.to(torch.float64)
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate * torch.ones_like(t)
+        bias1 = 1.0 - torch.pow(b1, t)
+        bias2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
+        mu = tree_map(lambda m, g: torch.lerp(m, g, 1.0 - b1), state.mu, grads)
+        nu = tree_map(lambda v, g: v * b2 + (1.0 - b2) * g * g, state.nu, grads)
+
+        def step(m, v, p):
+            dtype = m.dtype
+            denom = v.sqrt() / bias2_sqrt.to(dtype) + eps
+            out = -(lr / bias1).to(dtype) * m / denom
+            if weight_decay is not None:
+                out = out - (lr * weight_decay).to(dtype) * p
+            return out
+
+        if weight_decay is not None and params is None:
+            raise ValueError("AdamW needs params in update()")
+        updates = tree_map(step, mu, nu, params if params is not None else mu)
+        return updates, AdamState(count, mu, nu)
+
+    return torchopt.base.GradientTransformation(init, update)
+
+
 def make_optimizer(schedule, weight_decay=None):
-    """Adam (or AdamW when ``weight_decay`` is a float) with torch.optim's defaults."""
-    if weight_decay is None:
-        return torchopt.adam(schedule, betas=(0.9, 0.999), eps=1e-8)
-    return torchopt.adamw(schedule, betas=(0.9, 0.999), eps=1e-8, weight_decay=float(weight_decay))
+    """metatrain's optimizer: Adam, or AdamW when ``weight_decay`` is a float."""
+    return adam(schedule, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
 
 
 def clip_by_global_norm(grads, max_norm: float):

@@ -1,0 +1,320 @@
+"""The pure training step: eager torch.func vs metatrain, compiled vs eager,
+recompilation count, a falling loss, one-structure batches."""
+
+import math
+
+import ase.build
+import numpy as np
+import pytest
+import torch
+from ase.calculators.emt import EMT
+
+import petfunc
+from petfunc.data import Dataset, make_batch, sample_from_atoms
+
+
+CONFIG = petfunc.PETConfig(
+    atomic_types=(13, 29),
+    cutoff=4.0,
+    d_pet=16,
+    d_node=32,
+    d_head=16,
+    d_feedforward=32,
+    num_heads=2,
+    num_gnn_layers=2,
+    num_attention_layers=1,
+)
+
+
+def _emt_samples(n, seed, config=CONFIG):
+    """Rattled Cu/Al fcc cells of 4 and 8 atoms labelled by EMT (energy, forces, stress)."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for k in range(n):
+        atoms = ase.build.bulk("Cu", "fcc", a=3.6, cubic=True).repeat((1, 1, 1 + k % 2))
+        atoms.numbers[rng.random(len(atoms)) < 0.3] = 13
+        atoms.rattle(0.1, seed=int(rng.integers(1 << 30)))
+        atoms.calc = EMT()
+        atoms.get_stress()
+        samples.append(sample_from_atoms(atoms, config))
+    return samples
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return Dataset(_emt_samples(12, 0), CONFIG)
+
+
+@pytest.fixture(scope="module")
+def fitted(dataset):
+    return dataset.fit_composition_and_scale()
+
+
+def _params(fitted, seed=0, dtype=torch.float64):
+    w, c = fitted
+    params = petfunc.PET(CONFIG).init(seed=seed, dtype=dtype)
+    params["composition_weights"] = torch.tensor(w, dtype=dtype)
+    params["energy_scale"] = torch.tensor(c, dtype=dtype)
+    return params
+
+
+def _batch(dataset, fitted, index, dtype=torch.float64):
+    w, c = fitted
+    return make_batch([dataset.samples[i] for i in index], CONFIG, w, c, dtype=dtype)
+
+
+def _relative(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+# -----------------------------------------------------------------------------------
+# eager torch.func gradients == metatrain's training-mode gradients
+
+
+def test_parameter_gradients_match_metatrain(dataset, fitted):
+    pytest.importorskip("metatrain")
+    from metatomic.torch import systems_to_torch
+    from metatrain.utils.data.target_info import get_energy_target_info
+    from metatrain.utils.evaluate_model import evaluate_model
+    from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
+
+    import mtt_reference as ref
+
+    # A batch of 3 structures (no padding needed), float64, energy + forces + stress.
+    params = _params(fitted, seed=3)
+    batch = _batch(dataset, fitted, [0, 1, 2])
+    weights = petfunc.LossWeights.make(energy=1.0, forces=2.0, stress=0.5)
+    grads, metrics = petfunc.make_grad_step(petfunc.PET(CONFIG), weights)(params, batch)
+
+    # The same weights and structures in metatrain, train mode, its evaluate_model.
+    model = ref.make_model(CONFIG)
+    ref.load_params(model, params)
+    model.train()
+    frames = []
+    for i in range(3):
+        s = dataset.samples[i].structure
+        frames.append(ase.Atoms(numbers=s.numbers, positions=s.positions, cell=s.cell, pbc=s.pbc))
+    systems = [
+        get_system_with_neighbor_lists(s, model.requested_neighbor_lists())
+        for s in systems_to_torch(frames, dtype=torch.float64)
+    ]
+    info = get_energy_target_info(
+        "energy", {"quantity": "energy", "unit": "eV"}, add_position_gradients=True, add_strain_gradients=True
+    )
+    out = evaluate_model(model, systems, {"energy": info}, is_training=True)["energy"].block()
+    energy = out.values[:, 0]
+    de_dx = out.gradient("positions").values[:, :, 0]
+    de_deps = out.gradient("strain").values[:, :, :, 0]
+    n_atoms = torch.tensor([len(f) for f in frames], dtype=torch.float64)
+
+    # metatrain's loss (spec section 9.1), written out, on the same training-unit targets.
+    loss = (
+        1.0 * ((energy - batch.energy) / n_atoms).pow(2).mean()
+        + 2.0 * (de_dx + batch.forces).pow(2).mean()
+        + 0.5 * ((de_deps - batch.strain_derivative) / n_atoms[:, None, None]).pow(2).mean()
+    )
+    loss.backward()
+    assert abs(loss.item() - metrics["loss"].item()) <= 1e-12 * loss.item()
+
+    ours = petfunc.tree.flatten(grads)
+    checked = 0
+    for name, parameter in model.named_parameters():
+        key = name.removeprefix("backend.")
+        if key not in ours:
+            continue
+        reference = parameter.grad
+        assert reference is not None, name
+        err = _relative(ours[key], reference)
+        assert err < 1e-8, f"{key}: relative gradient error {err:.2e}"
+        checked += 1
+    assert checked == len(ours)
+
+
+# -----------------------------------------------------------------------------------
+# compiled == eager, one graph for every batch shape
+
+
+@pytest.fixture(scope="module")
+def compiled_setup(dataset, fitted):
+    params = _params(fitted)
+    optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(1e-3, 100, 0.05))
+    state = petfunc.init_state(params, optimizer)
+    # a few steps so the moments and the schedule are non-trivial
+    step = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights())
+    for index in ([0, 1], [2, 3, 4]):
+        state, _ = step(state, _batch(dataset, fitted, index))
+    compiled = petfunc.compile(step, state, _batch(dataset, fitted, [5, 6]), backend="aot_eager")
+    return step, compiled, state
+
+
+# (n structures), different numbers of atoms, edges and neighbours; [9] is one structure
+SHAPES = [[0, 1, 2], [3, 4, 5, 6], [7, 8], [9], [10, 11, 0, 1, 2]]
+
+
+def test_compiled_step_equals_eager_on_every_shape(dataset, fitted, compiled_setup):
+    step, compiled, state = compiled_setup
+    seen = set()
+    for index in SHAPES:
+        batch = _batch(dataset, fitted, index)
+        seen.add((batch.n_structures, batch.positions.shape[0], batch.neighbors.nef_index.shape[1]))
+        eager_state, eager_metrics = step(state, batch)
+        new_state, metrics = compiled(state, batch)
+        for key in eager_metrics:
+            assert _relative(metrics[key], eager_metrics[key]) < 1e-9, key
+        flat_eager = petfunc.tree.flatten(eager_state.params)
+        flat_compiled = petfunc.tree.flatten(new_state.params)
+        before = petfunc.tree.flatten(state.params)
+        for key in flat_eager:
+            update = flat_eager[key] - before[key]
+            if update.abs().max() == 0:
+                assert torch.equal(flat_compiled[key], flat_eager[key]), key
+                continue
+            # compare the parameter *updates*, a much stricter test than the params
+            err = _relative(flat_compiled[key] - before[key], update)
+            assert err < 1e-9, f"{key}: {err:.2e}"
+        for a, b in zip(
+            torch.utils._pytree.tree_leaves(new_state.opt_state),
+            torch.utils._pytree.tree_leaves(eager_state.opt_state),
+        ):
+            assert _relative(a.double(), b.double()) < 1e-9
+    assert len(seen) == len(SHAPES)
+    assert compiled.num_graphs == 1, f"{compiled.num_graphs} graphs compiled"
+
+
+def test_compiled_energy_forces_stress_and_gradients_equal_eager(dataset, fitted):
+    params = _params(fitted, seed=5)
+    model = petfunc.PET(CONFIG)
+    grad_step = petfunc.make_grad_step(model, petfunc.LossWeights())
+    efs = petfunc.energy_forces_stress(model.energy)
+
+    def fn(params, batch):
+        grads, metrics = grad_step(params, batch)
+        return grads, metrics, efs(params, batch.positions, batch.cell, batch.neighbors)
+
+    compiled = petfunc.compile(fn, params, _batch(dataset, fitted, [0, 1]), backend="aot_eager")
+    for index in ([2, 3, 4], [5], [6, 7, 8, 9]):
+        batch = _batch(dataset, fitted, index)
+        expected = fn(params, batch)
+        got = compiled(params, batch)
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)):
+            finite = torch.isfinite(b)
+            assert torch.equal(finite, torch.isfinite(a))
+            assert _relative(a[finite], b[finite]) < 1e-9
+    assert compiled.num_graphs == 1
+
+
+def test_one_structure_batch_is_padded(dataset, fitted):
+    batch = _batch(dataset, fitted, [0])
+    # the padding structure has no labels, so the loss only sees the real one
+    assert batch.n_structures == 2
+    assert torch.isnan(batch.energy[1]) and not torch.isnan(batch.energy[0])
+    params = _params(fitted)
+    loss_fn = petfunc.make_loss(petfunc.PET(CONFIG))
+    loss_padded, _ = loss_fn(params, batch)
+    unpadded = make_batch([dataset.samples[0]], CONFIG, *fitted, dtype=torch.float64, pad=False)
+    loss_alone, _ = loss_fn(params, unpadded)
+    assert abs(loss_padded.item() - loss_alone.item()) <= 1e-10 * loss_alone.item()
+
+
+def test_loss_falls(dataset, fitted):
+    params = _params(fitted, seed=1)
+    optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(1e-2, 60, 0.05))
+    state = petfunc.init_state(params, optimizer)
+    step = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights())
+    losses = []
+    for epoch in range(30):
+        total = 0.0
+        for index in dataset.batch_indices(6, shuffle=True, seed=epoch):
+            state, metrics = step(state, _batch(dataset, fitted, index))
+            total += metrics["loss"].item()
+        losses.append(total)
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_loss_skips_nan_labels_and_supports_loss_types(dataset, fitted):
+    params = _params(fitted)
+    model = petfunc.PET(CONFIG)
+    batch = _batch(dataset, fitted, [0, 1, 2])
+    forces = batch.forces.clone()
+    forces[:3] = float("nan")
+    with_nan = batch._replace(forces=forces)
+    for kind in ("mse", "mae", "huber"):
+        weights = petfunc.LossWeights.make(type=kind)
+        loss, metrics = petfunc.make_loss(model, weights)(params, with_nan)
+        assert torch.isfinite(loss)
+        assert metrics["forces_count"].item() == forces[3:].numel()
+        grads, _ = petfunc.make_grad_step(model, weights)(params, with_nan)
+        assert all(torch.isfinite(g).all() for g in petfunc.tree.flatten(grads).values())
+    # mse over the valid entries only, by hand
+    _, f, _ = petfunc.energy_forces_strain_derivative(model.raw_energy)(
+        params, batch.positions, batch.cell, batch.neighbors
+    )
+    _, metrics = petfunc.make_loss(model)(params, with_nan)
+    expected = (f[3:] - forces[3:]).pow(2).mean()
+    assert math.isclose(metrics["forces_loss"].item(), expected.item(), rel_tol=1e-12)
+
+
+def test_energy_only_loss_does_not_differentiate_positions(dataset, fitted):
+    params = _params(fitted)
+    batch = _batch(dataset, fitted, [0, 1])
+    weights = petfunc.LossWeights.make(forces=0.0, stress=0.0)
+    loss, metrics = petfunc.make_loss(petfunc.PET(CONFIG), weights)(params, batch)
+    assert "forces_loss" not in metrics and "stress_loss" not in metrics
+    raw = petfunc.PET(CONFIG).raw_energy(params, batch.positions, batch.cell, batch.neighbors)
+    n = torch.tensor([4.0, 8.0], dtype=torch.float64)
+    assert math.isclose(loss.item(), ((raw - batch.energy) / n).pow(2).mean().item(), rel_tol=1e-12)
+
+
+def test_schedule_and_clipping_match_torch():
+    # metatrain: LambdaLR with warm-up then cosine; lr(0) = 0
+    schedule = petfunc.warmup_cosine(1e-3, 200, 0.1)
+    assert schedule(0).item() == 0.0
+    assert math.isclose(schedule(10).item(), 1e-3 * 10 / 20)
+    assert math.isclose(schedule(20).item(), 1e-3)
+    assert math.isclose(schedule(110).item(), 1e-3 * 0.5 * (1 + math.cos(math.pi * 90 / 180)))
+    # clip_by_global_norm == torch.nn.utils.clip_grad_norm_
+    g = {"a": torch.randn(5, 3, dtype=torch.float64), "b": torch.randn(7, dtype=torch.float64)}
+    tensors = [g["a"].clone(), g["b"].clone()]
+    for t in tensors:
+        t.grad = t.clone()
+    torch.nn.utils.clip_grad_norm_(tensors, 0.5)
+    clipped, norm = petfunc.train.clip_by_global_norm(g, 0.5)
+    assert torch.allclose(clipped["a"], tensors[0].grad, rtol=1e-14)
+    assert torch.allclose(clipped["b"], tensors[1].grad, rtol=1e-14)
+
+
+def test_adam_step_matches_torch_optim():
+    # one functional step against torch.optim.Adam with the same lr and clipping
+    params = {"w": torch.randn(4, 3, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}
+    optimizer = petfunc.make_optimizer(0.01)
+    state = petfunc.TrainState(params, optimizer.init(params))
+    reference = [torch.nn.Parameter(params["w"].clone()), torch.nn.Parameter(params["b"].clone())]
+    torch_opt = torch.optim.Adam(reference, lr=0.01)
+    for _ in range(3):
+        grads = {"w": torch.randn(4, 3, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}
+        state, _ = petfunc.apply_gradients(optimizer, state, grads, grad_clip_norm=1.0)
+        reference[0].grad, reference[1].grad = grads["w"].clone(), grads["b"].clone()
+        torch.nn.utils.clip_grad_norm_(reference, 1.0)
+        torch_opt.step()
+    assert torch.allclose(state.params["w"], reference[0].detach(), rtol=1e-12, atol=1e-14)
+    assert torch.allclose(state.params["b"], reference[1].detach(), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_step_equals_eager(dataset, fitted):
+    params = _params(fitted)
+    optimizer = petfunc.make_optimizer(1e-3)
+    state = petfunc.init_state(params, optimizer)
+    step = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights())
+    compiled = petfunc.compile(step, state, _batch(dataset, fitted, [0, 1]), backend="inductor")
+    for index in SHAPES:
+        batch = _batch(dataset, fitted, index)
+        eager_state, _ = step(state, batch)
+        new_state, _ = compiled(state, batch)
+        a = petfunc.tree.flatten(eager_state.params)
+        b = petfunc.tree.flatten(new_state.params)
+        before = petfunc.tree.flatten(state.params)
+        for key in a:
+            if (a[key] - before[key]).abs().max() > 0:
+                assert _relative(b[key] - before[key], a[key] - before[key]) < 1e-9, key
+    assert compiled.num_graphs == 1
