@@ -1,0 +1,290 @@
+"""Training-step speed: metatrain eager vs petfunc eager vs petfunc compiled.
+
+One run, side by side, the same default-PET weights and the same batches:
+
+* qm9_reduced_100, batch 8, energy only (the setting of metatrain's compile PR);
+* carbon_reduced_100, batch 8, energy + forces + stress.
+
+metatrain's step is computed the way its trainer does it: ``model.train()``,
+``evaluate_model(..., is_training=True)`` (forces/strain gradients with
+``create_graph=True``), the loss of spec section 9, ``loss.backward()``,
+``clip_grad_norm_(1.0)`` and ``torch.optim.Adam``. petfunc runs
+``make_train_step`` eagerly and through ``petfunc.compile`` (make_fx + inductor).
+Timings are interleaved (metatrain, eager, compiled, metatrain, ...) over the same
+batches; we print medians, ratios, compile time, break-even step count, FLOPs of
+the step (torch.utils.flop_counter) and the achieved FLOP rate of the compiled step.
+``--memory`` measures peak RSS of each variant in a fresh subprocess.
+
+    python benchmarks/train_step.py [--dataset qm9|carbon|both] [--steps 10] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import petfunc
+from petfunc.data import Dataset, make_batch, sample_from_atoms
+
+
+HERE = Path(__file__).resolve().parent
+DATA = HERE.parent.parent / "shared" / "data"
+
+
+def load(name: str, config):
+    """(dataset, energy_only) from ../shared/data, or a generated stand-in."""
+    import ase.io
+
+    path = DATA / ("qm9_reduced_100.xyz" if name == "qm9" else "carbon_reduced_100.xyz")
+    if path.exists():
+        frames = ase.io.read(path, ":")
+    else:
+        print(f"# {path} not found: using generated structures instead")
+        frames = _generated(name)
+    samples = []
+    for atoms in frames:
+        if name == "qm9":
+            energy = atoms.info.get("U0", atoms.info.get("energy"))
+            s = sample_from_atoms(atoms, config, energy_key=None, forces_key=None, stress_key=None)
+            s.energy = float(energy)
+        else:
+            s = sample_from_atoms(atoms, config, energy_key="energy", forces_key="force", stress_key=None, virial_key="virial")
+        samples.append(s)
+    return Dataset(samples, config)
+
+
+def _generated(name):
+    import ase.build
+    from ase.calculators.emt import EMT
+
+    frames = []
+    rng = np.random.default_rng(0)
+    for i in range(64):
+        if name == "qm9":
+            atoms = ase.build.molecule(["CH3CH2OH", "C6H6", "CH3COOH", "C4H4O"][i % 4])
+            atoms.rattle(0.05, seed=i)
+            atoms.info["energy"] = float(rng.normal())
+        else:
+            atoms = ase.build.bulk("C", "diamond", a=3.57).repeat((2, 1, 1))
+            atoms.rattle(0.1, seed=i)
+            atoms.calc = EMT()
+            atoms.info["energy"] = atoms.get_potential_energy()
+            atoms.arrays["force"] = atoms.get_forces()
+            atoms.info["virial"] = -atoms.get_stress(voigt=False) * atoms.get_volume()
+            atoms.calc = None
+        frames.append(atoms)
+    return frames
+
+
+def atomic_types(name):
+    return (1, 6, 7, 8, 9) if name == "qm9" else (6,)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+class MetatrainStep:
+    """metatrain's eager training step on the same weights (trainer semantics)."""
+
+    def __init__(self, config, params, dtype, weights):
+        sys.path.insert(0, str(HERE.parent / "tests"))
+        import mtt_reference as ref
+        from metatrain.utils.data.target_info import get_energy_target_info
+
+        self.model = ref.make_model(config)
+        ref.load_params(self.model, params)
+        self.model = self.model.to(dtype).train()
+        self.weights = weights
+        self.info = get_energy_target_info(
+            "energy",
+            {"quantity": "energy", "unit": "eV"},
+            add_position_gradients=weights.forces.weight > 0,
+            add_strain_gradients=weights.stress.weight > 0,
+        )
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.dtype = dtype
+
+    def systems(self, samples):
+        import ase
+        from metatomic.torch import systems_to_torch
+        from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
+
+        frames = [
+            ase.Atoms(numbers=s.structure.numbers, positions=s.structure.positions, cell=s.structure.cell, pbc=s.structure.pbc)
+            for s in samples
+        ]
+        systems = systems_to_torch(frames, dtype=self.dtype)
+        return [get_system_with_neighbor_lists(s, self.model.requested_neighbor_lists()) for s in systems]
+
+    def __call__(self, systems, batch):
+        from metatrain.utils.evaluate_model import evaluate_model
+
+        self.optimizer.zero_grad()
+        block = evaluate_model(self.model, systems, {"energy": self.info}, is_training=True)["energy"].block()
+        n = torch.tensor([len(s) for s in systems], dtype=self.dtype)
+        valid = ~torch.isnan(batch.energy[: len(systems)])
+        loss = ((block.values[:, 0] - batch.energy[: len(systems)]) / n)[valid].pow(2).mean()
+        if self.weights.forces.weight > 0:
+            target = batch.forces[: block.gradient("positions").values.shape[0]]
+            loss = loss + (block.gradient("positions").values[:, :, 0] + target).pow(2).mean()
+        if self.weights.stress.weight > 0:
+            target = batch.strain_derivative[: len(systems)]
+            pred = block.gradient("strain").values[:, :, :, 0]
+            loss = loss + ((pred - target) / n[:, None, None]).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        return loss.detach()
+
+
+def median_ms(values):
+    return 1e3 * statistics.median(values)
+
+
+def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "compiled")):
+    torch.manual_seed(0)
+    config = petfunc.PETConfig(atomic_types=atomic_types(name))
+    dataset = load(name, config)
+    energy_only = name == "qm9"
+    weights = petfunc.LossWeights.make(forces=0.0 if energy_only else 1.0, stress=0.0 if energy_only else 1.0)
+    composition, scale = dataset.fit_composition_and_scale()
+    model = petfunc.PET(config)
+    params = model.init(seed=0, dtype=dtype)
+    params["composition_weights"] = torch.tensor(composition, dtype=dtype)
+    params["energy_scale"] = torch.tensor(scale, dtype=dtype)
+    optimizer = petfunc.make_optimizer(1e-4)
+    state = petfunc.init_state(params, optimizer)
+    step = petfunc.make_train_step(model, optimizer, weights)
+
+    order = np.random.default_rng(0).permutation(len(dataset))
+    chunks = [order[i : i + 8] for i in range(0, len(order) - 7, 8)][: steps + warmup]
+    samples = [[dataset.samples[i] for i in c] for c in chunks]
+    batches = [make_batch(s, config, composition, scale, dtype=dtype) for s in samples]
+    atoms = [b.positions.shape[0] for b in batches]
+    widths = [b.neighbors.nef_index.shape[1] for b in batches]
+    print(f"\n## {name}: batch 8, {'energy only' if energy_only else 'energy + forces + stress'}, {dtype}")
+    print(f"# {len(batches)} batches, atoms {min(atoms)}-{max(atoms)}, NEF width {min(widths)}-{max(widths)}")
+
+    results = {}
+    if "metatrain" in variants:
+        mtt = MetatrainStep(config, params, dtype, weights)
+        mtt_systems = [mtt.systems(s) for s in samples]
+    if "compiled" in variants:
+        start = time.perf_counter()
+        compiled = petfunc.compile(step, state, batches[0], backend=backend)
+        trace_time = time.perf_counter() - start
+        compiled(state, batches[0])
+        compile_time = time.perf_counter() - start
+        results["compile_s"] = compile_time
+        print(f"# petfunc.compile: trace {trace_time:.1f} s, trace + compile + first call {compile_time:.1f} s")
+
+    times = {v: [] for v in variants}
+    for i, batch in enumerate(batches):
+        for v in variants:
+            start = time.perf_counter()
+            if v == "metatrain":
+                mtt(mtt_systems[i], batch)
+            elif v == "eager":
+                step(state, batch)
+            else:
+                compiled(state, batch)
+            if i >= warmup:
+                times[v].append(time.perf_counter() - start)
+    if "compiled" in variants:
+        results["num_graphs"] = compiled.num_graphs
+
+    # FLOPs of one step (petfunc eager; the compiled graph runs the same matmuls)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        step(state, batches[warmup])
+    flops = counter.get_total_flops()
+
+    med = {v: median_ms(t) for v, t in times.items()}
+    base = med.get("metatrain")
+    print(f"| variant | median ms/step | speed-up vs metatrain eager |")
+    print(f"|---|---|---|")
+    for v in variants:
+        ratio = f"{base / med[v]:.2f}x" if base else "-"
+        print(f"| {v} | {med[v]:.1f} | {ratio} |")
+    if "compiled" in variants:
+        gain = (med.get("eager", med["compiled"]) - med["compiled"]) / 1e3
+        be = results["compile_s"] / gain if gain > 0 else float("inf")
+        rate = flops / (med["compiled"] / 1e3) / 1e9
+        print(f"# step FLOPs {flops / 1e9:.2f} GFLOP; compiled achieves {rate:.1f} GFLOP/s")
+        print(f"# compile {results['compile_s']:.1f} s; break-even after {be:.0f} steps vs petfunc eager; "
+              f"graphs compiled: {results['num_graphs']}")
+        results["gflops_per_s"] = rate
+    results.update(median_ms=med, flops=flops)
+    return results
+
+
+def cpu_peak_gflops(dtype):
+    """Measured peak of a large matmul on this machine (all torch threads)."""
+    a = torch.randn(2048, 2048, dtype=dtype)
+    b = torch.randn(2048, 2048, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * 2048**3 / best / 1e9
+
+
+def memory_child(name, variant, dtype, backend, steps):
+    import resource
+
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run(name, steps, dtype, backend, warmup=1, variants=(variant,))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"variant": variant, "peak_rss_mb": peak / 1024, "delta_mb": (peak - base) / 1024}))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset", choices=["qm9", "carbon", "both"], default="both")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--memory", action="store_true", help="peak RSS per variant (subprocesses)")
+    parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    names = ["qm9", "carbon"] if args.dataset == "both" else [args.dataset]
+    if args._child:
+        memory_child(args._child[0], args._child[1], dtype, args.backend, args.steps)
+        return
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"measured matmul peak {cpu_peak_gflops(dtype):.0f} GFLOP/s ({args.dtype})")
+    for name in names:
+        run(name, args.steps, dtype, args.backend)
+        if args.memory:
+            print("| variant | peak RSS MB |")
+            print("|---|---|")
+            for variant in ("metatrain", "eager", "compiled"):
+                out = subprocess.run(
+                    [sys.executable, __file__, "--dataset", name, "--steps", "3", "--dtype", args.dtype,
+                     "--backend", args.backend, "--_child", name, variant]
+                    + (["--threads", str(args.threads)] if args.threads else []),
+                    capture_output=True, text=True, check=True,
+                ).stdout.strip().splitlines()[-1]
+                info = json.loads(out)
+                print(f"| {variant} | {info['peak_rss_mb']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
