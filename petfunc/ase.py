@@ -1,0 +1,368 @@
+"""An ASE calculator for PET: :class:`PETCalculator`.
+
+``import petfunc`` does not import this module; it needs ``ase``::
+
+    from petfunc.ase import PETCalculator
+    atoms.calc = PETCalculator.from_checkpoint("model.pt", compile=True)
+
+Every calculation evaluates energy, forces and the strain derivative in one call of
+``energy_forces_strain_derivative(model.energy)``: eagerly, or, with
+``compile=True``, through :func:`petfunc.compile` (one ``make_fx`` trace, then
+``torch.compile(dynamic=True)``). The structure is batched together with
+:func:`petfunc.data.padding_sample` (a 3-atom dummy molecule), so that no size the
+compiled graph sees (structures, atoms, edges, neighbours per atom) is 0 or 1: those
+are the sizes torch specialises on, and a single structure, or one atom, would
+recompile. The neighbour list is rebuilt with vesin at every call; the number of
+edges changing from one MD step to the next never recompiles (``num_compilations``
+stays 1).
+
+Conventions, as in metatomic's ASE calculator (``metatomic_ase.MetatomicCalculator``)
+for the same model:
+
+* ``stress = (1/V) dE/d eps`` in eV/Å^3 with V = ``atoms.cell.volume``, returned in
+  ASE's Voigt order (xx, yy, zz, yz, xz, xy) with the off-diagonal pairs averaged
+  ((s_ab + s_ba)/2: PET's strain derivative is not exactly symmetric);
+* a cell with zero volume (a molecule) has no stress: asking for it raises
+  :class:`~ase.calculators.calculator.PropertyNotImplementedError` (metatomic
+  returns ``inf`` there); a partly periodic structure whose ASE cell has a volume
+  gets metatomic's number, with the same warning;
+* ``energies`` are per-atom energies, summing to ``energy``.
+
+With ``ensemble_params`` (a parameter tree whose leaves have a leading committee
+axis, see :func:`petfunc.tree.stack`), every calculation also evaluates the
+committee and gives ``energy_uncertainty``, ``forces_uncertainty`` and, for
+periodic cells, ``stress_uncertainty``: the standard deviation over members
+(``ddof=0``), component by component. The members' values are in
+``energy_ensemble``, ``forces_ensemble``. The eager path evaluates the committee with
+``torch.func.vmap``; the compiled path loops over members with the single compiled
+function (inductor miscompiles some vmapped scatter/index ops on CPU,
+pytorch/pytorch#183986).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
+from ase.data import chemical_symbols
+
+from . import tree
+from .config import PETConfig
+from .data import padding_sample
+from .derivatives import energy_forces_strain_derivative
+from .io import EXTRA_KEYS, load_params
+from .model import PET
+from .structures import collate, prepare_atoms
+
+
+__all__ = ["PETCalculator"]
+
+
+def _symbol(z: int) -> str:
+    return chemical_symbols[z] if 0 <= z < len(chemical_symbols) else f"Z={z}"
+
+
+def _cast(params, dtype, device):
+    """Network weights to ``dtype``/``device``; composition and scale keep their dtype."""
+    flat = tree.flatten(params)
+    out = {}
+    for key, value in flat.items():
+        keep = key in EXTRA_KEYS or not value.is_floating_point()
+        out[key] = value.to(device=device, dtype=None if keep else dtype)
+    return tree.unflatten(out)
+
+
+def _network_dtype(params) -> torch.dtype:
+    for key, value in tree.flatten(params).items():
+        if key not in EXTRA_KEYS and value.is_floating_point():
+            return value.dtype
+    return torch.get_default_dtype()
+
+
+def _voigt(stress: np.ndarray) -> np.ndarray:
+    """[..., 3, 3] -> [..., 6] in ASE order, off-diagonals symmetrised like metatomic."""
+    s = stress
+    return np.stack(
+        [
+            s[..., 0, 0],
+            s[..., 1, 1],
+            s[..., 2, 2],
+            (s[..., 1, 2] + s[..., 2, 1]) / 2.0,
+            (s[..., 0, 2] + s[..., 2, 0]) / 2.0,
+            (s[..., 0, 1] + s[..., 1, 0]) / 2.0,
+        ],
+        axis=-1,
+    )
+
+
+class PETCalculator(Calculator):
+    """ASE calculator evaluating a petfunc PET (see the module docstring).
+
+    Args:
+        config: the architecture.
+        params: parameter tree (e.g. from :func:`petfunc.load_params`). May be
+            ``None`` when ``ensemble_params`` is given: the committee mean is then
+            the prediction.
+        compile: evaluate through :func:`petfunc.compile` (traced and compiled at the
+            first calculation; later structures of any size reuse it).
+        backend: ``torch.compile`` backend for ``compile=True``: ``"inductor"``
+            (fast code, slow first call) or ``"aot_eager"`` (quick to compile).
+        device: torch device of the computation (default: CPU).
+        dtype: computation dtype (default: the dtype of the network weights).
+        ensemble_params: optional committee: a parameter tree with a leading member
+            axis on every leaf, or a list of parameter trees.
+        **kwargs: passed to :class:`ase.calculators.calculator.Calculator`.
+    """
+
+    implemented_properties = [
+        "energy",
+        "free_energy",
+        "energies",
+        "forces",
+        "stress",
+        "energy_uncertainty",
+        "forces_uncertainty",
+        "stress_uncertainty",
+        "energy_ensemble",
+        "forces_ensemble",
+    ]
+
+    def __init__(
+        self,
+        config: PETConfig,
+        params=None,
+        compile: bool = False,
+        backend: Any = "inductor",
+        device=None,
+        dtype: Optional[torch.dtype] = None,
+        ensemble_params=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if not isinstance(config, PETConfig):
+            raise TypeError(f"config must be a PETConfig, got {type(config).__name__}")
+        if params is None and ensemble_params is None:
+            raise ValueError("PETCalculator needs params, ensemble_params or both")
+        self.config = config
+        self.model = PET(config)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if isinstance(ensemble_params, (list, tuple)):
+            ensemble_params = tree.stack(ensemble_params)
+        reference = params if params is not None else ensemble_params
+        self.dtype = dtype or _network_dtype(reference)
+        self.params = None if params is None else _cast(params, self.dtype, self.device)
+        self.ensemble_params = ensemble_params
+        self.compile = bool(compile)
+        self.backend = backend
+        self._efs = energy_forces_strain_derivative(self.model.energy)
+        self._compiled = None
+        self._padding = padding_sample(config).structure
+
+    # -- constructors ----------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(cls, path, **kwargs) -> "PETCalculator":
+        """Calculator for a petfunc parameter file (:func:`petfunc.save_params`).
+
+        A ``petfunc train`` checkpoint (plain data with ``"config"`` and ``"params"``
+        / ``"best_params"``) is accepted too; its best parameters are used. For
+        metatrain checkpoints and exported models use :meth:`from_metatrain`.
+        """
+        path = os.fspath(path)
+        try:
+            config, params = load_params(path)
+        except ValueError as error:
+            loaded = _training_checkpoint(path)
+            if loaded is None:
+                raise ValueError(
+                    f"{error}. For a metatrain checkpoint (.ckpt) or an exported model "
+                    "(.pt), use PETCalculator.from_metatrain."
+                ) from error
+            config, params = loaded
+        return cls(config, params, **kwargs)
+
+    @classmethod
+    def from_metatrain(cls, path, target: Optional[str] = None, **kwargs) -> "PETCalculator":
+        """Calculator for a metatrain PET checkpoint or exported metatomic model.
+
+        Needs metatrain installed; see :func:`petfunc.from_metatrain`.
+        """
+        from .io import from_metatrain
+
+        config, params = from_metatrain(path, target=target)
+        return cls(config, params, **kwargs)
+
+    # -- committee -------------------------------------------------------------------
+    @property
+    def ensemble_params(self):
+        """The committee (leading member axis on every leaf), or ``None``.
+
+        Settable: a compiled calculator evaluates a new committee of the same
+        architecture without recompiling.
+        """
+        return self._ensemble_params
+
+    @ensemble_params.setter
+    def ensemble_params(self, value):
+        if value is None:
+            if getattr(self, "params", None) is None:
+                raise ValueError("PETCalculator needs params, ensemble_params or both")
+            self._ensemble_params, self.ensemble_size = None, 0
+            self.reset()
+            return
+        if isinstance(value, (list, tuple)):
+            value = tree.stack(value)
+        sizes = {v.shape[0] if v.dim() else 0 for v in tree.flatten(value).values()}
+        if len(sizes) != 1 or 0 in sizes:
+            raise ValueError(
+                "ensemble_params must have one leading (member) axis of the same, "
+                f"non-zero size on every leaf; found sizes {sorted(sizes)}"
+            )
+        self._ensemble_params = _cast(value, self.dtype, self.device)
+        self.ensemble_size = sizes.pop()
+        self.reset()
+
+    # -- bookkeeping -----------------------------------------------------------------
+    @property
+    def num_compilations(self) -> int:
+        """Graphs compiled so far (0 before the first compiled call or when eager)."""
+        return 0 if self._compiled is None else self._compiled.num_graphs
+
+    def _check_species(self, atoms) -> None:
+        known = set(self.config.atomic_types)
+        unknown = sorted({int(z) for z in atoms.numbers} - known)
+        if unknown:
+            names = ", ".join(f"{_symbol(z)} (Z={z})" for z in unknown)
+            model = ", ".join(_symbol(z) for z in self.config.atomic_types)
+            raise ValueError(
+                f"the structure contains {names}, which this PET model does not know; "
+                f"it was trained on {model}"
+            )
+
+    def _inputs(self, atoms):
+        self._check_species(atoms)
+        structure = prepare_atoms(atoms, self.config, label="atoms")
+        # the dummy molecule keeps every size >= 2 (no 0/1 specialisation)
+        return collate([structure, self._padding], self.config, dtype=self.dtype, device=self.device)
+
+    def _evaluate(self, params, inputs):
+        positions, cell, neighbors = inputs
+        if self.compile:
+            if self._compiled is None:
+                from .compile import compile as petfunc_compile
+
+                self._compiled = petfunc_compile(
+                    self._efs, params, positions, cell, neighbors,
+                    backend=self.backend, static_argnums=(0,),
+                )
+            return self._compiled(params, positions, cell, neighbors)
+        return self._efs(params, positions, cell, neighbors)
+
+    def _evaluate_ensemble(self, inputs):
+        positions, cell, neighbors = inputs
+        if self.compile:
+            members = [self._evaluate(p, inputs) for p in tree.unstack(self.ensemble_params)]
+            return tuple(torch.stack(x) for x in zip(*members))
+        fn = torch.func.vmap(self._efs, in_dims=(0, None, None, None))
+        return fn(self.ensemble_params, positions, cell, neighbors)
+
+    # -- ASE -------------------------------------------------------------------------
+    def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
+        super().calculate(atoms, properties, system_changes)
+        atoms = self.atoms
+        n_atoms = len(atoms)
+        volume = float(atoms.cell.volume)
+        periodic = bool(np.all(atoms.pbc))
+        if "stress" in properties:
+            if volume <= 0.0:
+                raise PropertyNotImplementedError(
+                    "stress is undefined for this structure: its cell has zero volume "
+                    f"(pbc={atoms.pbc.tolist()}); stress needs a periodic cell"
+                )
+            if not periodic:
+                warnings.warn(
+                    "stress requested but likely to be wrong, since the system is not "
+                    "periodic in all directions (computed with the ASE cell volume, as "
+                    "metatomic does)",
+                    stacklevel=2,
+                )
+        want_stress = volume > 0.0 and (periodic or "stress" in properties)
+
+        inputs = self._inputs(atoms)
+        results = {}
+        ensemble = None
+        with torch.no_grad():
+            if self.ensemble_params is not None:
+                energies, forces, strain = self._evaluate_ensemble(inputs)
+                ensemble = (
+                    energies[:, 0].double().cpu().numpy(),
+                    forces[:, :n_atoms].double().cpu().numpy(),
+                    strain[:, 0].double().cpu().numpy(),
+                )
+            if self.params is not None:
+                energies, forces, strain = self._evaluate(self.params, inputs)
+                energy = energies[0].double().item()
+                forces = forces[:n_atoms].double().cpu().numpy()
+                strain = strain[0].double().cpu().numpy()
+            else:
+                energy = float(ensemble[0].mean())
+                forces = ensemble[1].mean(axis=0)
+                strain = ensemble[2].mean(axis=0)
+            if "energies" in properties:
+                positions, cell, neighbors = inputs
+                reference = self.params
+                if reference is None:
+                    per_atom = torch.func.vmap(
+                        self.model.per_atom_energies, in_dims=(0, None, None, None)
+                    )(self.ensemble_params, positions, cell, neighbors).mean(0)
+                else:
+                    per_atom = self.model.per_atom_energies(reference, positions, cell, neighbors)
+                results["energies"] = per_atom[:n_atoms].double().cpu().numpy()
+
+        results["energy"] = energy
+        results["free_energy"] = energy
+        results["forces"] = forces
+        if want_stress:
+            results["stress"] = _voigt(strain / volume)
+        if ensemble is not None:
+            results["energy_ensemble"] = ensemble[0]
+            results["forces_ensemble"] = ensemble[1]
+            results["energy_uncertainty"] = float(ensemble[0].std())
+            results["forces_uncertainty"] = ensemble[1].std(axis=0)
+            if want_stress:
+                results["stress_uncertainty"] = _voigt(ensemble[2] / volume).std(axis=0)
+        self.results = results
+
+
+def _training_checkpoint(path):
+    """``(config, params)`` of a petfunc training checkpoint, or ``None``.
+
+    A training checkpoint (``petfunc train``, format ``"petfunc.checkpoint"``) is a
+    plain-data ``torch.save`` with a ``config`` (JSON string or hypers dict) and
+    ``params`` / ``best_params`` (``{dotted.name: tensor}`` or a tree); the best
+    parameters are used when present, as metatrain's export does.
+    """
+    import json
+
+    from .io import check_params
+
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        return None
+    if not isinstance(payload, dict) or "config" not in payload:
+        return None
+    params = payload.get("best_params") or payload.get("params")
+    if not isinstance(params, dict):
+        return None
+    hypers = payload["config"]
+    if isinstance(hypers, str):
+        hypers = json.loads(hypers)
+    config = PETConfig.from_hypers(hypers)
+    if any(isinstance(k, str) and "." in k for k in params):
+        params = tree.unflatten(dict(params))
+    check_params(config, params, what=f"the parameters in {path!r}")
+    return config, params
