@@ -28,3 +28,4 @@ from .train import (
     make_train_step,
     warmup_cosine,
 )
+from .trainer import fit

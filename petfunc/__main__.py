@@ -1,0 +1,8 @@
+"""``python -m petfunc``: the ``petfunc`` command (see :mod:`petfunc.cli`)."""
+
+import sys
+
+from .cli import main
+
+
+sys.exit(main())

@@ -1,0 +1,424 @@
+"""The ``petfunc`` command: ``petfunc train`` and ``petfunc eval``.
+
+Usage::
+
+    petfunc train [OPTIONS.yaml] [--output DIR] [--restart CKPT] [--epochs N]
+                  [--batch-size N] [--lr X] [--seed N] [--dtype float32|float64]
+                  [--device cpu|cuda] [--compile] [--backend inductor|aot_eager]
+                  [--no-augmentation] [--no-progress] [--threads N] [--set KEY=VALUE ...]
+    petfunc eval MODEL DATASET.xyz [--batch-size N] [--dtype ...] [--energy-key K] ...
+
+``python -m petfunc`` is the same command.
+
+``petfunc train`` without an options file is a demo that runs in a few minutes on
+a laptop CPU (on a busy machine, ``--threads 1`` can be several times faster than
+torch's default thread count): it writes a built-in dataset (``dataset.xyz``, 160 rattled and
+strained periodic fcc Cu/Al/Ni alloy cells of 8, 12, 16 and 32 atoms, with EMT
+energies, forces and stresses from ASE) to the output folder and trains the demo
+model on it (:data:`DEMO_OPTIONS`: PET with ``d_pet=32``, ``d_node=64``,
+``d_head=32``, ``d_feedforward=64``, 4 heads, 1 attention layer per GNN layer, 2 GNN
+layers, cutoff 4.5 Å; 106k parameters; 20 epochs of batch 8 at learning rate 3e-3,
+float32, metatrain's default loss: energy, forces and stress, all weight 1).
+
+Without an options file but with ``--set training_set=FILE``, the demo's options
+train on that file instead of the built-in dataset.
+
+Outputs (in ``--output``, default ``outputs/YYYY-MM-DD/HH-MM-SS``): ``options.yaml``
+(the complete options used; ``petfunc train DIR/options.yaml`` reruns),
+``last.ckpt`` and ``best.ckpt`` (see :mod:`petfunc.trainer`; ``--restart`` takes
+either), ``best_params.pt`` (:func:`petfunc.save_params`), ``metrics.csv`` (one row
+per epoch), ``parity.png``, and ``dataset.xyz`` for the demo.
+
+Options file schema
+-------------------
+
+The layout of metatrain's ``options.yaml`` (``examples/options.yaml`` shows every
+key). Unknown keys raise an error naming them. Defaults are metatrain's.
+
+.. code-block:: yaml
+
+    seed: 0                       # all randomness: split, init, shuffling, rotations
+    base_precision: 32            # 32 (float32) or 64 (float64)
+    device: cpu                   # cpu, cuda or cuda:N
+    architecture:
+      name: pet
+      atomic_types: [13, 28, 29]  # optional; default: every element in the data
+      model:                      # PETConfig fields (metatrain's PET model hypers);
+        cutoff: 4.5               # omitted ones take metatrain's defaults
+        d_pet: 128
+        # ... d_head, d_node, d_feedforward, num_heads, num_attention_layers,
+        #     num_gnn_layers, cutoff_width, cutoff_function, normalization,
+        #     activation, transformer_type, featurizer_type, zbl,
+        #     num_neighbors_adaptive, ...
+      training:
+        batch_size: 16
+        num_epochs: 1000
+        learning_rate: 1.0e-4     # peak of warm-up + cosine decay, stepped per batch
+        warmup_fraction: 0.01     # of all optimizer steps
+        weight_decay: null        # null: Adam; a number: AdamW
+        grad_clip_norm: 1.0       # global norm; null: no clipping
+        loss: mse                 # mse | mae | huber for every term, or per term:
+        #  loss:
+        #    energy:
+        #      type: mse
+        #      weight: 1.0
+        #      gradients:          # also accepted: forces/stress directly under energy
+        #        positions: {type: mse, weight: 10.0}     # forces (alias: forces)
+        #        strain: {type: mse, weight: 1.0}         # stress (aliases: stress, virial)
+        best_model_metric: mae_prod   # mae_prod | rmse_prod | loss (on validation)
+        log_interval: 1           # validate (and maybe update best.ckpt) every N epochs
+        checkpoint_interval: 100  # also keep epoch_N.ckpt every N epochs
+        scale_targets: true       # fit the energy scale (false: scale 1 eV)
+        finetune:
+          read_from: null         # start from a checkpoint: petfunc .ckpt / params
+                                  # file, or a metatrain .ckpt / model.pt
+          method: full            # only full fine-tuning
+        # petfunc additions:
+        augmentation: true        # random O(3) rotations of training structures
+        compile: false            # trace + torch.compile the train and eval steps
+        compile_backend: inductor # inductor | aot_eager | eager
+    training_set:                 # or just a file name: training_set: data.xyz
+      systems:
+        read_from: data.xyz       # anything ase.io.read reads (extxyz)
+        length_unit: angstrom     # angstrom | bohr | nm
+      targets:
+        energy:
+          key: energy             # info key (or calculator result)
+          unit: eV                # eV | meV | Hartree | Ry | kcal/mol | kJ/mol
+          forces: auto            # auto: key "forces" if present; {key: K} or
+                                  # true: required; false: not used
+          stress: auto            # same, key "stress" (eV/Å^3, ASE sign convention)
+          virial: false           # {key: K}: virial W = -dE/d strain instead of stress
+    validation_set: 0.1           # fraction of training_set, or a dataset like training_set
+
+metatrain trainer keys that only concern its logging or data loading
+(``num_workers``, ``log_mae``, ``log_separate_blocks``, ``distributed_port``) are
+accepted and ignored; ``atomic_baseline``, ``fixed_scaling_weights``,
+``per_structure_targets``, ``max_atoms_per_batch`` and ``min_atoms_per_batch`` are
+accepted only at their default values. ``test_set`` is not supported: use
+``petfunc eval``.
+
+Labels: a loss term is trained only if the training set has its labels. With
+``forces: auto`` (the default) a dataset without forces trains on energies only;
+asking for forces explicitly (``forces: {key: ...}``, ``forces: true`` or a
+forces weight in ``loss``) makes missing forces an error that lists the keys found
+in the file. Partially labelled datasets are fine (missing labels are skipped).
+
+Metrics: the progress bar, the log and ``metrics.csv`` report the loss (in training
+units) and the RMSE/MAE of energies per atom (eV/atom), forces (eV/Å) and the
+strain derivative per atom, ``V sigma / N`` (eV/atom), for the training epoch
+(running, augmented) and the validation set. ``petfunc eval`` reports the stress
+itself in eV/Å^3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+
+
+#: the demo run's options (``petfunc train`` without an options file); the training
+#: set is the built-in dataset written to the output folder.
+DEMO_OPTIONS = {
+    "seed": 0,
+    "base_precision": 32,
+    "device": "cpu",
+    "architecture": {
+        "name": "pet",
+        "model": {
+            "cutoff": 4.5,
+            "cutoff_width": 0.5,
+            "d_pet": 32,
+            "d_head": 32,
+            "d_node": 64,
+            "d_feedforward": 64,
+            "num_heads": 4,
+            "num_attention_layers": 1,
+            "num_gnn_layers": 2,
+        },
+        "training": {
+            "batch_size": 8,
+            "num_epochs": 20,
+            "learning_rate": 3e-3,
+            "warmup_fraction": 0.01,
+        },
+    },
+    "validation_set": 0.1,
+}
+
+DEMO_STRUCTURES = 160
+
+
+def make_default_dataset(path, n_structures: int = DEMO_STRUCTURES, seed: int = 0) -> Path:
+    """Write the built-in demo dataset to ``path`` (extxyz) and return the path.
+
+    Random fcc Cu/Al/Ni alloys (50/25/25 %) in cubic cells repeated 1x1x2, 1x1x3,
+    1x2x2 and 2x2x2 (8, 12, 16, 32 atoms), lattice constant by Vegard's law, a random
+    symmetric strain of 2 % and Gaussian rattling of 0.1 Å; energy, forces and stress
+    from ASE's EMT calculator. About 2 s for 160 structures.
+    """
+    import ase.build
+    import ase.io
+    from ase.calculators.emt import EMT
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    rng = np.random.default_rng(seed)
+    lattice = {"Cu": 3.61, "Al": 4.05, "Ni": 3.52}
+    repeats = [(1, 1, 2), (1, 2, 2), (2, 2, 2), (1, 1, 3)]
+    frames = []
+    for i in range(int(n_structures)):
+        atoms = ase.build.bulk("Cu", "fcc", a=1.0, cubic=True).repeat(repeats[i % len(repeats)])
+        symbols = rng.choice(["Cu", "Al", "Ni"], size=len(atoms), p=[0.5, 0.25, 0.25])
+        atoms.set_chemical_symbols(list(symbols))
+        a = float(np.mean([lattice[s] for s in symbols]))
+        strain = np.eye(3) + rng.normal(0.0, 0.02, (3, 3))
+        strain = 0.5 * (strain + strain.T)
+        atoms.set_cell(np.asarray(atoms.cell) * a @ strain, scale_atoms=True)
+        atoms.positions += rng.normal(0.0, 0.1, atoms.positions.shape)
+        atoms.calc = EMT()
+        energy = atoms.get_potential_energy()
+        forces = atoms.get_forces()
+        stress = atoms.get_stress()
+        atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=forces, stress=stress)
+        frames.append(atoms)
+    path = Path(path)
+    ase.io.write(str(path), frames, format="extxyz")
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# argument parsing
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="petfunc",
+        description="Train and evaluate PET interatomic potentials (pure-functional PyTorch).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    train = sub.add_parser(
+        "train",
+        help="train a model",
+        description="Train a PET model. Without an options file: a few-minute demo on a "
+        "built-in EMT dataset (see `python -m pydoc petfunc.cli` for the options schema).",
+    )
+    train.add_argument("options", nargs="?", help="options file (metatrain's options.yaml layout)")
+    train.add_argument("-o", "--output", help="output folder (default: outputs/DATE/TIME; "
+                       "with --restart: the checkpoint's folder)")
+    train.add_argument("--restart", metavar="CKPT", help="continue from last.ckpt/best.ckpt")
+    train.add_argument("--epochs", type=int, help="architecture.training.num_epochs")
+    train.add_argument("--batch-size", type=int, help="architecture.training.batch_size")
+    train.add_argument("--lr", type=float, help="architecture.training.learning_rate")
+    train.add_argument("--seed", type=int, help="seed")
+    train.add_argument("--dtype", choices=("float32", "float64"), help="base_precision 32 or 64")
+    train.add_argument("--device", help="cpu, cuda or cuda:N")
+    train.add_argument("--compile", action="store_true", default=None,
+                       help="trace and torch.compile the training and validation steps")
+    train.add_argument("--no-compile", dest="compile", action="store_false")
+    train.add_argument("--backend", choices=("inductor", "aot_eager", "eager"),
+                       help="architecture.training.compile_backend")
+    train.add_argument("--no-augmentation", dest="augmentation", action="store_false", default=None,
+                       help="no random rotations of training structures")
+    train.add_argument("--finetune", metavar="MODEL",
+                       help="architecture.training.finetune.read_from")
+    train.add_argument("--structures", type=int, default=DEMO_STRUCTURES,
+                       help=f"size of the built-in demo dataset (default {DEMO_STRUCTURES}; "
+                       "only without an options file)")
+    train.add_argument("-s", "--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="set any option, e.g. --set architecture.model.d_pet=64 "
+                       "(VALUE is YAML); repeatable")
+    train.add_argument("--no-progress", dest="progress", action="store_false", default=None,
+                       help="no progress bar")
+    train.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+
+    ev = sub.add_parser("eval", help="errors of a model on a dataset",
+                        description="RMSE and MAE of energies per atom, forces and stress.")
+    ev.add_argument("model", help="a petfunc checkpoint (.ckpt), a best_params.pt file, or a metatrain checkpoint")
+    ev.add_argument("dataset", help="extxyz file with reference labels")
+    ev.add_argument("--batch-size", type=int, default=16)
+    ev.add_argument("--dtype", choices=("float32", "float64"), help="default: the model's")
+    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--which", choices=("best", "last"), default="best",
+                    help="parameters of a training checkpoint (default: best)")
+    ev.add_argument("--energy-key", default="energy")
+    ev.add_argument("--forces-key", default="forces")
+    ev.add_argument("--stress-key", default="stress")
+    ev.add_argument("--energy-unit", default="eV")
+    ev.add_argument("--length-unit", default="angstrom")
+    ev.add_argument("--json", metavar="FILE", help="also write the metrics as JSON")
+    ev.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    return parser
+
+
+def _read_options_file(path) -> dict:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"options file not found: {str(path)!r}")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except yaml.YAMLError as error:
+        raise ValueError(f"could not parse options file {str(path)!r}: {error}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"options file {str(path)!r} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def _overrides(args) -> List[tuple]:
+    import yaml
+
+    t = "architecture.training"
+    pairs = []
+    for name, key, convert in (
+        ("epochs", f"{t}.num_epochs", None),
+        ("batch_size", f"{t}.batch_size", None),
+        ("lr", f"{t}.learning_rate", None),
+        ("seed", "seed", None),
+        ("dtype", "base_precision", lambda v: 64 if v == "float64" else 32),
+        ("device", "device", None),
+        ("compile", f"{t}.compile", None),
+        ("backend", f"{t}.compile_backend", None),
+        ("augmentation", f"{t}.augmentation", None),
+        ("finetune", f"{t}.finetune.read_from", None),
+    ):
+        value = getattr(args, name)
+        if value is not None:
+            pairs.append((key, convert(value) if convert else value))
+    for item in args.set:
+        if "=" not in item:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        key, text = item.split("=", 1)
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        pairs.append((key.strip(), value))
+    return pairs
+
+
+def _train(args) -> int:
+    import yaml
+
+    from .options import resolve_options, set_option
+    from .trainer import fit, load_checkpoint
+
+    restart = args.restart
+    if restart is not None:
+        ckpt = load_checkpoint(restart)
+        stored = json.loads(ckpt["options"])
+    if args.options:
+        options = _read_options_file(args.options)
+        demo = False
+    elif restart is not None:
+        options = stored
+        demo = False
+    else:
+        options = copy.deepcopy(DEMO_OPTIONS)
+        demo = True
+    if restart is not None and args.options and "training_set" not in options:
+        options["training_set"] = stored["training_set"]
+        options.setdefault("validation_set", stored["validation_set"])
+    for key, value in _overrides(args):
+        set_option(options, key, value)
+    if demo and options.get("training_set") is not None:
+        demo = False  # --set training_set=...: the demo's defaults on the user's data
+
+    if args.output:
+        output = Path(args.output)
+    elif restart is not None:
+        output = Path(restart).resolve().parent
+    else:
+        now = datetime.datetime.now()
+        output = Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
+    output.mkdir(parents=True, exist_ok=True)
+
+    if demo:
+        # check the options before spending time on the dataset
+        probe = copy.deepcopy(options)
+        probe["training_set"] = "dataset.xyz"
+        resolve_options(probe)
+        path = output / "dataset.xyz"
+        print(f"demo run: writing the built-in EMT dataset ({args.structures} Cu/Al/Ni structures) to {path}")
+        make_default_dataset(path, args.structures, seed=options.get("seed", 0) or 0)
+        options["training_set"] = str(path.resolve())
+
+    from .trainer import _absolute_paths
+
+    resolved = _absolute_paths(resolve_options(options))
+    with open(output / "options.yaml", "w", encoding="utf-8") as handle:
+        yaml.safe_dump(resolved, handle, sort_keys=False)
+    print(f"output folder: {output}")
+    fit(resolved, output, restart=restart, progress=args.progress)
+    return 0
+
+
+def _eval(args) -> int:
+    import torch
+
+    from .trainer import evaluate
+
+    dtype = {"float32": torch.float32, "float64": torch.float64, None: None}[args.dtype]
+    metrics, _ = evaluate(
+        args.model, args.dataset, batch_size=args.batch_size, dtype=dtype, device=args.device,
+        energy_key=args.energy_key, forces_key=args.forces_key, stress_key=args.stress_key,
+        energy_unit=args.energy_unit, length_unit=args.length_unit,
+    )
+    print(f"{args.dataset}: {metrics['n_structures']} structures, {metrics['n_atoms']} atoms")
+    print(f"{'':16s}{'RMSE':>12s}{'MAE':>12s}  unit      labels")
+    rows = (("energy_per_atom", "energy/atom", "eV/atom"), ("forces", "forces", "eV/Å"),
+            ("stress", "stress", "eV/Å^3"))
+    for key, name, unit in rows:
+        if f"{key}_rmse" in metrics:
+            print(f"{name:16s}{metrics[f'{key}_rmse']:12.5g}{metrics[f'{key}_mae']:12.5g}  "
+                  f"{unit:8s}  {metrics[f'{key}_count']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(metrics, indent=2))
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``petfunc`` command; returns the exit status.
+
+    Errors in options or data print ``petfunc: error: ...`` and return 2; a diverged
+    training (NaN/inf loss) returns 1.
+    """
+    from .trainer import TrainingError
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            parser.error("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
+    try:
+        if args.command == "train":
+            return _train(args)
+        return _eval(args)
+    except TrainingError as error:
+        print(f"petfunc: training stopped: {error}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError, NotImplementedError, TypeError) as error:
+        print(f"petfunc: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("petfunc: interrupted (the last checkpoint is intact)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

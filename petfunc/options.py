@@ -1,0 +1,436 @@
+"""Options of ``petfunc train``: metatrain's ``options.yaml`` layout, checked and
+completed with defaults.
+
+The schema is documented in :mod:`petfunc.cli`; ``examples/options.yaml`` is a
+complete example. :func:`resolve_options` turns a user mapping into the full
+options (every default filled in, shorthands expanded) and raises ``ValueError``
+naming the offending key for anything it does not know.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional
+
+from .config import PETConfig
+from .loss import LossTerm, LossWeights
+
+
+#: ``architecture.training`` defaults: metatrain's PET trainer (v2026.4) plus
+#: petfunc's own keys (``augmentation``, ``compile``, ``compile_backend``).
+TRAINING_DEFAULTS: Dict[str, Any] = {
+    "batch_size": 16,
+    "num_epochs": 1000,
+    "warmup_fraction": 0.01,
+    "learning_rate": 1e-4,
+    "weight_decay": None,
+    "grad_clip_norm": 1.0,
+    "loss": "mse",
+    "best_model_metric": "mae_prod",
+    "log_interval": 1,
+    "checkpoint_interval": 100,
+    "scale_targets": True,
+    "finetune": {"read_from": None, "method": "full", "config": {}, "inherit_heads": {}},
+    "augmentation": True,
+    "compile": False,
+    "compile_backend": "inductor",
+}
+
+#: metatrain trainer keys that only affect metatrain's logging or data loading:
+#: accepted and ignored.
+IGNORED_METATRAIN_KEYS = ("num_workers", "log_mae", "log_separate_blocks", "distributed_port")
+
+#: metatrain trainer keys petfunc does not implement: accepted only at their default.
+UNSUPPORTED_METATRAIN_KEYS = {
+    "atomic_baseline": {},
+    "fixed_scaling_weights": {},
+    "per_structure_targets": [],
+    "max_atoms_per_batch": None,
+    "min_atoms_per_batch": 0,
+}
+
+TOP_LEVEL_DEFAULTS: Dict[str, Any] = {
+    "seed": 0,
+    "base_precision": 32,
+    "device": "cpu",
+    "architecture": {"name": "pet"},
+    "training_set": None,
+    "validation_set": 0.1,
+    "test_set": None,
+}
+
+#: multiplicative factors to eV and Å (ASE's CODATA values)
+def _units():
+    from ase import units
+
+    energy = {
+        "ev": 1.0,
+        "mev": 1e-3,
+        "hartree": units.Hartree,
+        "ha": units.Hartree,
+        "ry": units.Ry,
+        "rydberg": units.Ry,
+        "kcal/mol": units.kcal / units.mol,
+        "kj/mol": units.kJ / units.mol,
+    }
+    length = {
+        "angstrom": 1.0,
+        "a": 1.0,
+        "å": 1.0,
+        "bohr": units.Bohr,
+        "nm": 10.0,
+        "nanometer": 10.0,
+    }
+    return energy, length
+
+
+def energy_unit_factor(unit: str) -> float:
+    """eV per ``unit`` (``eV``, ``meV``, ``Hartree``, ``Ry``, ``kcal/mol``, ``kJ/mol``)."""
+    table, _ = _units()
+    key = str(unit).strip().lower()
+    if key not in table:
+        raise ValueError(f"unknown energy unit {unit!r}; known units: eV, meV, Hartree, Ry, kcal/mol, kJ/mol")
+    return table[key]
+
+
+def length_unit_factor(unit: Optional[str]) -> float:
+    """Å per ``unit`` (``angstrom``, ``bohr``, ``nm``); ``None`` means Å."""
+    if unit is None:
+        return 1.0
+    _, table = _units()
+    key = str(unit).strip().lower()
+    if key not in table:
+        raise ValueError(f"unknown length unit {unit!r}; known units: angstrom, bohr, nm")
+    return table[key]
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def _check_keys(section: Mapping, allowed, where: str) -> None:
+    """Raise ``ValueError`` naming the first key of ``section`` not in ``allowed``."""
+    if not isinstance(section, Mapping):
+        raise ValueError(f"option '{where}' must be a mapping, got {section!r}")
+    for key in section:
+        if key not in allowed:
+            name = f"{where}.{key}" if where else str(key)
+            close = difflib.get_close_matches(str(key), [str(a) for a in allowed], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ValueError(
+                f"unknown option '{name}'{hint}; valid keys here: {sorted(map(str, allowed))}"
+            )
+
+
+def _merge(defaults: Mapping, given: Mapping) -> dict:
+    out = copy.deepcopy(dict(defaults))
+    for key, value in given.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _number(value, name: str, positive=False, integer=False, minimum=None, maximum=None):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"option '{name}' must be a number, got {value!r}")
+    if integer and int(value) != value:
+        raise ValueError(f"option '{name}' must be an integer, got {value!r}")
+    if positive and not value > 0:
+        raise ValueError(f"option '{name}' must be positive, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"option '{name}' must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"option '{name}' must be <= {maximum}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+# ---------------------------------------------------------------------------------------
+# datasets
+
+
+_GRADIENTS = ("forces", "stress", "virial")
+
+
+def _gradient(value, default_key: str, where: str):
+    """``False``, ``"auto"`` or ``{"key": ...}`` for a forces/stress/virial entry."""
+    if value is None or value is False:
+        return False
+    if value == "auto":
+        return "auto"
+    if value is True:
+        return {"key": default_key}
+    if isinstance(value, str):  # metatrain: a path to read from
+        return {"key": default_key, "read_from": value}
+    if isinstance(value, Mapping):
+        _check_keys(value, ("key", "read_from", "reader"), where)
+        out = {"key": value.get("key", default_key)}
+        if value.get("read_from") is not None:
+            out["read_from"] = value["read_from"]
+        if value.get("reader") not in (None, "ase"):
+            raise ValueError(f"option '{where}.reader': only the 'ase' reader is supported")
+        return out
+    raise ValueError(f"option '{where}' must be true, false, 'auto' or a mapping, got {value!r}")
+
+
+def resolve_dataset(section, where: str) -> dict:
+    """Expand a dataset section (metatrain's shorthand included) to its full form::
+
+        {"systems": {"read_from", "length_unit"},
+         "targets": {"energy": {"key", "unit", "forces", "stress", "virial"}}}
+
+    ``forces``/``stress`` default to ``"auto"`` (use the key ``forces``/``stress``
+    when the file has it); an explicit entry makes the labels required.
+    """
+    if isinstance(section, (str, Path)):
+        section = {"systems": str(section)}
+    if not isinstance(section, Mapping):
+        raise ValueError(f"option '{where}' must be a file name or a mapping, got {section!r}")
+    _check_keys(section, ("systems", "targets", "extra_data"), where)
+    if section.get("extra_data"):
+        raise ValueError(f"option '{where}.extra_data' is not supported by petfunc")
+    systems = section.get("systems")
+    if isinstance(systems, (str, Path)):
+        systems = {"read_from": str(systems)}
+    if not isinstance(systems, Mapping) or systems.get("read_from") is None:
+        raise ValueError(f"option '{where}.systems' must name a file (systems: {{read_from: FILE}})")
+    _check_keys(systems, ("read_from", "reader", "length_unit"), f"{where}.systems")
+    if systems.get("reader") not in (None, "ase"):
+        raise ValueError(f"option '{where}.systems.reader': only the 'ase' reader is supported")
+    length_unit = systems.get("length_unit") or "angstrom"
+    length_unit_factor(length_unit)
+    read_from = str(systems["read_from"])
+
+    targets = section.get("targets")
+    if targets is None:
+        targets = {"energy": {}}
+    if not isinstance(targets, Mapping):
+        raise ValueError(f"option '{where}.targets' must be a mapping")
+    _check_keys(targets, ("energy",), f"{where}.targets")
+    energy = targets.get("energy", {})
+    if energy is None:
+        energy = {}
+    if isinstance(energy, str):
+        energy = {"read_from": energy}
+    where_e = f"{where}.targets.energy"
+    _check_keys(energy, ("key", "unit", "read_from", "reader", "quantity", "forces", "stress", "virial", "description", "per_atom", "type", "num_subtargets"), where_e)
+    for key, default in (("quantity", "energy"), ("per_atom", False), ("type", "scalar"), ("num_subtargets", 1)):
+        if key in energy and energy[key] != default:
+            raise ValueError(f"option '{where_e}.{key}' must be {default!r} (petfunc trains total energies)")
+    if energy.get("read_from") not in (None, read_from):
+        raise ValueError(f"option '{where_e}.read_from': labels must come from the systems file {read_from!r}")
+    if energy.get("reader") not in (None, "ase"):
+        raise ValueError(f"option '{where_e}.reader': only the 'ase' reader is supported")
+    unit = energy.get("unit") or "eV"
+    energy_unit_factor(unit)
+    resolved = {
+        "key": energy.get("key") or "energy",
+        "unit": unit,
+        "forces": _gradient(energy.get("forces", "auto"), "forces", f"{where_e}.forces"),
+        "stress": _gradient(energy.get("stress", "auto"), "stress", f"{where_e}.stress"),
+        "virial": _gradient(energy.get("virial", False), "virial", f"{where_e}.virial"),
+    }
+    for name in _GRADIENTS:
+        value = resolved[name]
+        if isinstance(value, dict) and value.pop("read_from", read_from) != read_from:
+            raise ValueError(f"option '{where_e}.{name}.read_from': labels must come from the systems file {read_from!r}")
+    if resolved["virial"] and resolved["stress"] and resolved["stress"] != "auto":
+        raise ValueError(f"option '{where_e}': cannot use stress and virial at the same time")
+    if resolved["virial"]:
+        resolved["stress"] = False
+    if "description" in energy:
+        resolved["description"] = energy["description"]
+    return {
+        "systems": {"read_from": read_from, "length_unit": length_unit},
+        "targets": {"energy": resolved},
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# loss
+
+
+_TERM_ALIASES = {"positions": "forces", "forces": "forces", "strain": "stress", "stress": "stress", "virial": "stress"}
+
+
+def _loss_term(spec, where: str, default_type: str) -> LossTerm:
+    if isinstance(spec, str):
+        return LossTerm(1.0, spec)
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        return LossTerm(float(spec), default_type)
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"option '{where}' must be a loss type, a weight or a mapping, got {spec!r}")
+    _check_keys(spec, ("type", "weight", "reduction"), where)
+    if spec.get("reduction", "mean") != "mean":
+        raise ValueError(f"option '{where}.reduction': only 'mean' is supported")
+    try:
+        return LossTerm(_number(spec.get("weight", 1.0), f"{where}.weight", minimum=0.0), spec.get("type", default_type))
+    except ValueError as error:
+        raise ValueError(f"option '{where}': {error}") from None
+
+
+def parse_loss(spec) -> tuple:
+    """``(LossWeights, explicit)`` from the ``loss`` option.
+
+    Accepted forms: a type (``"mse"``, ``"mae"``, ``"huber"``) for every term, or
+    ``{energy: {type, weight, gradients: {positions|forces: {...}, strain|stress|virial: {...}}}}``
+    (metatrain's layout; ``forces``/``stress`` may also sit directly under
+    ``energy``). ``explicit`` is the set of gradient terms the user configured with a
+    weight > 0, whose labels are then required.
+    """
+    where = "architecture.training.loss"
+    if isinstance(spec, str):
+        term = _loss_term(spec, where, "mse")
+        return LossWeights(term, term, term), set()
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"option '{where}' must be a loss type or a mapping, got {spec!r}")
+    _check_keys(spec, ("energy",), where)
+    energy = spec.get("energy", {})
+    if isinstance(energy, str):
+        term = _loss_term(energy, f"{where}.energy", "mse")
+        return LossWeights(term, term, term), set()
+    if not isinstance(energy, Mapping):
+        raise ValueError(f"option '{where}.energy' must be a loss type or a mapping")
+    where_e = f"{where}.energy"
+    _check_keys(energy, ("type", "weight", "reduction", "gradients", "forces", "positions", "stress", "strain", "virial"), where_e)
+    base = {k: v for k, v in energy.items() if k in ("type", "weight", "reduction")}
+    energy_term = _loss_term(base, where_e, "mse")
+    gradients = dict(energy.get("gradients") or {})
+    if not isinstance(gradients, Mapping):
+        raise ValueError(f"option '{where_e}.gradients' must be a mapping")
+    _check_keys(gradients, tuple(_TERM_ALIASES), f"{where_e}.gradients")
+    entries = [(f"{where_e}.gradients.{k}", k, v) for k, v in gradients.items()]
+    entries += [(f"{where_e}.{k}", k, energy[k]) for k in _TERM_ALIASES if k in energy]
+    terms = {"forces": LossTerm(1.0, energy_term.type), "stress": LossTerm(1.0, energy_term.type)}
+    seen = {}
+    explicit = set()
+    for name, key, value in entries:
+        target = _TERM_ALIASES[key]
+        if target in seen:
+            raise ValueError(f"options '{seen[target]}' and '{name}' both set the {target} loss")
+        seen[target] = name
+        terms[target] = _loss_term(value, name, energy_term.type)
+        if terms[target].weight > 0:
+            explicit.add(target)
+    return LossWeights(energy_term, terms["forces"], terms["stress"]), explicit
+
+
+# ---------------------------------------------------------------------------------------
+# everything
+
+
+_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(PETConfig))
+
+
+def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = None) -> dict:
+    """Complete and check an options mapping (metatrain's ``options.yaml`` layout).
+
+    Args:
+        given: the user's options.
+        base: defaults to apply before ``given`` (e.g. the built-in demo run's);
+            metatrain's defaults apply under both.
+
+    Returns:
+        the full options: every default filled in, datasets expanded by
+        :func:`resolve_dataset`.
+
+    Raises:
+        ValueError: an unknown key (named, with a suggestion), a value of the wrong
+            type or range, or a metatrain option that petfunc does not implement.
+    """
+    given = dict(given or {})
+    _check_keys(given, tuple(TOP_LEVEL_DEFAULTS), "")
+    merged = _merge(TOP_LEVEL_DEFAULTS, base or {})
+    merged = _merge(merged, given)
+
+    arch = merged["architecture"]
+    _check_keys(arch, ("name", "model", "training", "atomic_types"), "architecture")
+    if arch.get("name") != "pet":
+        raise ValueError(f"option 'architecture.name' must be 'pet', got {arch.get('name')!r}")
+    model = dict(arch.get("model") or {})
+    _check_keys(model, _MODEL_FIELDS, "architecture.model")
+    if "atomic_types" in arch:
+        model["atomic_types"] = list(arch.pop("atomic_types"))
+    try:  # check the values now (atomic types come from the data later)
+        PETConfig.from_hypers({"atomic_types": (1,), **model})
+    except (ValueError, TypeError, NotImplementedError) as error:
+        raise ValueError(f"option 'architecture.model': {error}") from None
+    arch["model"] = model
+
+    training = dict(arch.get("training") or {})
+    allowed = tuple(TRAINING_DEFAULTS) + IGNORED_METATRAIN_KEYS + tuple(UNSUPPORTED_METATRAIN_KEYS)
+    _check_keys(training, allowed, "architecture.training")
+    for key, default in UNSUPPORTED_METATRAIN_KEYS.items():
+        if key in training and training.pop(key) != default:
+            raise ValueError(f"option 'architecture.training.{key}' (metatrain) is not supported by petfunc")
+    for key in IGNORED_METATRAIN_KEYS:
+        training.pop(key, None)
+    training = _merge(TRAINING_DEFAULTS, training)
+    t = "architecture.training"
+    training["batch_size"] = _number(training["batch_size"], f"{t}.batch_size", positive=True, integer=True)
+    training["num_epochs"] = _number(training["num_epochs"], f"{t}.num_epochs", minimum=0, integer=True)
+    training["warmup_fraction"] = _number(training["warmup_fraction"], f"{t}.warmup_fraction", minimum=0.0, maximum=1.0)
+    training["learning_rate"] = _number(training["learning_rate"], f"{t}.learning_rate", minimum=0.0)
+    if training["weight_decay"] is not None:
+        training["weight_decay"] = _number(training["weight_decay"], f"{t}.weight_decay", minimum=0.0)
+    if training["grad_clip_norm"] is not None:
+        training["grad_clip_norm"] = _number(training["grad_clip_norm"], f"{t}.grad_clip_norm", positive=True)
+    training["log_interval"] = _number(training["log_interval"], f"{t}.log_interval", positive=True, integer=True)
+    training["checkpoint_interval"] = _number(training["checkpoint_interval"], f"{t}.checkpoint_interval", positive=True, integer=True)
+    if training["best_model_metric"] not in ("mae_prod", "rmse_prod", "loss"):
+        raise ValueError(f"option '{t}.best_model_metric' must be 'mae_prod', 'rmse_prod' or 'loss', got {training['best_model_metric']!r}")
+    for key in ("augmentation", "compile", "scale_targets"):
+        if not isinstance(training[key], bool):
+            raise ValueError(f"option '{t}.{key}' must be true or false, got {training[key]!r}")
+    if training["compile_backend"] not in ("inductor", "aot_eager", "eager"):
+        raise ValueError(f"option '{t}.compile_backend' must be 'inductor', 'aot_eager' or 'eager', got {training['compile_backend']!r}")
+    finetune = training["finetune"]
+    _check_keys(finetune, ("read_from", "method", "config", "inherit_heads"), f"{t}.finetune")
+    if finetune.get("method", "full") != "full":
+        raise ValueError(f"option '{t}.finetune.method': only 'full' fine-tuning is supported, got {finetune['method']!r}")
+    if finetune.get("config") or finetune.get("inherit_heads"):
+        raise ValueError(f"options '{t}.finetune.config'/'inherit_heads' are not supported by petfunc")
+    parse_loss(training["loss"])  # validate now
+    arch["training"] = training
+
+    merged["seed"] = _number(merged["seed"], "seed", minimum=0, integer=True)
+    if merged["base_precision"] not in (32, 64):
+        raise ValueError(f"option 'base_precision' must be 32 or 64, got {merged['base_precision']!r}")
+    device = str(merged["device"])
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"option 'device' must be 'cpu' or 'cuda[:N]', got {device!r}")
+    merged["device"] = device
+    if merged["test_set"] not in (None, 0, 0.0):
+        raise ValueError("option 'test_set' is not supported: evaluate with `petfunc eval CHECKPOINT FILE`")
+    merged.pop("test_set")
+
+    if merged["training_set"] is None:
+        raise ValueError("option 'training_set' is required (an extxyz file or a dataset section)")
+    merged["training_set"] = resolve_dataset(merged["training_set"], "training_set")
+    val = merged["validation_set"]
+    if isinstance(val, bool) or val is None:
+        raise ValueError("option 'validation_set' must be a fraction in [0, 1) or a dataset")
+    if isinstance(val, (int, float)):
+        merged["validation_set"] = _number(val, "validation_set", minimum=0.0)
+        if not merged["validation_set"] < 1.0:
+            raise ValueError(f"option 'validation_set' as a fraction must be below 1, got {val!r}")
+    else:
+        merged["validation_set"] = resolve_dataset(val, "validation_set")
+    return merged
+
+
+def set_option(options: dict, dotted: str, value) -> None:
+    """Set ``options["a"]["b"]["c"] = value`` for ``dotted = "a.b.c"`` (creating sections)."""
+    node = options
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = node.get(part)
+        if child is None or not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[leaf] = value

@@ -1,0 +1,1124 @@
+"""The training loop of ``petfunc train`` as a library function: ``fit(options)``.
+
+``options`` is a metatrain-style options mapping (see :mod:`petfunc.cli` for the
+schema and :func:`petfunc.options.resolve_options`). :func:`fit`
+
+1. reads the training (and validation) extxyz files with ASE and builds the
+   neighbour lists once;
+2. fits the composition weights and the energy scale on the training set
+   (metatrain's ``CompositionModel`` and ``Scaler``) and stores them in the
+   parameters (``composition_weights``, ``energy_scale``, never trained);
+3. trains with metatrain's recipe: shuffled batches (last partial batch dropped),
+   random O(3) augmentation, Adam(W) with linear warm-up + cosine decay stepped per
+   batch, global gradient-norm clipping;
+4. validates every ``log_interval`` epochs with the same loss (no augmentation, no
+   optimizer), keeps the best parameters by ``best_model_metric``, and writes
+   ``last.ckpt``, ``best.ckpt``, ``metrics.csv`` and, at the end, ``parity.png``
+   and ``best_params.pt`` (a :func:`petfunc.save_params` file).
+
+Step structure (the seam for data-parallel training)::
+
+    world_size == 1 and reduce_grads is None:
+        state, metrics = train_step(state, batch)              # fused, compiled
+    otherwise:
+        grads, metrics = grad_step(state.params, batch)         # compiled
+        grads = reduce_grads(grads)                             # e.g. all-reduce AVG
+        state, _ = apply_gradients(optimizer, state, grads, clip)
+
+:func:`batch_plan` already takes ``rank``/``world_size``: every rank draws the
+same permutation (seeded by ``seed`` and the epoch) and takes ``indices[rank::
+world_size]``. Only rank 0 writes files. ``reduce_metrics`` (identity by default)
+is where summed metrics would be all-reduced.
+
+Randomness: all of it (split, shuffling, augmentation, initial parameters) derives
+from ``seed``, the epoch and the rank, never from global RNG state, so a run
+restarted from the checkpoint of epoch k continues bit for bit like the
+uninterrupted run (same device, same dtype, same number of threads).
+
+Checkpoints (``*.ckpt``) are ``torch.save`` files of plain data (strings, numbers,
+lists, dicts and tensors: the torchopt NamedTuple state is stored as nested dicts)
+that load with ``torch.load(path, weights_only=True)``, written to a temporary file
+and renamed over the old one, so a kill never leaves a half-written checkpoint.
+Keys: ``format``, ``format_version``, ``petfunc_version``, ``config`` (JSON),
+``params`` ({dotted name: tensor}), ``opt_state``, ``epoch`` (completed epochs),
+``step``, ``best_epoch``, ``best_metric``, ``best_params``, ``composition``
+({``atomic_types``, ``weights``}), ``energy_scale``, ``dtype``, ``rng`` (seed and
+torch's global RNG state), ``options`` (JSON), ``history`` (one dict per epoch).
+"""
+
+from __future__ import annotations
+
+import csv
+import io as _io
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from . import tree
+from .config import PETConfig
+from .data import Dataset, Sample, make_batch, random_rotations, sample_from_atoms
+from .derivatives import energy_and_forces, energy_forces_stress
+from .loss import LossTerm, LossWeights, make_loss
+from .model import PET
+from .options import energy_unit_factor, length_unit_factor, parse_loss, resolve_options
+from .structures import collate
+from .train import (
+    TrainState,
+    apply_gradients,
+    make_grad_step,
+    make_optimizer,
+    make_train_step,
+    trainable,
+    warmup_cosine,
+)
+
+
+CHECKPOINT_FORMAT = "petfunc.checkpoint"
+CHECKPOINT_VERSION = 1
+TERMS = ("energy", "forces", "stress")
+
+#: units of the metrics (stress in the training metrics is V sigma / N: eV/atom)
+UNITS = {"energy": "eV/atom", "forces": "eV/Å", "stress": "eV/atom"}
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue (a non-finite loss or parameters)."""
+
+
+@dataclass
+class FitResult:
+    """What :func:`fit` returns.
+
+    Attributes:
+        config: the model architecture.
+        params: the best parameters (by ``best_model_metric``), CPU tensors.
+        last_params: the parameters after the last epoch, CPU tensors.
+        best_epoch: epoch (1-based) of ``params``; 0 if no epoch ran.
+        best_metric: the validation metric at ``best_epoch``.
+        history: one dict of metrics per epoch (the rows of ``metrics.csv``).
+        output_dir: where the files were written (``None`` if nothing was written).
+        files: name -> path of the written files.
+        compiled_graphs: with ``compile: true``, how many graphs Dynamo compiled for
+            the ``"train"`` and ``"eval"`` steps (1 each when no batch recompiled).
+    """
+
+    config: PETConfig
+    params: Any
+    last_params: Any
+    best_epoch: int
+    best_metric: float
+    history: List[dict]
+    output_dir: Optional[Path]
+    files: Dict[str, Path] = field(default_factory=dict)
+    compiled_graphs: Dict[str, int] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------
+# optimizer state <-> plain containers
+
+
+def state_to_plain(state):
+    """A torchopt state (NamedTuples, tuples, lists, dicts of tensors) as plain
+    dicts/lists of CPU tensors; NamedTuples become ``{"__namedtuple__": name, field: ...}``."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu").clone()
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        out = {"__namedtuple__": type(state).__name__}
+        out.update({f: state_to_plain(getattr(state, f)) for f in state._fields})
+        return out
+    if isinstance(state, (list, tuple)):
+        return [state_to_plain(x) for x in state]
+    if isinstance(state, dict):
+        return {str(k): state_to_plain(v) for k, v in state.items()}
+    if state is None or isinstance(state, (bool, int, float, str)):
+        return state
+    raise TypeError(f"cannot store optimizer state of type {type(state).__name__}")
+
+
+def state_from_plain(plain, template, where: str = "opt_state"):
+    """Inverse of :func:`state_to_plain`, guided by ``template`` (``optimizer.init(...)``),
+    whose types, dtypes and devices it restores. Raises ``ValueError`` on any mismatch."""
+    if isinstance(template, torch.Tensor):
+        if not isinstance(plain, torch.Tensor) or plain.shape != template.shape:
+            got = list(plain.shape) if isinstance(plain, torch.Tensor) else type(plain).__name__
+            raise ValueError(f"{where}: expected a tensor of shape {list(template.shape)}, got {got}")
+        return plain.to(dtype=template.dtype, device=template.device)
+    if isinstance(template, tuple) and hasattr(template, "_fields"):
+        name = type(template).__name__
+        if not isinstance(plain, Mapping) or plain.get("__namedtuple__") != name:
+            raise ValueError(f"{where}: expected a {name}")
+        return type(template)(
+            *[state_from_plain(plain[f], getattr(template, f), f"{where}.{f}") for f in template._fields]
+        )
+    if isinstance(template, (list, tuple)):
+        if not isinstance(plain, (list, tuple)) or len(plain) != len(template):
+            raise ValueError(f"{where}: expected a sequence of length {len(template)}")
+        return type(template)(state_from_plain(p, t, f"{where}.{i}") for i, (p, t) in enumerate(zip(plain, template)))
+    if isinstance(template, dict):
+        if not isinstance(plain, Mapping) or set(plain) != {str(k) for k in template}:
+            raise ValueError(f"{where}: keys differ from the optimizer's")
+        return {k: state_from_plain(plain[str(k)], v, f"{where}.{k}") for k, v in template.items()}
+    return template
+
+
+# ---------------------------------------------------------------------------------------
+# files
+
+
+def _atomic_save(payload, path: Path) -> None:
+    """``torch.save`` to a temporary file in the same folder, fsync, rename over ``path``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _atomic_write_text(text: str, path: Path) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def load_checkpoint(path) -> dict:
+    """Read a ``petfunc train`` checkpoint (``torch.load(weights_only=True)``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: unreadable, or not a petfunc training checkpoint.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint file at {str(path)!r}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise ValueError(f"{str(path)!r} is not a readable petfunc checkpoint ({type(error).__name__})") from error
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{str(path)!r} is not a petfunc training checkpoint")
+    if payload.get("format_version") != CHECKPOINT_VERSION:
+        raise ValueError(
+            f"{str(path)!r} has checkpoint version {payload.get('format_version')!r}; this petfunc "
+            f"reads version {CHECKPOINT_VERSION}"
+        )
+    return payload
+
+
+def load_model(path, dtype: Optional[torch.dtype] = None, which: str = "best", device=None):
+    """``(config, params)`` from a training checkpoint, a :func:`petfunc.save_params`
+    file, or (with metatrain installed) a metatrain checkpoint / exported model.
+
+    ``which`` picks the parameters of a training checkpoint: ``"best"`` (default;
+    ``best_params`` when present) or ``"last"``.
+    """
+    from .io import from_metatrain, load_params
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model file not found: {str(path)!r}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        payload = None
+    if isinstance(payload, dict) and payload.get("format") == CHECKPOINT_FORMAT:
+        payload = load_checkpoint(path)
+        config = PETConfig.from_hypers(json.loads(payload["config"]))
+        flat = payload["best_params"] if which == "best" and payload.get("best_params") else payload["params"]
+        params = tree.unflatten(dict(flat))
+    elif isinstance(payload, dict) and payload.get("format") == "petfunc.params":
+        config, params = load_params(path)
+    elif payload is not None:
+        raise ValueError(f"{str(path)!r} is not a petfunc checkpoint, parameter file or metatrain checkpoint")
+    else:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+        if magic[:2] != b"\x1f\x8b" and magic != b"PK\x03\x04":
+            raise ValueError(
+                f"{str(path)!r} is not a model file (expected a petfunc checkpoint or parameter "
+                "file, or a metatrain checkpoint)"
+            )
+        try:
+            config, params = from_metatrain(path)
+        except ImportError:
+            raise ValueError(
+                f"{str(path)!r} is neither a petfunc checkpoint nor a petfunc parameter file "
+                "(metatrain checkpoints need `pip install 'petfunc[metatrain]'`)"
+            ) from None
+    frozen = ("composition_weights", "energy_scale")
+
+    def cast(name, t):
+        keep64 = name in frozen
+        return t.to(dtype=torch.float64 if keep64 else (dtype or t.dtype), device=device)
+
+    params = {k: (cast(k, v) if k in frozen else tree.tree_map(lambda t: cast(k, t), v)) for k, v in params.items()}
+    return config, params
+
+
+# ---------------------------------------------------------------------------------------
+# datasets
+
+
+def _read_frames(path, where: str):
+    import ase.io
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{where}: dataset file not found: {str(path)!r}")
+    if not path.is_file():
+        raise ValueError(f"{where}: {str(path)!r} is not a file")
+    try:
+        frames = ase.io.read(str(path), index=":")
+    except Exception as error:  # ASE raises many kinds of errors on bad files
+        raise ValueError(f"{where}: could not read dataset file {str(path)!r}: {type(error).__name__}: {error}") from None
+    if not isinstance(frames, list):
+        frames = [frames]
+    if not frames:
+        raise ValueError(f"{where}: dataset file {str(path)!r} holds no structures")
+    return frames
+
+
+def _has_key(atoms, key) -> bool:
+    if key in atoms.info or key in atoms.arrays:
+        return True
+    calc = atoms.calc
+    return calc is not None and key in getattr(calc, "results", {})
+
+
+def _available_keys(frames) -> List[str]:
+    keys = set()
+    for atoms in frames[:50]:
+        keys.update(atoms.info)
+        keys.update(k for k in atoms.arrays if k not in ("numbers", "positions"))
+        if atoms.calc is not None:
+            keys.update(getattr(atoms.calc, "results", {}))
+    return sorted(keys)
+
+
+@dataclass
+class _Labels:
+    energy: Optional[str]
+    forces: Optional[str]
+    stress: Optional[str]
+    virial: Optional[str]
+    energy_unit: float
+    length_unit: float
+
+
+def _label_keys(frames, section: Mapping, weights: LossWeights, explicit: set, where: str) -> _Labels:
+    """Which keys to read; raises when requested labels are missing from the file."""
+    path = section["systems"]["read_from"]
+    target = section["targets"]["energy"]
+
+    def present(key):
+        return sum(_has_key(a, key) for a in frames)
+
+    def missing(what, key, how):
+        keys = _available_keys(frames)
+        return ValueError(
+            f"{where}: {how}, but no structure in {path!r} has {what} labels under the key "
+            f"{key!r} (keys in the file: {keys}). Set '{where}.targets.energy.{what}' to the right "
+            f"key, or to false to train without {what} (and drop any {what} weight from the "
+            "'architecture.training.loss' option)."
+        )
+
+    energy = target["key"]
+    if weights.energy.weight > 0 and not present(energy):
+        keys = _available_keys(frames)
+        raise ValueError(
+            f"{where}: no structure in {path!r} has an energy under the key {energy!r} "
+            f"(keys in the file: {keys}); set '{where}.targets.energy.key'"
+        )
+    keys = {}
+    for name, term in (("forces", weights.forces), ("stress", weights.stress), ("virial", weights.stress)):
+        spec = target[name]
+        if spec is False:
+            keys[name] = None
+            continue
+        key = name if spec == "auto" else spec["key"]
+        if present(key):
+            keys[name] = key
+            continue
+        keys[name] = None
+        loss_term = "forces" if name == "forces" else "stress"
+        if spec != "auto":
+            raise missing(name, key, f"'{where}.targets.energy.{name}' asks for {name}")
+        if loss_term in explicit and not (name == "stress" and target["virial"]):
+            raise missing(name, key, f"the loss has a {loss_term} term (weight {term.weight})")
+    return _Labels(
+        energy,
+        keys["forces"],
+        keys["stress"],
+        keys["virial"],
+        energy_unit_factor(target["unit"]),
+        length_unit_factor(section["systems"]["length_unit"]),
+    )
+
+
+def _to_samples(frames, config: PETConfig, labels: _Labels, path) -> List[Sample]:
+    samples = []
+    for i, atoms in enumerate(frames):
+        label = f"{path}: structure {i}"
+        sample = sample_from_atoms(
+            atoms, config, labels.energy, labels.forces, labels.stress, labels.virial,
+            labels.energy_unit, labels.length_unit, label=label,
+        )
+        for name in ("energy", "forces", "stress", "virial"):
+            value = getattr(sample, name)
+            if value is not None and np.isinf(np.asarray(value)).any():
+                raise ValueError(f"{label}: the {name} label is infinite")
+        samples.append(sample)
+    return samples
+
+
+def split_indices(n: int, fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """``(train, validation)`` indices: a seeded random ``fraction`` (at least 1) for
+    validation, sorted. ``fraction == 0`` gives no validation set."""
+    if fraction <= 0:
+        return np.arange(n), np.zeros(0, dtype=np.int64)
+    n_val = max(1, int(round(fraction * n)))
+    if n_val >= n:
+        raise ValueError(
+            f"validation_set: a fraction of {fraction} of {n} structures leaves none for training"
+        )
+    order = np.random.default_rng(seed).permutation(n)
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+# ---------------------------------------------------------------------------------------
+# batches
+
+
+def _derived_seed(*parts: int) -> int:
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def batch_plan(
+    n: int,
+    batch_size: int,
+    epoch: int = 0,
+    seed: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+) -> List[np.ndarray]:
+    """Indices of the batches of one epoch for one rank.
+
+    All ranks draw the same permutation (from ``seed`` and ``epoch``), truncate it to a
+    multiple of ``world_size`` and take ``perm[rank::world_size]``; that shard is cut
+    into batches of ``batch_size``, the last partial one dropped when ``drop_last``
+    (unless it is the only one), as metatrain's training loader does.
+    """
+    order = np.arange(n)
+    if shuffle:
+        order = np.random.default_rng(_derived_seed(seed, epoch, 0x5EED)).permutation(n)
+    if world_size > 1:
+        order = order[: (n // world_size) * world_size][rank::world_size]
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    if drop_last and len(batches) > 1 and len(batches[-1]) < batch_size:
+        batches = batches[:-1]
+    return batches
+
+
+def iterate_batches(
+    samples: Sequence[Sample],
+    config: PETConfig,
+    composition,
+    scale: float,
+    batch_size: int,
+    *,
+    epoch: int = 0,
+    seed: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = True,
+    augment: bool = False,
+    dtype=None,
+    device=None,
+    rank: int = 0,
+    world_size: int = 1,
+):
+    """Yield ``(indices, Batch)`` for one epoch (see :func:`batch_plan`). Augmentation
+    rotations come from a generator seeded by ``(seed, epoch, rank)``."""
+    generator = torch.Generator().manual_seed(_derived_seed(seed, epoch, rank, 0xA06))
+    for idx in batch_plan(len(samples), batch_size, epoch, seed, shuffle, drop_last, rank, world_size):
+        chosen = [samples[i] for i in idx]
+        rotations = random_rotations(len(chosen), generator) if augment else None
+        yield idx, make_batch(chosen, config, composition, scale, dtype, device, rotations)
+
+
+# ---------------------------------------------------------------------------------------
+# metrics
+
+
+class _Sums:
+    """Sums of the per-batch metric tensors (sse, sae, count per term; loss per batch)."""
+
+    def __init__(self):
+        self.values: Dict[str, float] = {}
+        self.batches = 0
+
+    def add(self, metrics: Dict[str, float]):
+        self.batches += 1
+        for key, value in metrics.items():
+            if key.endswith(("_sse", "_sae", "_count")) or key == "loss":
+                self.values[key] = self.values.get(key, 0.0) + value
+
+    def summary(self, scale: float, terms: Sequence[str]) -> Dict[str, float]:
+        out = {"loss": self.values.get("loss", math.nan) / max(self.batches, 1)}
+        for term in terms:
+            count = self.values.get(f"{term}_count", 0.0)
+            if count > 0:
+                out[f"{term}_rmse"] = math.sqrt(self.values[f"{term}_sse"] / count) * scale
+                out[f"{term}_mae"] = self.values[f"{term}_sae"] / count * scale
+            else:
+                out[f"{term}_rmse"] = math.nan
+                out[f"{term}_mae"] = math.nan
+        return out
+
+
+def _floats(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    keys = list(metrics)
+    values = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in keys]).tolist()
+    return dict(zip(keys, values))
+
+
+def selected_metric(summary: Mapping[str, float], name: str, terms: Sequence[str]) -> float:
+    """metatrain's best-model metrics: ``loss``, or the product of the MAEs (RMSEs) of
+    the active terms (energy per atom, forces, stress), skipping unlabelled ones."""
+    if name == "loss":
+        return summary["loss"]
+    kind = "mae" if name == "mae_prod" else "rmse"
+    value = 1.0
+    for term in terms:
+        x = summary.get(f"{term}_{kind}", math.nan)
+        if not math.isnan(x):
+            value *= x
+    return value
+
+
+def _all_finite(params) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tree.flatten(params).values())
+
+
+# ---------------------------------------------------------------------------------------
+# prediction and evaluation (eV units)
+
+
+def predict(config: PETConfig, params, samples: Sequence[Sample], batch_size: int = 16, stress: bool = True) -> dict:
+    """Energies, forces and stresses of ``samples`` next to their labels (eV, Å).
+
+    Returns a dict of numpy arrays: ``energy_per_atom``/``energy_per_atom_ref``
+    ``[n]`` (NaN where unlabelled), ``forces``/``forces_ref`` ``[n_labelled_atoms, 3]``,
+    ``stress``/``stress_ref`` ``[n_labelled_periodic, 3, 3]`` (eV/Å^3), and ``n_atoms``.
+    """
+    model = PET(config)
+    leaves = tree.flatten(params)
+    dtype = next(v.dtype for k, v in leaves.items() if k not in ("composition_weights", "energy_scale"))
+    device = next(iter(leaves.values())).device
+    want_stress = stress and any(s.stress is not None or s.virial is not None for s in samples)
+    fn = energy_forces_stress(model.energy) if want_stress else energy_and_forces(model.energy)
+    out = {k: [] for k in ("energy_per_atom", "energy_per_atom_ref", "forces", "forces_ref", "stress", "stress_ref", "n_atoms")}
+    for start in range(0, len(samples), batch_size):
+        chunk = list(samples[start : start + batch_size])
+        positions, cell, neighbors = collate([s.structure for s in chunk], config, dtype=dtype, device=device)
+        result = fn(params, positions, cell, neighbors)
+        energies = result[0].detach().to("cpu", torch.float64).numpy()
+        forces = result[1].detach().to("cpu", torch.float64).numpy()
+        offsets = np.cumsum([0] + [len(s) for s in chunk])
+        for k, s in enumerate(chunk):
+            n = len(s)
+            out["n_atoms"].append(n)
+            out["energy_per_atom"].append(energies[k] / n)
+            out["energy_per_atom_ref"].append(s.energy / n if s.energy is not None else math.nan)
+            if s.forces is not None:
+                out["forces"].append(forces[offsets[k] : offsets[k + 1]])
+                out["forces_ref"].append(np.asarray(s.forces))
+            if want_stress and (s.stress is not None or s.virial is not None):
+                volume = abs(np.linalg.det(s.structure.cell))
+                if volume > 0:
+                    out["stress"].append(result[2][k].detach().to("cpu", torch.float64).numpy())
+                    out["stress_ref"].append(s.strain_derivative() / volume)
+    result = {}
+    for key, values in out.items():
+        if key.startswith("forces"):
+            result[key] = np.concatenate(values) if values else np.zeros((0, 3))
+        elif key.startswith("stress"):
+            result[key] = np.stack(values) if values else np.zeros((0, 3, 3))
+        else:
+            result[key] = np.asarray(values, dtype=np.float64)
+    return result
+
+
+def error_metrics(pred: dict) -> Dict[str, float]:
+    """RMSE and MAE of energies per atom (eV/atom), forces (eV/Å), stress (eV/Å^3)."""
+    out = {}
+    pairs = {
+        "energy_per_atom": (pred["energy_per_atom"], pred["energy_per_atom_ref"]),
+        "forces": (pred["forces"], pred["forces_ref"]),
+        "stress": (pred["stress"], pred["stress_ref"]),
+    }
+    for name, (p, r) in pairs.items():
+        diff = (np.asarray(p) - np.asarray(r)).reshape(-1)
+        diff = diff[~np.isnan(diff)]
+        if diff.size:
+            out[f"{name}_rmse"] = float(np.sqrt(np.mean(diff**2)))
+            out[f"{name}_mae"] = float(np.mean(np.abs(diff)))
+            out[f"{name}_count"] = int(diff.size)
+    return out
+
+
+def parity_plot(pred: dict, path, title: str = "") -> None:
+    """Predicted vs reference energies per atom, forces (and stress) as a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = [("energy_per_atom", "energy per atom (eV/atom)")]
+    if len(pred["forces"]):
+        panels.append(("forces", "force components (eV/Å)"))
+    if len(pred["stress"]):
+        panels.append(("stress", "stress components (eV/Å³)"))
+    fig = Figure(figsize=(4.2 * len(panels), 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    errors = error_metrics(pred)
+    for i, (key, label) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        x = np.asarray(pred[f"{key}_ref"]).reshape(-1)
+        y = np.asarray(pred[key]).reshape(-1)
+        keep = ~(np.isnan(x) | np.isnan(y))
+        x, y = x[keep], y[keep]
+        if x.size:
+            lo, hi = float(min(x.min(), y.min())), float(max(x.max(), y.max()))
+            pad = 0.05 * (hi - lo or 1.0)
+            ax.plot([lo - pad, hi + pad], [lo - pad, hi + pad], color="0.6", lw=1, zorder=0)
+            ax.scatter(x, y, s=6, alpha=0.5, edgecolors="none")
+            ax.set_xlim(lo - pad, hi + pad)
+            ax.set_ylim(lo - pad, hi + pad)
+        ax.set_aspect("equal")
+        ax.set_xlabel(f"reference {label}")
+        ax.set_ylabel(f"predicted {label}")
+        if f"{key}_rmse" in errors:
+            ax.set_title(f"RMSE {errors[f'{key}_rmse']:.3g}, MAE {errors[f'{key}_mae']:.3g}", fontsize=9)
+    if title:
+        fig.suptitle(title)
+    buffer = _io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(buffer.getvalue())
+    os.replace(tmp, path)
+
+
+def read_labelled(path, config: PETConfig, energy_key="energy", forces_key="forces", stress_key="stress",
+                  virial_key=None, energy_unit="eV", length_unit="angstrom") -> List[Sample]:
+    """Read an extxyz file into samples for ``config`` (missing label keys are skipped)."""
+    frames = _read_frames(path, "dataset")
+
+    def key_or_none(key):
+        return key if key and any(_has_key(a, key) for a in frames) else None
+
+    labels = _Labels(
+        key_or_none(energy_key), key_or_none(forces_key), key_or_none(stress_key), key_or_none(virial_key),
+        energy_unit_factor(energy_unit), length_unit_factor(length_unit),
+    )
+    if labels.energy is None and labels.forces is None and labels.stress is None and labels.virial is None:
+        raise ValueError(
+            f"{str(path)!r} has no labels under the keys {energy_key!r}, {forces_key!r}, {stress_key!r} "
+            f"(keys in the file: {_available_keys(frames)})"
+        )
+    return _to_samples(frames, config, labels, path)
+
+
+def evaluate(model_path, dataset_path, batch_size: int = 16, dtype: Optional[torch.dtype] = None, device=None,
+             **label_options) -> Tuple[Dict[str, float], dict]:
+    """Errors of a saved model on an extxyz file: ``(metrics, predictions)`` (see
+    :func:`error_metrics`, :func:`predict`). ``label_options`` go to :func:`read_labelled`."""
+    config, params = load_model(model_path, dtype=dtype, device=device)
+    samples = read_labelled(dataset_path, config, **label_options)
+    pred = predict(config, params, samples, batch_size=batch_size)
+    metrics = error_metrics(pred)
+    metrics["n_structures"] = len(samples)
+    metrics["n_atoms"] = int(np.sum(pred["n_atoms"]))
+    return metrics, pred
+
+
+# ---------------------------------------------------------------------------------------
+# fit
+
+
+def _default_log(message: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stdout)
+
+
+def _absolute_paths(options: dict) -> dict:
+    for name in ("training_set", "validation_set"):
+        section = options.get(name)
+        if isinstance(section, dict):
+            section["systems"]["read_from"] = str(Path(section["systems"]["read_from"]).expanduser().resolve())
+    finetune = options["architecture"]["training"]["finetune"]
+    if finetune.get("read_from"):
+        finetune["read_from"] = str(Path(finetune["read_from"]).expanduser().resolve())
+    return options
+
+
+def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log):
+    finetune = options["architecture"]["training"]["finetune"].get("read_from")
+    if finetune:
+        if model_hypers and set(model_hypers) != {"atomic_types"}:
+            raise ValueError(
+                "option 'architecture.model' must be empty when fine-tuning: the architecture "
+                f"comes from {finetune!r}"
+            )
+        config, params = load_model(finetune, dtype=dtype, device=device)
+        log(f"fine-tuning from {finetune} ({len(config.atomic_types)} atomic types {config.atomic_types})")
+        return config, params
+    hypers = dict(model_hypers)
+    hypers.setdefault("atomic_types", atomic_types)
+    config = PETConfig.from_hypers(hypers)
+    params = PET(config).init(seed=seed, dtype=dtype, device=device)
+    return config, params
+
+
+def fit(
+    options: Optional[Mapping],
+    output_dir=None,
+    *,
+    restart=None,
+    progress: Optional[bool] = None,
+    log: Optional[Callable[[str], None]] = None,
+    reduce_grads: Optional[Callable] = None,
+    reduce_metrics: Optional[Callable] = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> FitResult:
+    """Train a PET model (see the module docstring).
+
+    Args:
+        options: a metatrain-style options mapping (:func:`petfunc.options.resolve_options`
+            is applied; already resolved options are accepted too).
+        output_dir: folder for checkpoints, ``metrics.csv`` and ``parity.png``
+            (created). ``None``: the restart checkpoint's folder, else nothing is
+            written.
+        restart: a ``last.ckpt``/``best.ckpt`` to continue from: parameters, optimizer
+            state, epoch, composition and scale are restored; the run then continues
+            exactly as the uninterrupted one would. ``options`` still apply (e.g. more
+            epochs; the learning-rate schedule then changes), the architecture is the
+            checkpoint's.
+        progress: show a tqdm bar (``None``: only on a terminal).
+        log: where to write progress lines (default: stdout, bar-safe).
+        reduce_grads: data-parallel hook ``grads -> grads`` applied between the
+            gradient step and the optimizer step (e.g. an all-reduce average). When
+            given, or when ``world_size > 1``, the step is split into ``grad_step`` +
+            ``reduce_grads`` + ``apply_gradients``; otherwise one fused ``train_step``.
+        reduce_metrics: hook ``{name: float sum} -> {name: float sum}`` for the summed
+            epoch metrics (all-reduce SUM in data-parallel training).
+        rank, world_size: this process's shard of every batch plan; only rank 0 writes.
+
+    Returns:
+        a :class:`FitResult`.
+
+    Raises:
+        ValueError / FileNotFoundError: bad options or data (before training starts).
+        TrainingError: the loss or the parameters became NaN/inf; the message names
+            the epoch and step; checkpoints written before stay intact.
+    """
+    log = log or _default_log
+    reduce_metrics = reduce_metrics or (lambda sums: sums)
+    is_main = rank == 0
+    ckpt = None
+    if restart is not None:
+        ckpt = load_checkpoint(restart)
+        if output_dir is None:
+            output_dir = Path(restart).resolve().parent
+        if options is None:
+            options = json.loads(ckpt["options"])
+    if options is None:
+        raise ValueError("fit() needs options (or a restart checkpoint that holds them)")
+    options = _absolute_paths(resolve_options(options))
+    training = options["architecture"]["training"]
+    seed = options["seed"]
+    dtype = torch.float64 if options["base_precision"] == 64 else torch.float32
+    device = torch.device(options["device"])
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("option 'device' is 'cuda' but torch sees no CUDA device")
+    weights, explicit = parse_loss(training["loss"])
+
+    # Global RNGs too (metatrain seeds torch, numpy and random); petfunc itself uses
+    # only private generators.
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+    # --- data ----------------------------------------------------------------------
+    train_section = options["training_set"]
+    train_path = train_section["systems"]["read_from"]
+    train_frames = _read_frames(train_path, "training_set")
+    val_section = options["validation_set"]
+    if isinstance(val_section, dict):
+        val_frames = _read_frames(val_section["systems"]["read_from"], "validation_set")
+        train_idx, val_idx = np.arange(len(train_frames)), None
+    else:
+        train_idx, val_idx = split_indices(len(train_frames), val_section, seed)
+        val_frames = [train_frames[i] for i in val_idx]
+        train_frames = [train_frames[i] for i in train_idx]
+        val_section = train_section
+    train_labels = _label_keys(train_frames, train_section, weights, explicit, "training_set")
+    val_labels = _label_keys(val_frames, val_section, weights, set(), "validation_set") if val_frames else None
+    # terms without any training labels are dropped (no derivative is computed for them)
+    weights = LossWeights(
+        weights.energy,
+        weights.forces if train_labels.forces else LossTerm(0.0, weights.forces.type),
+        weights.stress if (train_labels.stress or train_labels.virial) else LossTerm(0.0, weights.stress.type),
+    )
+    terms = [t for t in TERMS if getattr(weights, t).weight > 0]
+
+    atomic_types = sorted({int(z) for a in list(train_frames) + list(val_frames) for z in a.numbers})
+    model_hypers = dict(options["architecture"]["model"])
+    if ckpt is not None:
+        config = PETConfig.from_hypers(json.loads(ckpt["config"]))
+        if model_hypers:
+            given = PETConfig.from_hypers({"atomic_types": config.atomic_types, **model_hypers})
+            if given != config:
+                raise ValueError(
+                    "option 'architecture.model' differs from the architecture in the restart "
+                    f"checkpoint {str(restart)!r}; remove it or make it match"
+                )
+        stored = ckpt.get("dtype")
+        if stored != str(dtype).replace("torch.", ""):
+            raise ValueError(f"the restart checkpoint was trained in {stored}; set base_precision to match")
+        params = tree.tree_map(lambda t: t.to(device), tree.unflatten(dict(ckpt["params"])))
+    else:
+        config, params = _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log)
+
+    train_samples = _to_samples(train_frames, config, train_labels, train_path)
+    val_samples = _to_samples(val_frames, config, val_labels, val_section["systems"]["read_from"]) if val_frames else []
+    train_set = Dataset(train_samples, config)
+
+    # --- composition and scale -----------------------------------------------------------
+    if ckpt is not None:
+        composition = np.asarray(ckpt["composition"]["weights"], dtype=np.float64)
+        scale = float(ckpt["energy_scale"])
+    else:
+        composition, scale = train_set.fit_composition_and_scale()
+        if not training["scale_targets"]:
+            scale = 1.0
+        params["composition_weights"] = torch.as_tensor(composition, dtype=torch.float64, device=device)
+        params["energy_scale"] = torch.tensor(scale, dtype=torch.float64, device=device)
+    model = PET(config)
+
+    # --- optimizer -------------------------------------------------------------------------
+    batch_size = training["batch_size"]
+    augment = training["augmentation"]
+    steps_per_epoch = len(batch_plan(len(train_samples), batch_size, 0, seed, True, True, rank, world_size))
+    num_epochs = training["num_epochs"]
+    total_steps = max(1, num_epochs * steps_per_epoch)
+    schedule = warmup_cosine(training["learning_rate"], total_steps, training["warmup_fraction"])
+    optimizer = make_optimizer(schedule, training["weight_decay"])
+    clip = training["grad_clip_norm"]
+    opt_state = optimizer.init(trainable(params))
+    start_epoch, step = 0, 0
+    best_metric, best_epoch, best_params = math.inf, 0, None
+    history: List[dict] = []
+    if ckpt is not None:
+        opt_state = state_from_plain(ckpt["opt_state"], opt_state)
+        start_epoch, step = int(ckpt["epoch"]), int(ckpt["step"])
+        best_epoch = int(ckpt.get("best_epoch") or 0)
+        best_metric = float(ckpt["best_metric"]) if ckpt.get("best_metric") is not None else math.inf
+        if ckpt.get("best_params"):
+            best_params = tree.tree_map(lambda t: t.to(device), tree.unflatten(dict(ckpt["best_params"])))
+        history = [dict(row) for row in ckpt.get("history") or [] if int(row["epoch"]) <= start_epoch]
+    state = TrainState(params, opt_state)
+
+    # --- step functions -----------------------------------------------------------------
+    split = reduce_grads is not None or world_size > 1
+    reduce_grads = reduce_grads or (lambda grads: grads)
+    compile_on = training["compile"]
+    backend = training["compile_backend"]
+    loss_fn = make_loss(model, weights)
+    if split:
+        raw_step = make_grad_step(model, weights)
+    else:
+        raw_step = make_train_step(model, optimizer, weights, clip)
+    step_fn = None
+    eval_fn = None
+
+    def build_step(example):
+        if not compile_on:
+            return raw_step
+        from .compile import compile as compile_fn
+
+        log(f"compiling the training step ({backend}); the first call takes a while ...")
+        t0 = time.perf_counter()
+        args = (state.params, example) if split else (state, example)
+        compiled = compile_fn(raw_step, *args, backend=backend)
+        log(f"traced in {time.perf_counter() - t0:.1f} s")
+        return compiled
+
+    def build_eval(example):
+        if not compile_on:
+            return loss_fn
+        from .compile import compile as compile_fn
+
+        return compile_fn(loss_fn, state.params, example, backend=backend)
+
+    # --- files --------------------------------------------------------------------------
+    files: Dict[str, Path] = {}
+    if output_dir is not None and is_main:
+        output_dir = Path(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        files = {
+            "last": output_dir / "last.ckpt",
+            "best": output_dir / "best.ckpt",
+            "csv": output_dir / "metrics.csv",
+            "params": output_dir / "best_params.pt",
+            "parity": output_dir / "parity.png",
+        }
+    elif not is_main:
+        output_dir = None
+    options_json = json.dumps(options, sort_keys=True)
+    dtype_name = str(dtype).replace("torch.", "")
+
+    def checkpoint(path: Path, current: TrainState, epoch: int):
+        if not _all_finite(current.params):
+            raise TrainingError(f"refusing to write {path.name}: the parameters are not finite")
+        flat = {k: v.detach().to("cpu").clone() for k, v in tree.flatten(current.params).items()}
+        payload = {
+            "format": CHECKPOINT_FORMAT,
+            "format_version": CHECKPOINT_VERSION,
+            "petfunc_version": _version(),
+            "config": json.dumps(config.to_hypers(), sort_keys=True),
+            "params": flat,
+            "opt_state": state_to_plain(current.opt_state),
+            "epoch": int(epoch),
+            "step": int(step),
+            "best_epoch": int(best_epoch),
+            "best_metric": None if math.isinf(best_metric) else float(best_metric),
+            "best_params": None if best_params is None else {k: v.detach().to("cpu").clone() for k, v in tree.flatten(best_params).items()},
+            "composition": {
+                "atomic_types": list(config.atomic_types),
+                "weights": torch.as_tensor(composition, dtype=torch.float64),
+            },
+            "energy_scale": float(scale),
+            "dtype": dtype_name,
+            "rng": {"seed": int(seed), "torch": torch.get_rng_state()},
+            "options": options_json,
+            "history": [dict(row) for row in history],
+        }
+        _atomic_save(payload, path)
+
+    def write_csv():
+        if not history:
+            return
+        columns = list(history[0])
+        for row in history[1:]:
+            columns += [c for c in row if c not in columns]
+        text = _io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        for row in history:
+            writer.writerow({k: (f"{v:.8g}" if isinstance(v, float) else v) for k, v in row.items()})
+        _atomic_write_text(text.getvalue(), files["csv"])
+
+    # --- report ---------------------------------------------------------------------------
+    n_params = tree.count(trainable(params))
+    log(
+        f"training set: {len(train_samples)} structures ({sum(len(s) for s in train_samples)} atoms), "
+        f"validation set: {len(val_samples)} structures; atomic types {list(config.atomic_types)}"
+    )
+    log(
+        "loss terms: " + ", ".join(f"{t} ({getattr(weights, t).type}, weight {getattr(weights, t).weight:g})" for t in terms)
+        + f"; energy scale {scale:.6g} eV; composition "
+        + ", ".join(f"{z}: {w:.6g}" for z, w in zip(config.atomic_types, composition))
+        + " eV"
+    )
+    log(
+        f"model: {n_params} trainable parameters ({dtype_name}, {device}); "
+        f"{steps_per_epoch} steps per epoch, epochs {start_epoch + 1}..{num_epochs}"
+        + (f", compile {backend}" if compile_on else "")
+    )
+    log(
+        "per epoch: mean batch loss (training units) and RMSE of E: energy per atom (eV/atom), "
+        "F: forces (eV/Å), S: strain derivative per atom V·σ/N (eV/atom)"
+    )
+
+    # --- loop -----------------------------------------------------------------------------
+    from tqdm import tqdm
+
+    remaining = max(0, num_epochs - start_epoch) * steps_per_epoch
+    bar = tqdm(
+        total=remaining, disable=(not progress) if progress is not None else None,
+        unit="step", dynamic_ncols=True, file=sys.stderr, leave=False,
+    )
+    val_batches = None
+    try:
+        for epoch in range(start_epoch, num_epochs):
+            t0 = time.perf_counter()
+            sums = _Sums()
+            batches = iterate_batches(
+                train_samples, config, composition, scale, batch_size, epoch=epoch, seed=seed,
+                shuffle=True, drop_last=True, augment=augment, dtype=dtype, device=device,
+                rank=rank, world_size=world_size,
+            )
+            for idx, batch in batches:
+                if step_fn is None:
+                    step_fn = build_step(batch)
+                if split:
+                    grads, metrics = step_fn(state.params, batch)
+                    values = _floats(metrics)
+                    _check_loss(values["loss"], epoch, step)
+                    new_state, norm = apply_gradients(optimizer, state, reduce_grads(grads), clip)
+                else:
+                    new_state, metrics = step_fn(state, batch)
+                    values = _floats(metrics)
+                    _check_loss(values["loss"], epoch, step)
+                state = new_state
+                step += 1
+                sums.add(values)
+                bar.update(1)
+                running = sums.summary(scale, terms)
+                postfix = {"epoch": epoch + 1, "loss": f"{running['loss']:.4g}"}
+                if "energy" in terms:
+                    postfix["E(eV/atom)"] = f"{running['energy_rmse']:.3g}"
+                if "forces" in terms:
+                    postfix["F(eV/Å)"] = f"{running['forces_rmse']:.3g}"
+                bar.set_postfix(postfix, refresh=False)
+            sums.values = reduce_metrics(sums.values)
+            train_summary = sums.summary(scale, terms)
+            if not _all_finite(state.params):
+                raise TrainingError(f"epoch {epoch + 1}: the parameters became NaN/inf")
+            row = {"epoch": epoch + 1, "step": step, "learning_rate": float(schedule(max(step - 1, 0)))}
+            row.update({f"train_{k}": v for k, v in train_summary.items()})
+
+            validate = (epoch + 1) % training["log_interval"] == 0 or epoch + 1 == num_epochs
+            if validate:
+                if val_samples:
+                    if val_batches is None:
+                        val_batches = [
+                            b for _, b in iterate_batches(
+                                val_samples, config, composition, scale, batch_size, shuffle=False,
+                                drop_last=False, augment=False, dtype=dtype, device=device,
+                                rank=rank, world_size=world_size,
+                            )
+                        ]
+                    if eval_fn is None:
+                        eval_fn = build_eval(val_batches[0])
+                    vsums = _Sums()
+                    for batch in val_batches:
+                        vsums.add(_floats(eval_fn(state.params, batch)[1]))
+                    vsums.values = reduce_metrics(vsums.values)
+                    val_summary = vsums.summary(scale, terms)
+                    if not math.isfinite(val_summary["loss"]):
+                        raise TrainingError(
+                            f"epoch {epoch + 1}: the validation loss is {val_summary['loss']}; "
+                            "lower the learning rate or check the validation labels"
+                        )
+                    row.update({f"val_{k}": v for k, v in val_summary.items()})
+                    metric = selected_metric(val_summary, training["best_model_metric"], terms)
+                else:
+                    metric = selected_metric(train_summary, training["best_model_metric"], terms)
+                row["best_metric"] = metric
+                improved = metric < best_metric
+                if improved:
+                    best_metric, best_epoch = metric, epoch + 1
+                    best_params = tree.tree_map(lambda t: t.detach().clone(), state.params)
+            else:
+                improved = False
+            row["time_s"] = time.perf_counter() - t0
+            history.append(row)
+            if files:
+                checkpoint(files["last"], state, epoch + 1)
+                if improved:
+                    checkpoint(files["best"], state, epoch + 1)
+                if (epoch + 1) % training["checkpoint_interval"] == 0:
+                    checkpoint(output_dir / f"epoch_{epoch + 1}.ckpt", state, epoch + 1)
+                write_csv()
+            log(_epoch_line(row, num_epochs, terms, improved))
+    finally:
+        bar.close()
+
+    # --- the end ----------------------------------------------------------------------------
+    if best_params is None:
+        best_params = state.params
+    best_cpu = tree.tree_map(lambda t: t.detach().to("cpu"), best_params)
+    last_cpu = tree.tree_map(lambda t: t.detach().to("cpu"), state.params)
+    if files:
+        from .io import save_params
+
+        save_params(files["params"], config, best_cpu)
+        eval_samples = val_samples or train_samples
+        pred = predict(config, best_params, eval_samples, batch_size=batch_size)
+        what = "validation" if val_samples else "training"
+        parity_plot(pred, files["parity"], title=f"{what} set, best epoch {best_epoch}")
+        errors = error_metrics(pred)
+        units = {"energy_per_atom": ("energy/atom", "eV/atom"), "forces": ("forces", "eV/Å"), "stress": ("stress", "eV/Å³")}
+        log(
+            f"best epoch {best_epoch} ({training['best_model_metric']} {best_metric:.4g}); {what} set RMSE/MAE: "
+            + ", ".join(
+                f"{name} {errors[k + '_rmse']:.4g}/{errors[k + '_mae']:.4g} {unit}"
+                for k, (name, unit) in units.items() if k + "_rmse" in errors
+            )
+        )
+        log(f"files in {output_dir}: " + ", ".join(sorted(p.name for p in files.values())))
+    graphs = {name: fn.num_graphs for name, fn in (("train", step_fn), ("eval", eval_fn)) if hasattr(fn, "num_graphs")}
+    return FitResult(config, best_cpu, last_cpu, best_epoch, best_metric, history, output_dir, files, graphs)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _check_loss(value: float, epoch: int, step: int) -> None:
+    if not math.isfinite(value):
+        raise TrainingError(
+            f"the training loss is {value} at epoch {epoch + 1}, step {step + 1}: training stopped "
+            "(the checkpoints written so far are intact). Lower the learning rate, check the "
+            "labels for outliers, or train in float64 (base_precision: 64)."
+        )
+
+
+def _epoch_line(row: Mapping, num_epochs: int, terms: Sequence[str], improved: bool) -> str:
+    parts = [f"epoch {row['epoch']:>4d}/{num_epochs}"]
+    for prefix in ("train", "val"):
+        if f"{prefix}_loss" not in row:
+            continue
+        text = f"{prefix} loss {row[f'{prefix}_loss']:.4g}"
+        for term in terms:
+            value = row.get(f"{prefix}_{term}_rmse")
+            if value is not None and not math.isnan(value):
+                text += f" {term[0].upper()} {value:.3g}"
+        parts.append(text)
+    parts.append(f"lr {row['learning_rate']:.3g}")
+    parts.append(f"{row['time_s']:.1f} s" + (" *" if improved else ""))
+    return " | ".join(parts)

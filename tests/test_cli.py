@@ -1,0 +1,147 @@
+"""The ``petfunc`` command: demo training end to end, restart, eval, errors."""
+
+import csv
+import importlib.metadata
+import json
+
+import pytest
+import torch
+import yaml
+
+from petfunc.cli import main, make_default_dataset
+
+
+TINY = [
+    "--set", "architecture.model.d_pet=8",
+    "--set", "architecture.model.d_head=8",
+    "--set", "architecture.model.d_node=8",
+    "--set", "architecture.model.d_feedforward=8",
+    "--set", "architecture.model.num_heads=2",
+    "--set", "architecture.model.num_gnn_layers=1",
+    "--set", "architecture.model.cutoff=3.0",
+    "--batch-size", "4",
+    "--no-progress",
+]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """``petfunc train`` without an options file (built-in dataset), tiny model, 1 epoch."""
+    out = tmp_path_factory.mktemp("demo")
+    code = main(["train", "--output", str(out), "--structures", "16", "--epochs", "1", *TINY])
+    assert code == 0
+    return out
+
+
+def test_demo_train_writes_everything(demo_run):
+    for name in ("dataset.xyz", "options.yaml", "last.ckpt", "best.ckpt", "best_params.pt", "metrics.csv", "parity.png"):
+        assert (demo_run / name).is_file(), f"{name} missing"
+    assert (demo_run / "parity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = list(csv.DictReader(open(demo_run / "metrics.csv")))
+    assert len(rows) == 1 and float(rows[0]["val_forces_rmse"]) > 0
+    options = yaml.safe_load(open(demo_run / "options.yaml"))
+    assert options["architecture"]["model"]["d_pet"] == 8
+    assert options["training_set"]["systems"]["read_from"].endswith("dataset.xyz")
+    ckpt = torch.load(demo_run / "last.ckpt", weights_only=True)
+    assert ckpt["epoch"] == 1
+
+
+def test_restart_continues(demo_run, tmp_path, capsys):
+    out = tmp_path / "more"
+    code = main(["train", "--restart", str(demo_run / "last.ckpt"), "--epochs", "2", "--output", str(out), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert [r["epoch"] for r in rows] == ["1", "2"]
+    assert torch.load(out / "last.ckpt", weights_only=True)["epoch"] == 2
+
+
+def test_diverging_run_exits_with_1(demo_run, tmp_path, capsys):
+    args = ["train", "--restart", str(demo_run / "last.ckpt"), "--output", str(tmp_path), "--epochs", "3",
+            "--lr", "1e30", "--set", "architecture.training.warmup_fraction=0", "--no-progress"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "training stopped" in err and "learning rate" in err
+    assert not (tmp_path / "last.ckpt").exists()
+
+
+def test_eval(demo_run, capsys):
+    capsys.readouterr()
+    code = main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz"), "--json", str(demo_run / "m.json")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "16 structures" in out
+    for name in ("energy/atom", "forces", "stress", "eV/atom", "RMSE", "MAE"):
+        assert name in out, out
+    metrics = json.loads((demo_run / "m.json").read_text())
+    assert metrics["forces_count"] == 3 * metrics["n_atoms"] and metrics["energy_per_atom_rmse"] > 0
+
+
+def test_eval_errors(demo_run, tmp_path, capsys):
+    assert main(["eval", str(demo_run / "best.ckpt"), str(tmp_path / "missing.xyz")]) == 2
+    assert "not found" in capsys.readouterr().err
+    garbage = tmp_path / "garbage.xyz"
+    garbage.write_text("this is not\nan xyz file\n")
+    assert main(["eval", str(demo_run / "best.ckpt"), str(garbage)]) == 2
+    assert "could not read dataset file" in capsys.readouterr().err
+    assert main(["eval", str(garbage), str(demo_run / "dataset.xyz")]) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_train_errors(tmp_path, capsys):
+    data = make_default_dataset(tmp_path / "d.xyz", n_structures=4)
+    # unknown key in an options file
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"training_set": str(data), "architecture": {"name": "pet", "training": {"learning_rat": 1e-3}}}))
+    assert main(["train", str(bad), "--output", str(tmp_path / "o1")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown option 'architecture.training.learning_rat'" in err and "learning_rate" in err
+    # missing dataset file
+    missing = tmp_path / "missing.yaml"
+    missing.write_text(yaml.safe_dump({"training_set": str(tmp_path / "nope.xyz")}))
+    assert main(["train", str(missing), "--output", str(tmp_path / "o2")]) == 2
+    assert "training_set: dataset file not found" in capsys.readouterr().err
+    # missing options file, bad --set
+    assert main(["train", str(tmp_path / "none.yaml")]) == 2
+    assert "options file not found" in capsys.readouterr().err
+    assert main(["train", "--output", str(tmp_path / "o3"), "--set", "architecture.model.d_pet=0"]) == 2
+    assert "d_pet" in capsys.readouterr().err
+
+
+def test_python_dash_m(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "petfunc", "train", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--restart" in out.stdout
+
+
+def test_entry_point_declared():
+    scripts = {e.name: e.value for e in importlib.metadata.entry_points(group="console_scripts")}
+    assert scripts.get("petfunc") == "petfunc.cli:main"
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+
+
+def test_example_options_are_the_defaults():
+    from pathlib import Path
+
+    from petfunc.config import PETConfig
+    from petfunc.options import TRAINING_DEFAULTS, resolve_options
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "options.yaml"
+    options = resolve_options(yaml.safe_load(path.read_text()))
+    model = options["architecture"]["model"]
+    assert PETConfig.from_hypers({"atomic_types": [1], **model}) == PETConfig(atomic_types=(1,))
+    assert options["architecture"]["training"] == TRAINING_DEFAULTS
+    defaults = resolve_options({"training_set": "train.xyz"})
+    options["architecture"]["model"] = defaults["architecture"]["model"] = {}
+    assert options == defaults
+
+
+def test_demo_options_on_own_data(demo_run, tmp_path):
+    # No options file, but --set training_set=FILE: the demo's options on that file.
+    out = tmp_path / "own"
+    args = ["train", "--output", str(out), "--epochs", "1", "--set", f"training_set={demo_run / 'dataset.xyz'}", *TINY]
+    assert main(args) == 0
+    assert not (out / "dataset.xyz").exists() and (out / "best.ckpt").is_file()

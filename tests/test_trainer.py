@@ -1,0 +1,359 @@
+"""The training loop (petfunc.trainer.fit): loss falls, exact resume, NaN stop,
+checkpoint format, data-parallel seam, option and label errors.
+
+All runs use a tiny PET (d_pet=8, one GNN layer, cutoff 3 Å: nearest neighbours of
+fcc) on a few EMT structures, so each fit takes seconds.
+"""
+
+import hashlib
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from petfunc import tree
+from petfunc.cli import make_default_dataset
+from petfunc.options import parse_loss, resolve_options
+from petfunc.trainer import (
+    TrainingError,
+    batch_plan,
+    fit,
+    load_checkpoint,
+    load_model,
+    state_from_plain,
+    state_to_plain,
+)
+from petfunc.train import make_optimizer, trainable, warmup_cosine
+
+
+TINY_MODEL = {
+    "cutoff": 3.0,
+    "cutoff_width": 0.5,
+    "d_pet": 8,
+    "d_head": 8,
+    "d_node": 8,
+    "d_feedforward": 8,
+    "num_heads": 2,
+    "num_attention_layers": 1,
+    "num_gnn_layers": 1,
+}
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory):
+    # 16 structures: 8, 16, 32 and 12 atoms, EMT energies, forces, stresses
+    return make_default_dataset(tmp_path_factory.mktemp("data") / "emt.xyz", n_structures=16, seed=1)
+
+
+def tiny_options(dataset, **training):
+    options = {
+        "seed": 3,
+        "architecture": {
+            "name": "pet",
+            "model": dict(TINY_MODEL),
+            "training": {"batch_size": 4, "num_epochs": 2, "learning_rate": 1e-2, **training},
+        },
+        "training_set": str(dataset),
+        "validation_set": 0.25,
+    }
+    return options
+
+
+def quiet(lines=None):
+    return (lambda message: lines.append(message)) if lines is not None else (lambda message: None)
+
+
+def params_equal(a, b):
+    fa, fb = tree.flatten(a), tree.flatten(b)
+    assert fa.keys() == fb.keys()
+    return all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def test_loss_falls(dataset, tmp_path):
+    # Energies and forces only, d_pet=16, 10 epochs of 6 steps.
+    options = tiny_options(dataset, num_epochs=10, learning_rate=3e-2, batch_size=2)
+    options["architecture"]["model"].update(d_pet=16, d_head=16, d_node=16, d_feedforward=16)
+    options["training_set"] = {"systems": str(dataset), "targets": {"energy": {"stress": False}}}
+    result = fit(options, tmp_path, progress=False, log=quiet())
+    losses = [row["train_loss"] for row in result.history]
+    val = [row["val_loss"] for row in result.history]
+    assert min(losses[-3:]) < 0.5 * losses[0], f"training losses per epoch: {losses}"
+    assert min(val[-3:]) < 0.7 * val[0], f"validation losses per epoch: {val}"
+    # Stress is off: no stress column; validation metrics are there.
+    assert "train_stress_rmse" not in result.history[0]
+    assert all(math.isfinite(row["val_forces_rmse"]) for row in result.history)
+    assert 1 <= result.best_epoch <= 10
+    # Files.
+    for name in ("last.ckpt", "best.ckpt", "metrics.csv", "parity.png", "best_params.pt"):
+        assert (tmp_path / name).is_file(), name
+    csv_lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert len(csv_lines) == 11 and csv_lines[0].startswith("epoch,step,learning_rate,train_loss")
+
+
+def assert_plain(node):
+    """Only dicts, lists, tensors and plain scalars (no NamedTuples, no objects)."""
+    if isinstance(node, dict):
+        for value in node.values():
+            assert_plain(value)
+    elif isinstance(node, list):
+        for value in node:
+            assert_plain(value)
+    else:
+        assert node is None or isinstance(node, (torch.Tensor, str, int, float, bool)), type(node)
+
+
+def test_checkpoint_contents(dataset, tmp_path):
+    result = fit(tiny_options(dataset, num_epochs=1), tmp_path, progress=False, log=quiet())
+    # Plain data only: loads with weights_only=True.
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert ckpt["format"] == "petfunc.checkpoint" and ckpt["epoch"] == 1 and ckpt["step"] == 3
+    assert_plain(ckpt["opt_state"])
+    assert json.loads(ckpt["options"])["architecture"]["model"]["d_pet"] == 8
+    assert ckpt["composition"]["atomic_types"] == [13, 28, 29]
+    assert ckpt["composition"]["weights"].dtype == torch.float64
+    # The fitted composition and scale are in the params, not trained.
+    assert torch.equal(ckpt["params"]["composition_weights"], ckpt["composition"]["weights"])
+    assert ckpt["params"]["energy_scale"].item() == ckpt["energy_scale"]
+    assert ckpt["params"]["gnn_layers.0.edge_embedder.weight"].dtype == torch.float32
+    # load_model gives (config, params) for the checkpoint and the params file alike.
+    config, params = load_model(tmp_path / "best.ckpt")
+    config2, params2 = load_model(tmp_path / "best_params.pt")
+    assert config == config2 == result.config
+    assert params_equal(params, params2) and params_equal(params, result.params)
+
+
+def test_exact_resume_float64(dataset, tmp_path):
+    # Uninterrupted: 3 epochs, with a checkpoint after every epoch.
+    options = tiny_options(dataset, num_epochs=3, checkpoint_interval=1)
+    options["base_precision"] = 64
+    full = fit(options, tmp_path / "full", progress=False, log=quiet())
+    # Continue from the checkpoint of epoch 1 in another folder.
+    resumed = fit(
+        None, tmp_path / "resumed", restart=tmp_path / "full" / "epoch_1.ckpt", progress=False, log=quiet()
+    )
+    assert params_equal(full.last_params, resumed.last_params), "resumed parameters differ"
+    assert params_equal(full.params, resumed.params) and full.best_epoch == resumed.best_epoch
+    assert [r["epoch"] for r in resumed.history] == [1, 2, 3]
+    for a, b in zip(full.history, resumed.history):
+        assert a["train_loss"] == b["train_loss"] and a["val_loss"] == b["val_loss"]
+    a = load_checkpoint(tmp_path / "full" / "last.ckpt")["opt_state"]
+    b = load_checkpoint(tmp_path / "resumed" / "last.ckpt")["opt_state"]
+    leaves_a, leaves_b = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
+    assert len(leaves_a) == len(leaves_b)
+    for x, y in zip(leaves_a, leaves_b):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+def test_split_step_matches_fused(dataset, tmp_path):
+    # grad_step + reduce_grads + apply_gradients (the data-parallel path) == train_step.
+    options = tiny_options(dataset, num_epochs=1)
+    options["base_precision"] = 64
+    calls = []
+
+    def reduce_grads(grads):
+        calls.append(1)
+        return grads
+
+    fused = fit(options, None, progress=False, log=quiet())
+    split = fit(options, None, progress=False, log=quiet(), reduce_grads=reduce_grads)
+    assert len(calls) == 3
+    assert params_equal(fused.last_params, split.last_params)
+
+
+def test_batch_plan_shards():
+    # Every rank draws the same permutation and takes a disjoint shard.
+    full = batch_plan(23, 4, epoch=2, seed=5, drop_last=False)
+    shards = [batch_plan(23, 4, epoch=2, seed=5, drop_last=False, rank=r, world_size=2) for r in range(2)]
+    a, b = (np.concatenate(s) for s in shards)
+    assert len(a) == len(b) == 11 and not set(a) & set(b)
+    assert set(a) | set(b) <= set(np.concatenate(full))
+    # drop_last drops the partial batch; other epochs shuffle differently.
+    assert [len(x) for x in batch_plan(23, 4, epoch=2, seed=5)] == [4] * 5
+    assert not np.array_equal(np.concatenate(batch_plan(23, 4, epoch=3, seed=5)), np.concatenate(batch_plan(23, 4, epoch=2, seed=5)))
+
+
+def test_optimizer_state_roundtrip(tmp_path):
+    params = {"a": torch.randn(3), "b": [torch.randn(2, 2)], "composition_weights": torch.zeros(2)}
+    optimizer = make_optimizer(warmup_cosine(1e-3, 10), weight_decay=0.01)
+    state = optimizer.init(trainable(params))
+    # A state with non-zero entries: one update.
+    grads = torch.utils._pytree.tree_map(torch.ones_like, trainable(params))
+    _, state = optimizer.update(grads, state, params=trainable(params))
+    plain = state_to_plain(state)
+    assert_plain(plain)
+    torch.save(plain, tmp_path / "s.pt")
+    loaded = torch.load(tmp_path / "s.pt", weights_only=True)
+    restored = state_from_plain(loaded, optimizer.init(trainable(params)))
+    flat_a, spec_a = torch.utils._pytree.tree_flatten(state)
+    flat_b, spec_b = torch.utils._pytree.tree_flatten(restored)
+    assert spec_a == spec_b and all(torch.equal(a, b) for a, b in zip(flat_a, flat_b))
+    # A state that does not fit the optimizer is refused.
+    with pytest.raises(ValueError, match="opt_state"):
+        state_from_plain({"__namedtuple__": "Other"}, state)
+    other = make_optimizer(warmup_cosine(1e-3, 10)).init({"a": torch.zeros(4)})
+    with pytest.raises(ValueError, match="opt_state"):
+        state_from_plain(plain, other)
+
+
+def test_nan_stops_without_corrupting_checkpoints(dataset, tmp_path):
+    good = fit(tiny_options(dataset, num_epochs=1), tmp_path, progress=False, log=quiet())
+    digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.glob("*.ckpt")}
+    # Continue with an absurd learning rate: the loss becomes inf/NaN.
+    options = tiny_options(dataset, num_epochs=3, learning_rate=1e30, warmup_fraction=0.0)
+    with pytest.raises(TrainingError, match=r"training loss is (nan|inf) at epoch 2"):
+        fit(options, tmp_path, restart=tmp_path / "last.ckpt", progress=False, log=quiet())
+    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.glob("*.ckpt")}
+    assert after == digests, "a checkpoint was overwritten by the diverged run"
+    assert not list(tmp_path.glob(".*.tmp")), "temporary files left behind"
+    config, params = load_model(tmp_path / "last.ckpt", which="last")
+    assert all(torch.isfinite(t).all() for t in tree.flatten(params).values())
+    assert params_equal(params, good.last_params)
+
+
+def test_label_errors(dataset, tmp_path):
+    # Forces asked for explicitly, under a key the file does not have.
+    options = tiny_options(dataset)
+    options["training_set"] = {"systems": str(dataset), "targets": {"energy": {"forces": {"key": "dft_forces"}}}}
+    with pytest.raises(ValueError, match="dft_forces.*keys in the file"):
+        fit(options, None, progress=False, log=quiet())
+    # A forces weight in the loss with forces switched off in the data.
+    options = tiny_options(dataset, loss={"energy": {"gradients": {"positions": {"weight": 10.0}}}})
+    options["training_set"] = {"systems": str(dataset), "targets": {"energy": {"forces": "auto"}}}
+    energy_only = tmp_path / "energy_only.xyz"
+    import ase.io
+
+    frames = ase.io.read(dataset, ":")
+    for atoms in frames:
+        atoms.calc = type(atoms.calc)(atoms, energy=atoms.get_potential_energy())
+    ase.io.write(energy_only, frames)
+    options["training_set"]["systems"] = str(energy_only)
+    with pytest.raises(ValueError, match="loss has a forces term"):
+        fit(options, None, progress=False, log=quiet())
+    # Wrong energy key.
+    options = tiny_options(dataset)
+    options["training_set"] = {"systems": str(dataset), "targets": {"energy": {"key": "U0"}}}
+    with pytest.raises(ValueError, match="'U0'"):
+        fit(options, None, progress=False, log=quiet())
+    # Infinite labels.
+    frames[0].calc.results["energy"] = float("inf")
+    bad = tmp_path / "inf.xyz"
+    ase.io.write(bad, frames)
+    with pytest.raises(ValueError, match="structure 0: the energy label is infinite"):
+        fit(tiny_options(bad), None, progress=False, log=quiet())
+    # Missing file.
+    with pytest.raises(FileNotFoundError, match="not found"):
+        fit(tiny_options(tmp_path / "nope.xyz"), None, progress=False, log=quiet())
+
+
+def test_unknown_species_when_finetuning(dataset, tmp_path):
+    import ase.io
+
+    # A model trained on Cu/Ni/Al ...
+    fit(tiny_options(dataset, num_epochs=1), tmp_path / "base", progress=False, log=quiet())
+    # ... fine-tuned on data with gold.
+    frames = ase.io.read(dataset, ":")
+    frames[2].numbers[0] = 79
+    gold = tmp_path / "gold.xyz"
+    ase.io.write(gold, frames)
+    options = tiny_options(gold, finetune={"read_from": str(tmp_path / "base" / "best.ckpt")})
+    del options["architecture"]["model"]
+    with pytest.raises(ValueError, match=r"atomic number\(s\) \[79\]"):
+        fit(options, None, progress=False, log=quiet())
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda o: o.update(epochs=3), "unknown option 'epochs'"),
+        (lambda o: o["architecture"]["training"].update(num_epoch=3), "'architecture.training.num_epoch'.*did you mean 'num_epochs'"),
+        (lambda o: o["architecture"]["model"].update(dpet=3), "'architecture.model.dpet'"),
+        (lambda o: o.update(training_set={"systems": "x.xyz", "targets": {"energy": {"kye": "e"}}}), "'training_set.targets.energy.kye'"),
+        (lambda o: o["architecture"]["training"].update(loss={"energy": {"wieght": 2}}), "'architecture.training.loss.energy.wieght'"),
+        (lambda o: o["architecture"]["training"].update(max_atoms_per_batch=100), "max_atoms_per_batch.*not supported"),
+        (lambda o: o["architecture"]["training"].update(batch_size=0), "batch_size' must be positive"),
+        (lambda o: o.update(base_precision=16), "base_precision"),
+        (lambda o: o.update(validation_set=1.0), "validation_set"),
+    ],
+)
+def test_bad_options(change, message):
+    options = tiny_options("data.xyz")
+    change(options)
+    with pytest.raises(ValueError, match=message):
+        resolve_options(options)
+
+
+def test_options_defaults_and_loss_forms():
+    options = resolve_options({"training_set": "data.xyz", "architecture": {"name": "pet", "training": {"num_workers": 4}}})
+    training = options["architecture"]["training"]
+    # metatrain's PET trainer defaults.
+    assert (training["batch_size"], training["num_epochs"], training["learning_rate"]) == (16, 1000, 1e-4)
+    assert training["augmentation"] is True and training["compile"] is False
+    assert training["best_model_metric"] == "mae_prod" and "num_workers" not in training
+    assert options["training_set"]["targets"]["energy"]["forces"] == "auto"
+    assert options["validation_set"] == 0.1
+    weights, explicit = parse_loss({"energy": {"type": "mae", "gradients": {"positions": {"weight": 10}}, "stress": 0.5}})
+    assert (weights.energy.type, weights.forces.weight, weights.forces.type, weights.stress.weight) == ("mae", 10.0, "mae", 0.5)
+    assert explicit == {"forces", "stress"}
+    weights, explicit = parse_loss("huber")
+    assert weights.stress.type == "huber" and explicit == set()
+
+
+@pytest.mark.slow
+def test_compiled_fit_matches_eager(dataset):
+    # compile: true with the quick aot_eager backend, float64: the same training as
+    # eager, and no recompilation across the differently sized batches.
+    options = tiny_options(dataset, num_epochs=1)
+    options["base_precision"] = 64
+    eager = fit(options, None, progress=False, log=quiet())
+    options["architecture"]["training"].update(compile=True, compile_backend="aot_eager")
+    compiled = fit(options, None, progress=False, log=quiet())
+    from torch._dynamo.utils import guard_failures
+
+    reasons = {getattr(code, "co_name", str(code)): r for code, r in guard_failures.items()}
+    assert compiled.compiled_graphs == {"train": 1, "eval": 1}, f"recompilations: {reasons}"
+    a, b = tree.flatten(eager.last_params), tree.flatten(compiled.last_params)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-9, atol=1e-12, msg=key)
+    for row_e, row_c in zip(eager.history, compiled.history):
+        assert math.isclose(row_e["val_loss"], row_c["val_loss"], rel_tol=1e-9)
+
+
+def test_finetune_from_metatrain_checkpoint(tmp_path):
+    # A tiny metatrain PET (types H, C, N, O; d_pet=1) fine-tuned on EMT molecules.
+    metatrain_pet = pytest.importorskip("metatrain.pet")
+    import os
+
+    import ase.build
+    import ase.io
+    from ase.calculators.emt import EMT
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    from petfunc.io import from_metatrain
+
+    checkpoint = os.path.join(os.path.dirname(metatrain_pet.__file__), "tests", "checkpoints", "model-v16_trainer-v15.ckpt.gz")
+    frames = []
+    for i, name in enumerate(["CH4", "H2O", "NH3", "CH3OH", "HCN", "C2H6"] * 2):
+        atoms = ase.build.molecule(name)
+        atoms.rattle(0.05, seed=i)
+        atoms.calc = EMT()
+        atoms.calc = SinglePointCalculator(atoms, energy=atoms.get_potential_energy(), forces=atoms.get_forces())
+        frames.append(atoms)
+    ase.io.write(tmp_path / "molecules.xyz", frames)
+    options = {
+        "architecture": {"name": "pet", "training": {"batch_size": 4, "num_epochs": 1, "finetune": {"read_from": checkpoint}}},
+        "training_set": str(tmp_path / "molecules.xyz"),
+        "validation_set": 0.25,
+    }
+    result = fit(options, None, progress=False, log=quiet())
+    config, start = from_metatrain(checkpoint)
+    assert result.config == config
+    # Trained from the checkpoint's weights; composition refitted on the new data.
+    moved = [k for k, v in tree.flatten(trainable(start)).items() if not torch.equal(v, tree.flatten(result.last_params)[k])]
+    assert moved, "no parameter changed"
+    assert not torch.equal(result.params["composition_weights"], start["composition_weights"])
+    # Options may not redefine the architecture when fine-tuning.
+    options["architecture"]["model"] = {"d_pet": 16}
+    with pytest.raises(ValueError, match="architecture.model' must be empty when fine-tuning"):
+        fit(options, None, progress=False, log=quiet())
