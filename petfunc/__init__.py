@@ -13,9 +13,6 @@ from .io import from_metatrain, load_params, save_params
 from .model import PET, init
 from .neighbors import Neighbors
 from .structures import Structure, collate, from_atoms, prepare, prepare_atoms
-
-
-__version__ = "0.1.0"
 from .compile import compile
 from .data import Batch, Dataset, Sample, make_batch, read_dataset
 from .loss import LossTerm, LossWeights, make_loss
@@ -29,3 +26,6 @@ from .train import (
     warmup_cosine,
 )
 from .trainer import fit
+
+
+__version__ = "0.1.0"

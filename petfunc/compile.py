@@ -104,6 +104,10 @@ class Compiled:
         mode, fakes = _fake_inputs(inputs, self._static)
         with mode, torch.no_grad():
             self.graph = make_fx(flat_fn, tracing_mode="real")(*fakes)
+        # forward-mode AD (jvp) leaves unused checks such as aten.is_same_size, which
+        # return Python bools that Dynamo cannot put in a graph: drop dead nodes
+        self.graph.graph.eliminate_dead_code()
+        self.graph.recompile()
         self.num_graphs = 0
         inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
 
