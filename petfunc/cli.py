@@ -117,6 +117,7 @@ import argparse
 import copy
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -336,6 +337,23 @@ def _train(args) -> int:
     if demo and options.get("training_set") is not None:
         demo = False  # --set training_set=...: the demo's defaults on the user's data
 
+    # >>> petfunc.distributed: under torchrun (WORLD_SIZE > 1) every process joins the
+    # process group and trains on its shard of each batch; rank 0 alone writes files
+    # and logs (the output folder is rank 0's choice).
+    from . import distributed as pdist
+
+    dist_kwargs, rank = {}, 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        device = str(options.get("device") or "cpu")
+        info = pdist.init_from_env(device="cuda" if device.startswith("cuda") else "cpu")
+        rank = info.rank
+        if device.startswith("cuda"):
+            options["device"] = str(info.device)  # cuda:LOCAL_RANK
+        dist_kwargs = dict(rank=info.rank, world_size=info.world_size, reduce_metrics=pdist.all_reduce_metrics)
+        if rank != 0:
+            dist_kwargs.update(log=lambda message: None, progress=False)
+    # <<< petfunc.distributed
+
     if args.output:
         output = Path(args.output)
     elif restart is not None:
@@ -343,6 +361,7 @@ def _train(args) -> int:
     else:
         now = datetime.datetime.now()
         output = Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
+    output = Path(pdist.broadcast_object(str(output)))  # petfunc.distributed: rank 0's folder
     output.mkdir(parents=True, exist_ok=True)
 
     if demo:
@@ -351,17 +370,25 @@ def _train(args) -> int:
         probe["training_set"] = "dataset.xyz"
         resolve_options(probe)
         path = output / "dataset.xyz"
-        print(f"demo run: writing the built-in EMT dataset ({args.structures} Cu/Al/Ni structures) to {path}")
-        make_default_dataset(path, args.structures, seed=options.get("seed", 0) or 0)
+        if rank == 0:  # petfunc.distributed: rank 0 writes, the others wait
+            print(f"demo run: writing the built-in EMT dataset ({args.structures} Cu/Al/Ni structures) to {path}")
+            make_default_dataset(path, args.structures, seed=options.get("seed", 0) or 0)
+        pdist.barrier()
         options["training_set"] = str(path.resolve())
 
     from .trainer import _absolute_paths
 
     resolved = _absolute_paths(resolve_options(options))
-    with open(output / "options.yaml", "w", encoding="utf-8") as handle:
-        yaml.safe_dump(resolved, handle, sort_keys=False)
-    print(f"output folder: {output}")
-    fit(resolved, output, restart=restart, progress=args.progress)
+    if rank == 0:  # petfunc.distributed
+        with open(output / "options.yaml", "w", encoding="utf-8") as handle:
+            yaml.safe_dump(resolved, handle, sort_keys=False)
+        print(f"output folder: {output}")
+    kwargs = dict(restart=restart, progress=args.progress)
+    kwargs.update(dist_kwargs)  # petfunc.distributed
+    try:
+        fit(resolved, output, **kwargs)
+    finally:
+        pdist.shutdown()  # petfunc.distributed (no-op in one process)
     return 0
 
 

@@ -861,6 +861,10 @@ def fit(
 
     # --- step functions -----------------------------------------------------------------
     split = reduce_grads is not None or world_size > 1
+    # >>> petfunc.distributed: world_size > 1 without a reduce_grads hook: the exact
+    # data-parallel gradient step (global label counts, all-reduced inside the step)
+    exact_dp = world_size > 1 and reduce_grads is None
+    # <<< petfunc.distributed
     reduce_grads = reduce_grads or (lambda grads: grads)
     compile_on = training["compile"]
     backend = training["compile_backend"]
@@ -869,11 +873,18 @@ def fit(
         raw_step = make_grad_step(model, weights)
     else:
         raw_step = make_train_step(model, optimizer, weights, clip)
+    # >>> petfunc.distributed
+    if exact_dp:
+        from .distributed import DataParallel
+
+        raw_step = DataParallel(model, optimizer, weights, clip, compile=compile_on, backend=backend,
+                                metrics="share")  # compiles itself on the first batch
+    # <<< petfunc.distributed
     step_fn = None
     eval_fn = None
 
     def build_step(example):
-        if not compile_on:
+        if not compile_on or exact_dp:  # exact_dp: petfunc.distributed
             return raw_step
         from .compile import compile as compile_fn
 
