@@ -1,0 +1,51 @@
+"""Timing and memory helpers shared by the benchmarks (Linux: /proc/self)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Tuple
+
+
+def _status(field: str) -> float:
+    """A ``/proc/self/status`` field in MiB (VmRSS: now, VmHWM: peak)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def reset_peak_memory() -> None:
+    """Reset the process's peak resident memory (VmHWM) to its current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
+
+
+def measure(fn: Callable[[], object], repeats: int, warmup: int = 1) -> Tuple[float, float, object]:
+    """``(median seconds, peak extra resident memory in MiB, last result)`` of ``fn()``.
+
+    The memory is the rise of the peak resident set size over the resident size
+    before the timed calls (allocator caches included, so an upper bound).
+    """
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    reset_peak_memory()
+    before = _status("VmRSS")
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), max(0.0, _status("VmHWM") - before), out
+
+
+def timed(fn: Callable[[], object]) -> Tuple[float, object]:
+    """``(seconds, result)`` of one call (compilations)."""
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out

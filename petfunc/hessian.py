@@ -1,0 +1,191 @@
+"""Second derivatives of the energy with respect to positions: Hessians and
+Hessian-vector products.
+
+For an energy function ``energy_fn(params, positions, cell, neighbors) ->
+[n_structures]`` the functions here differentiate the *total* energy
+``E = sum_s E_s`` twice:
+
+* ``hvp(energy_fn)(params, positions, cell, neighbors, v) -> H v`` ``[n_atoms, 3]``:
+  about the cost of two force evaluations, any system size;
+* ``hessian(energy_fn)(params, positions, cell, neighbors) -> H`` ``[n_atoms, 3,
+  n_atoms, 3]`` with ``H[i, a, j, b] = d2E / dx_ia dx_jb`` (eV/Å^2): HVPs with all
+  3 n_atoms unit vectors, vmapped;
+* ``hessian(energy_fn, chunk_size=k)``: the same matrix, k rows at a time, so the
+  memory of the derivative pass is that of k HVPs whatever the system size
+  (the result itself is 9 n_atoms^2 numbers).
+
+**Two modes.** ``mode="reverse"`` (default) is reverse-over-reverse: the gradient
+g(x) = dE/dx and its backward graph are built once, then ``vjp`` of g with each
+direction (``jacrev(grad)``). ``mode="forward"`` is forward-over-reverse: a ``jvp``
+of g along each direction (``jacfwd(grad)``). Both give the same matrix (to
+round-off; H is symmetric, so rows and columns agree). Only the reverse mode traces
+shape-generically: forward-mode AD reads integer sizes when it stores a tangent
+(``make_fx`` then bakes the trace batch's sizes into the graph: "The expanded size
+of the tensor (90) must match the existing size (26)"), so :func:`petfunc.compile`
+of a forward-mode function only works for the traced sizes. Use forward mode in
+eager code only.
+
+**Batches.** Structures of a batch share no atoms, so the Hessian of the total
+energy is block diagonal: entries between atoms of different structures are
+exactly zero, and the block of structure s is that structure's own Hessian. The
+functions return the full ``[n_atoms, 3, n_atoms, 3]`` matrix of the batch;
+:func:`structure_blocks` cuts out the per-structure blocks. (For many structures,
+prefer one structure per call or HVPs: the full matrix is mostly zeros.)
+
+The Hessian is ``-dF/dx``: positive curvature at a minimum. Cell and strain are
+held fixed (no strain derivatives).
+
+The functions trace with :func:`petfunc.compile` into one graph for every system
+size (the vmaps run under :func:`petfunc._vmap_rules.symbolic_vmap_rules`). The
+chunked Hessian loops in Python over chunks: compile its row function
+(:func:`hessian_rows`) and pass it to :func:`chunked_hessian`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+from torch.func import grad, jvp, vjp, vmap
+
+from ._vmap_rules import symbolic_vmap_rules
+
+
+_MODES = ("reverse", "forward")
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+    return mode
+
+
+def _energy_gradient(energy_fn, params, cell, neighbors):
+    def total(x):
+        return energy_fn(params, x, cell, neighbors).sum()
+
+    return grad(total)
+
+
+def _hvp(energy_fn, params, positions, cell, neighbors, v, mode: str):
+    gradient = _energy_gradient(energy_fn, params, cell, neighbors)
+    if mode == "forward":
+        return jvp(gradient, (positions,), (v,))[1]
+    return vjp(gradient, positions)[1](v)[0]
+
+
+def hvp(energy_fn: Callable, mode: str = "reverse") -> Callable:
+    """``fn(params, positions, cell, neighbors, v [n_atoms, 3]) -> H v [n_atoms, 3]``
+    (eV/Å^2 times the units of v). ``mode``: see the module docstring."""
+    _check_mode(mode)
+
+    def fn(params, positions, cell, neighbors, v):
+        with symbolic_vmap_rules(decompose_layer_norm=mode == "forward"):
+            return _hvp(energy_fn, params, positions, cell, neighbors, v, mode)
+
+    return fn
+
+
+def hessian_rows(energy_fn: Callable, mode: str = "reverse") -> Callable:
+    """``fn(params, positions, cell, neighbors, directions [k, n_atoms, 3]) -> [k, n_atoms, 3]``:
+    ``H d`` for each of k directions. With unit vectors as directions these are
+    rows (= columns: H is symmetric) of the Hessian. ``mode``: see the module docstring.
+    """
+    _check_mode(mode)
+
+    def forward(params, positions, cell, neighbors, directions):
+        def one(v):
+            return _hvp(energy_fn, params, positions, cell, neighbors, v, "forward")
+
+        return vmap(one)(directions)
+
+    def reverse(params, positions, cell, neighbors, directions):
+        gradient = _energy_gradient(energy_fn, params, cell, neighbors)
+        _, pullback = vjp(gradient, positions)  # g and its graph, built once
+        return vmap(pullback)(directions)[0]
+
+    rows = forward if mode == "forward" else reverse
+
+    def fn(params, positions, cell, neighbors, directions):
+        with symbolic_vmap_rules(decompose_layer_norm=mode == "forward"):
+            return rows(params, positions, cell, neighbors, directions)
+
+    return fn
+
+
+def _unit_vectors(n_atoms: int, start, count: int, like: torch.Tensor) -> torch.Tensor:
+    """``[count, n_atoms, 3]`` unit vectors e_start ... (rows past 3 n_atoms are zero)."""
+    rows = torch.arange(count, device=like.device) + start
+    columns = torch.arange(3 * n_atoms, device=like.device)
+    return (rows[:, None] == columns[None, :]).to(like.dtype).reshape(count, n_atoms, 3)
+
+
+def chunked_hessian(rows_fn: Callable, chunk_size: int) -> Callable:
+    """Hessian ``[n_atoms, 3, n_atoms, 3]`` from a row function, ``chunk_size`` rows per call.
+
+    Args:
+        rows_fn: :func:`hessian_rows` of an energy function, or its compiled version
+            (``petfunc.compile(hessian_rows(energy_fn), params, positions, cell,
+            neighbors, directions)`` with ``directions`` of shape
+            ``[chunk_size, n_atoms, 3]``).
+        chunk_size: rows per call (>= 2). The last chunk is padded with zero
+            directions so every call has the same number of rows (one compiled graph).
+    """
+    if int(chunk_size) < 2:
+        raise ValueError(f"chunk_size must be at least 2, got {chunk_size}")
+    k = int(chunk_size)
+
+    def fn(params, positions, cell, neighbors):
+        n = positions.shape[0]
+        rows: List[torch.Tensor] = []
+        for start in range(0, 3 * n, k):
+            directions = _unit_vectors(n, start, k, positions)
+            rows.append(rows_fn(params, positions, cell, neighbors, directions))
+        return torch.cat(rows)[: 3 * n].reshape(n, 3, n, 3)
+
+    return fn
+
+
+def hessian(energy_fn: Callable, chunk_size: Optional[int] = None, mode: str = "reverse") -> Callable:
+    """``fn(params, positions, cell, neighbors) -> H [n_atoms, 3, n_atoms, 3]`` (eV/Å^2).
+
+    ``H[i, a, j, b] = d2 E / dx_ia dx_jb`` of the total energy of the batch
+    (block diagonal over structures, see the module docstring).
+
+    Args:
+        energy_fn: ``energy_fn(params, positions, cell, neighbors) -> [n_structures]``.
+        chunk_size: ``None``: all 3 n_atoms rows in one vmap (fastest, memory of
+            3 n_atoms HVPs). An integer k: k rows at a time (memory of k HVPs).
+        mode: ``"reverse"`` or ``"forward"`` (see the module docstring).
+    """
+    rows_fn = hessian_rows(energy_fn, mode)
+    if chunk_size is not None:
+        return chunked_hessian(rows_fn, chunk_size)
+
+    def fn(params, positions, cell, neighbors):
+        n = positions.shape[0]
+        eye = torch.eye(3 * n, dtype=positions.dtype, device=positions.device)
+        return rows_fn(params, positions, cell, neighbors, eye.reshape(3 * n, n, 3)).reshape(n, 3, n, 3)
+
+    return fn
+
+
+def structure_blocks(hessian_matrix: torch.Tensor, structure_index: torch.Tensor) -> List[torch.Tensor]:
+    """Per-structure blocks ``[n_s, 3, n_s, 3]`` of a batch Hessian.
+
+    Atoms of a structure must be contiguous (as :func:`petfunc.collate` builds them).
+    """
+    counts = torch.bincount(structure_index).tolist()
+    blocks, start = [], 0
+    for count in counts:
+        stop = start + count
+        blocks.append(hessian_matrix[start:stop, :, start:stop, :])
+        start = stop
+    return blocks
+
+
+def mass_weighted(hessian_matrix: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
+    """``H_ij / sqrt(m_i m_j)`` as a ``[3 n, 3 n]`` matrix (masses in amu)."""
+    n = hessian_matrix.shape[0]
+    inv = (1.0 / torch.sqrt(masses.to(hessian_matrix.dtype))).repeat_interleave(3)
+    return hessian_matrix.reshape(3 * n, 3 * n) * inv[:, None] * inv[None, :]

@@ -1,0 +1,200 @@
+"""Training on second derivatives: a loss with a Hessian-vector-product term.
+
+Labels are Hessian-vector products ``t_p = H d_p`` for a few probe directions d_p
+per batch (with unit vectors as probes, rows of the Hessian: full Hessian
+matching; with random probes, a stochastic estimate of it at the memory cost
+of a few force evaluations). A :class:`HessianBatch` carries them next to an
+ordinary :class:`~petfunc.data.Batch`; the loss is
+
+``L = L_E + L_F + L_S  (as petfunc.make_loss)  +  w_H mean_{p,i,a} l((H d_p)_ia, t_pia)``
+
+with ``H d_p`` the vjp of the model's position gradient with d_p, computed
+together with the forces and the strain derivative (reverse-over-reverse: the
+gradient and its graph once, then one vmapped pullback per probe). The parameter gradient of ``L`` is therefore a third
+derivative of the energy. The default training path (:func:`petfunc.make_loss`)
+is unchanged; this module is only used when there are Hessian labels.
+
+Units: like the other targets of a batch, the HVP targets are in training units,
+``H d / c`` with c the energy scale (:func:`hessian_batch` divides).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, NamedTuple, Optional
+
+import torch
+from torch.func import grad, grad_and_value, vjp, vmap
+
+from ._vmap_rules import symbolic_vmap_rules
+from .data import Batch
+from .derivatives import _identity_strain, _strained
+from .loss import LossTerm, LossWeights, _term
+from .train import FROZEN, TrainState, apply_gradients, trainable
+
+
+class HessianBatch(NamedTuple):
+    """A training batch with Hessian-vector-product labels.
+
+    Attributes:
+        batch: the ordinary batch (energies, forces, stress in training units).
+        directions: ``[n_probes, n_atoms, 3]`` probe vectors d_p (Å or unitless;
+            zero on atoms that carry no label).
+        hvp: ``[n_probes, n_atoms, 3]`` targets ``H d_p / c`` (NaN where missing).
+    """
+
+    batch: Batch
+    directions: torch.Tensor
+    hvp: torch.Tensor
+
+
+def hessian_batch(batch: Batch, directions: torch.Tensor, hvp: torch.Tensor, scale: float = 1.0) -> HessianBatch:
+    """Build a :class:`HessianBatch`; ``hvp`` (eV/Å^2 times d) is divided by ``scale``.
+
+    ``directions`` and ``hvp`` may be ``[n_atoms, 3]`` (one probe) or
+    ``[n_probes, n_atoms, 3]``. Pass a padding structure's rows as NaN (or use
+    :func:`hvp_targets` on a batch Hessian, which gives exact values there).
+    """
+    dtype, device = batch.positions.dtype, batch.positions.device
+    directions = torch.as_tensor(directions, dtype=dtype, device=device)
+    hvp = torch.as_tensor(hvp, dtype=dtype, device=device) / scale
+    if directions.dim() == 2:
+        directions, hvp = directions[None], hvp[None]
+    n_atoms = batch.positions.shape[0]
+    if directions.shape[1:] != (n_atoms, 3) or hvp.shape != directions.shape:
+        raise ValueError(
+            f"directions {tuple(directions.shape)} and hvp {tuple(hvp.shape)} must both be "
+            f"[n_probes, {n_atoms}, 3]"
+        )
+    return HessianBatch(batch, directions, hvp)
+
+
+def hvp_targets(hessian_matrix: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
+    """``H d_p`` ``[n_probes, n_atoms, 3]`` from a reference Hessian ``[n_atoms, 3, n_atoms, 3]``."""
+    n = hessian_matrix.shape[0]
+    flat = hessian_matrix.reshape(3 * n, 3 * n)
+    return (directions.reshape(-1, 3 * n) @ flat.T).reshape(directions.shape)
+
+
+def _derivatives_and_hvp(energy_fn, params, batch: Batch, directions, with_strain: bool):
+    """(energies, -dE/dx, dE/d eps or None, H d [n_probes, n_atoms, 3]) in one pass."""
+    cell, neighbors = batch.cell, batch.neighbors
+
+    if with_strain:
+        strain = _identity_strain(cell)
+
+        def total(x, eps):
+            xs, cs = _strained(x, cell, eps, neighbors.structure_index)
+            e = energy_fn(params, xs, cs, neighbors)
+            return e.sum(), e
+
+        gradient = grad(total, argnums=(0, 1), has_aux=True)
+
+        def position_gradient(x):
+            (de_dx, de_deps), energies = gradient(x, strain)
+            return de_dx, (energies, de_deps)
+
+    else:
+
+        def total(x):
+            e = energy_fn(params, x, cell, neighbors)
+            return e.sum(), e
+
+        gradient = grad(total, has_aux=True)
+
+        def position_gradient(x):
+            de_dx, energies = gradient(x)
+            return de_dx, (energies,)
+
+    # reverse-over-reverse: g = dE/dx and its graph once, then one vjp per probe
+    # (forward-over-reverse would bake sizes into traces, see petfunc.hessian)
+    de_dx, pullback, aux = vjp(position_gradient, batch.positions, has_aux=True)
+    hd = vmap(pullback)(directions)[0]
+    de_deps = aux[1] if with_strain else None
+    return aux[0], -de_dx, de_deps, hd
+
+
+def make_hessian_loss(
+    energy_fn: Callable,
+    weights: LossWeights = LossWeights(),
+    hvp_weight: float = 1.0,
+    hvp_type: str = "mse",
+):
+    """``loss_fn(params, hessian_batch) -> (loss, metrics)``: :func:`petfunc.make_loss`'s
+    terms plus ``hvp_weight`` times the HVP term (see the module docstring).
+
+    ``metrics`` has the keys of :func:`petfunc.make_loss` plus ``hvp_loss``,
+    ``hvp_sse``, ``hvp_sae`` and ``hvp_count``.
+    """
+    from .model import PET
+
+    if isinstance(energy_fn, PET):
+        energy_fn = energy_fn.raw_energy
+    hvp_term = LossTerm(hvp_weight, hvp_type)  # validates weight and type
+
+    def loss_fn(params, hbatch: HessianBatch):
+        batch = hbatch.batch
+        # layer norm decomposed: PyTorch's own third derivative of it is wrong
+        with symbolic_vmap_rules(decompose_layer_norm=True):
+            energies, forces, de_deps, hd = _derivatives_and_hvp(
+                energy_fn, params, batch, hbatch.directions, with_strain=weights.stress.weight > 0
+            )
+        n_atoms = torch.zeros_like(energies).scatter_add(
+            0, batch.neighbors.structure_index, torch.ones_like(batch.positions[:, 0])
+        )
+        metrics: Dict[str, torch.Tensor] = {}
+        loss = torch.zeros((), dtype=energies.dtype, device=energies.device)
+        terms = [("energy", weights.energy, energies / n_atoms, batch.energy / n_atoms)]
+        if weights.forces.weight > 0:
+            terms.append(("forces", weights.forces, forces, batch.forces))
+        if weights.stress.weight > 0:
+            per_atom = n_atoms[:, None, None]
+            terms.append(("stress", weights.stress, de_deps / per_atom, batch.strain_derivative / per_atom))
+        if hvp_term.weight > 0:
+            terms.append(("hvp", hvp_term, hd, hbatch.hvp))
+        for name, term, pred, target in terms:
+            mean, sse, sae, count = _term(term.type, pred, target)
+            loss = loss + term.weight * mean
+            metrics.update({f"{name}_loss": mean, f"{name}_sse": sse, f"{name}_sae": sae, f"{name}_count": count})
+        metrics["loss"] = loss
+        return loss, metrics
+
+    return loss_fn
+
+
+def make_hessian_grad_step(energy_fn, weights: LossWeights = LossWeights(), hvp_weight: float = 1.0, hvp_type: str = "mse"):
+    """``grad_step(params, hessian_batch) -> (grads, metrics)`` of the trainable parameters."""
+    loss_fn = make_hessian_loss(energy_fn, weights, hvp_weight, hvp_type)
+
+    def grad_step(params, hbatch: HessianBatch):
+        frozen = {k: params[k] for k in FROZEN if k in params}
+
+        def objective(train_params):
+            return loss_fn({**train_params, **frozen}, hbatch)
+
+        grads, (_, metrics) = grad_and_value(objective, has_aux=True)(trainable(params))
+        return grads, metrics
+
+    return grad_step
+
+
+def make_hessian_train_step(
+    energy_fn,
+    optimizer,
+    weights: LossWeights = LossWeights(),
+    hvp_weight: float = 1.0,
+    hvp_type: str = "mse",
+    grad_clip_norm: Optional[float] = 1.0,
+):
+    """``train_step(state, hessian_batch) -> (state, metrics)``: as
+    :func:`petfunc.make_train_step`, with the loss of :func:`make_hessian_loss`."""
+    grad_step = make_hessian_grad_step(energy_fn, weights, hvp_weight, hvp_type)
+
+    def train_step(state: TrainState, hbatch: HessianBatch):
+        grads, metrics = grad_step(state.params, hbatch)
+        state, norm = apply_gradients(optimizer, state, grads, grad_clip_norm)
+        if norm is not None:
+            metrics = {**metrics, "grad_norm": norm}
+        return state, metrics
+
+    return train_step

@@ -1,0 +1,291 @@
+"""Ensembles by vmap: equal to K single models, eager, traced and compiled.
+
+The traced/compiled checks are the point of petfunc.ensemble: vmap + make_fx used
+to bake the trace batch's sizes into the graph (compile note P7) and vmap +
+inductor used to miscompile index ops into expanded tensors (P6). Every check runs
+several batch shapes through one graph and compares with K separate eager
+single-model evaluations or training steps, in float64.
+"""
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch.func import grad, vmap
+
+import petfunc
+import petfunc.ensemble as ensemble
+from petfunc import _vmap_rules
+
+import toy
+
+
+F64 = torch.float64
+RTOL = 1e-9
+
+# two GNN layers, a node stream wider than the edges, SwiGLU: every PET code path
+TINY = petfunc.PETConfig(
+    atomic_types=(1, 6, 7, 8), d_pet=4, d_node=8, d_head=4, d_feedforward=4, num_heads=2,
+    cutoff=4.0, num_gnn_layers=2, num_attention_layers=1,
+)
+# the smallest PET, for traced and compiled checks (their cost grows with the graph)
+MINI = petfunc.PETConfig(
+    atomic_types=(1, 6, 7, 8), d_pet=4, d_node=4, d_head=4, d_feedforward=4, num_heads=1,
+    cutoff=4.0, num_gnn_layers=1, num_attention_layers=1, activation="SiLU",
+)
+SHAPES = [(3, 0), (2, 1), (5, 2)]  # (structures, seed): different atom/edge/width counts
+
+
+def _rel(a, b):
+    """Max relative error, NaN patterns must agree."""
+    nan = torch.isnan(b)
+    assert torch.equal(nan, torch.isnan(a)), "NaN patterns differ"
+    a, b = a[~nan], b[~nan]
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300)) if b.numel() else 0.0
+
+
+def _assert_trees_close(out, ref, rtol=RTOL, what=""):
+    out_leaves, out_spec = pytree.tree_flatten(out)
+    ref_leaves, ref_spec = pytree.tree_flatten(ref)
+    assert out_spec == ref_spec, f"{what}: tree structures differ"
+    worst = 0.0
+    for a, b in zip(out_leaves, ref_leaves):
+        assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        if a.is_floating_point():
+            worst = max(worst, _rel(a, b))
+        else:
+            assert torch.equal(a, b), f"{what}: integer leaves differ"
+    assert worst < rtol, f"{what}: max relative error {worst:.2e} >= {rtol}"
+    return worst
+
+
+def _stack(trees):
+    return pytree.tree_map(lambda *xs: torch.stack(xs), *trees)
+
+
+def _members_efs(energy_fn, params, batch):
+    efs = petfunc.energy_forces_stress(energy_fn)
+    outs = [efs(p, batch.positions, batch.cell, batch.neighbors) for p in ensemble.unstack(params)]
+    return tuple(torch.stack([o[i] for o in outs]) for i in range(3))
+
+
+def _members_step(step, state, batch):
+    k = ensemble.size(state.params)
+    outs = [step(ensemble.member_state(state, i), batch) for i in range(k)]
+    return _stack([o[0] for o in outs]), _stack([o[1] for o in outs])
+
+
+# ---------------------------------------------------------------------------------------
+# the batching rules
+
+
+def _vmapped(fn, *args, in_dims):
+    """(result with our rules, result with PyTorch's)."""
+    with _vmap_rules.symbolic_vmap_rules():
+        ours = vmap(fn, in_dims=in_dims)(*args)
+    return ours, vmap(fn, in_dims=in_dims)(*args)
+
+
+def test_rules_equal_pytorch_rules():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 4, 5, generator=g), torch.randn(4, 2, generator=g)
+    c = torch.randn(2, 5, generator=g)
+    index = torch.randint(0, 6, (4, 5), generator=g)
+    empty = torch.zeros(0)
+    cases = [
+        # cat: batched + unbatched, negative dim, legacy skip of 1-d empty tensors
+        (lambda x, y: torch.cat([x, y], dim=-1), (a, b), (0, None)),
+        (lambda x, y: torch.cat([y, x, y], dim=1), (a, b), (0, None)),
+        (lambda x: torch.cat([empty, x.reshape(-1)]), (a,), (0,)),
+        (lambda x, y: torch.cat([x, y], dim=0), (a.transpose(0, 1), c), (1, None)),
+        # scatter_add / gather: every combination of batched self, index, src
+        (lambda x: torch.zeros(4, 6).scatter_add(1, index, x), (a,), (0,)),
+        (lambda s, x: s.scatter_add(1, index, x), (torch.randn(3, 4, 6, generator=g), a), (0, 0)),
+        (lambda s, i: s.scatter_add(1, i, a[0]), (torch.randn(4, 6), index[None].expand(3, 4, 5) % 6), (None, 0)),
+        (lambda x: x.gather(1, index), (torch.randn(3, 4, 6, generator=g),), (0,)),
+        (lambda i: a[0].gather(1, i), (index[None].expand(3, 4, 5) % 5,), (0,)),
+        # slice_backward and the layer-norm pair, through a gradient
+        (lambda x: grad(lambda y: (y[:, 1:3] ** 3).sum())(x), (a,), (0,)),
+        (lambda w: torch.nn.functional.layer_norm(a[0], (5,), w, None), (torch.randn(3, 5, generator=g),), (0,)),
+        (lambda x: grad(lambda y: torch.nn.functional.layer_norm(y, (5,)).pow(3).sum())(x), (a,), (0,)),
+    ]
+    for i, (fn, args, dims) in enumerate(cases):
+        ours, theirs = _vmapped(fn, *args, in_dims=dims)
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6, msg=f"case {i}")
+
+
+def test_rules_are_scoped_and_reentrant():
+    with _vmap_rules.symbolic_vmap_rules():
+        with _vmap_rules.symbolic_vmap_rules(decompose_layer_norm=True):
+            assert _vmap_rules._batching._library is not None
+            assert _vmap_rules._layer_norm._library is not None
+        assert _vmap_rules._layer_norm._library is None
+        assert _vmap_rules._batching._library is not None
+    assert _vmap_rules._batching._library is None
+    # PyTorch's own rules are back: nested vmaps of cat still work
+    x = torch.randn(2, 3, 4)
+    out = vmap(vmap(lambda r: torch.cat([r, r])))(x)
+    assert out.shape == (2, 3, 8)
+
+
+# ---------------------------------------------------------------------------------------
+# parameters
+
+
+def test_init_stack_unstack():
+    model = petfunc.PET(TINY)
+    params = ensemble.init(model, seeds=[3, 4, 5], dtype=F64)
+    assert ensemble.size(params) == 3
+    members = ensemble.unstack(params)
+    for seed, member in zip([3, 4, 5], members):
+        ref = model.init(seed=seed, dtype=F64)
+        flat, flat_ref = petfunc.tree.flatten(member), petfunc.tree.flatten(ref)
+        assert list(flat) == list(flat_ref)
+        assert all(torch.equal(flat[k], flat_ref[k]) for k in flat)
+    restacked = petfunc.tree.flatten(ensemble.stack(members))
+    assert all(torch.equal(v, petfunc.tree.flatten(params)[k]) for k, v in restacked.items())
+    w = petfunc.tree.flatten(params)["gnn_layers.0.edge_embedder.weight"]
+    assert not torch.equal(w[0], w[1]), "members must be initialised differently"
+    with pytest.raises(ValueError, match="at least 2 members"):
+        ensemble.init(model, seeds=[0])
+
+
+# ---------------------------------------------------------------------------------------
+# eager: vmap == K single models
+
+
+def test_energy_forces_stress_equal_members():
+    model = petfunc.PET(TINY)
+    params = ensemble.init(model, range(3), dtype=F64)
+    batch = toy.labelled_batch(TINY, 3, seed=0)
+    args = (batch.positions, batch.cell, batch.neighbors)
+    out = ensemble.energy_forces_stress(model.energy)(params, *args)
+    ref = _members_efs(model.energy, params, batch)
+    s, n = batch.n_structures, batch.positions.shape[0]
+    assert [tuple(o.shape) for o in out] == [(3, s), (3, n, 3), (3, s, 3, 3)]
+    _assert_trees_close(out, ref, 1e-12, "E/F/S")
+    energies = ensemble.energy(model.energy)(params, *args)
+    _assert_trees_close(energies, ref[0], 1e-12, "energy")
+
+
+def test_committee_mean_and_std():
+    model = petfunc.PET(TINY)
+    params = ensemble.init(model, range(4), dtype=F64)
+    batch = toy.labelled_batch(TINY, 2, seed=1)
+    c = ensemble.committee(model.energy)(params, batch.positions, batch.cell, batch.neighbors)
+    energies, forces, stress = c.members
+    torch.testing.assert_close(c.energy, energies.mean(0))
+    torch.testing.assert_close(c.forces_std, forces.std(0))
+    torch.testing.assert_close(c.stress, stress.mean(0), equal_nan=True)
+    assert (c.energy_std > 0).all() and (c.forces_std > 0).all()
+
+
+def test_train_step_equals_members():
+    model = petfunc.PET(TINY)
+    optimizer = petfunc.make_optimizer(1e-2)
+    params = ensemble.init(model, range(3), dtype=F64)
+    state = ensemble.init_state(params, optimizer)
+    weights = petfunc.LossWeights.make(1.0, 10.0, 1.0)
+    step = petfunc.make_train_step(model, optimizer, weights)
+    ens_step = ensemble.make_train_step(model, optimizer, weights)
+    for seed in range(2):  # two steps: the optimizer state must be carried per member
+        batch = toy.labelled_batch(TINY, 3, seed=seed)
+        ref_state, ref_metrics = _members_step(step, state, batch)
+        state, metrics = ens_step(state, batch)
+        _assert_trees_close((state, metrics), (ref_state, ref_metrics), 1e-12, f"step {seed}")
+    assert metrics["loss"].shape == (3,)
+
+
+def test_member_batches():
+    """One rotated copy of the batch per member: same neighbour graph, own labels."""
+    model = petfunc.PET(TINY)
+    optimizer = petfunc.make_optimizer(1e-2)
+    state = ensemble.init_state(ensemble.init(model, range(2), dtype=F64), optimizer)
+    samples = [petfunc.data.sample_from_atoms(a, TINY) for a in toy.frames(3, seed=4)]
+    rotations = petfunc.data.random_rotations(2 * len(samples), torch.Generator().manual_seed(0))
+    batches = [
+        petfunc.make_batch(samples, TINY, [0.0] * 4, 1.0, F64, rotations=rotations[i::2]) for i in range(2)
+    ]
+    weights = petfunc.LossWeights.make(1.0, 10.0, 1.0)
+    step = petfunc.make_train_step(model, optimizer, weights)
+    new, metrics = ensemble.make_train_step(model, optimizer, weights, member_batches=True)(
+        state, ensemble.stack_batches(batches)
+    )
+    for i in range(2):
+        ref_state, ref_metrics = step(ensemble.member_state(state, i), batches[i])
+        _assert_trees_close(
+            (ensemble.member_state(new, i), {k: v[i] for k, v in metrics.items()}),
+            (ref_state, ref_metrics), 1e-12, f"member {i}",
+        )
+    other = toy.labelled_batch(TINY, 3, seed=5)
+    with pytest.raises(ValueError, match="neighbour graph"):
+        ensemble.stack_batches([batches[0], other])
+
+
+# ---------------------------------------------------------------------------------------
+# traced and compiled: one graph for every batch shape
+
+
+def _check_compiled_ensemble(config_or_toy, backend, traced_only=False, train=True, efs=True):
+    """Compile (or only trace) ensemble E/F/S and training step; compare on SHAPES."""
+    if config_or_toy == "toy":
+        config, energy_fn = MINI, toy.energy
+        params = ensemble.stack([toy.init(seed=s) for s in range(3)])
+        train_fn = toy.energy
+    else:
+        config = config_or_toy
+        model = petfunc.PET(config)
+        energy_fn, train_fn = model.energy, model
+        params = ensemble.init(model, range(3), dtype=F64)
+    optimizer = petfunc.make_optimizer(1e-2)
+    state = ensemble.init_state(params, optimizer)
+    weights = petfunc.LossWeights.make(1.0, 10.0, 1.0)
+    single_step = petfunc.make_train_step(train_fn, optimizer, weights)
+    batches = [toy.labelled_batch(config, n, seed) for n, seed in SHAPES]
+    b0 = batches[0]
+    checks = []
+    if efs:
+        fn = ensemble.energy_forces_stress(energy_fn)
+        compiled = petfunc.compile(fn, params, b0.positions, b0.cell, b0.neighbors, backend=backend)
+        checks.append(("E/F/S", compiled, lambda c, b: (params, b.positions, b.cell, b.neighbors),
+                       lambda b: _members_efs(energy_fn, params, b)))
+    if train:
+        compiled = petfunc.compile(ensemble.make_train_step(train_fn, optimizer, weights), state, b0, backend=backend)
+        checks.append(("train step", compiled, lambda c, b: (state, b),
+                       lambda b: _members_step(single_step, state, b)))
+    worst = {}
+    for name, compiled, args, reference in checks:
+        worst[name] = 0.0
+        for b in batches:
+            out = compiled.eager_graph(*args(compiled, b)) if traced_only else compiled(*args(compiled, b))
+            what = f"{name}, {b.positions.shape[0]} atoms, {b.n_structures} structures"
+            worst[name] = max(worst[name], _assert_trees_close(out, reference(b), RTOL, what))
+        if not traced_only:
+            assert compiled.num_graphs == 1, f"{name}: {compiled.num_graphs} graphs"
+    return worst
+
+
+def test_traced_pet_ensemble_is_shape_generic():
+    """The make_fx graph of a vmapped PET E/F/S replays every batch shape."""
+    _check_compiled_ensemble(MINI, "aot_eager", traced_only=True, train=False)
+
+
+@pytest.mark.slow
+def test_traced_pet_train_step_is_shape_generic():
+    """The make_fx graph of a vmapped PET training step replays every batch shape."""
+    _check_compiled_ensemble(MINI, "aot_eager", traced_only=True, efs=False)
+
+
+def test_compiled_toy_ensemble_aot_eager():
+    _check_compiled_ensemble("toy", "aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_pet_ensemble(backend):
+    worst = _check_compiled_ensemble(MINI, backend)
+    print(f"PET ensemble {backend}: max relative errors {worst}")
+
+
+@pytest.mark.slow
+def test_compiled_toy_ensemble_inductor():
+    _check_compiled_ensemble("toy", "inductor")

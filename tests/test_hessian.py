@@ -1,0 +1,177 @@
+"""Hessians and Hessian-vector products of PET (and of the toy model, compiled)."""
+
+import ase.build
+import pytest
+import torch
+
+import petfunc
+from petfunc.hessian import chunked_hessian, hessian, hessian_rows, hvp, mass_weighted, structure_blocks
+
+import toy
+
+
+F64 = torch.float64
+TINY = petfunc.PETConfig(
+    atomic_types=(1, 6, 7, 8), d_pet=4, d_node=8, d_head=4, d_feedforward=4, num_heads=2,
+    cutoff=4.0, num_gnn_layers=2, num_attention_layers=1,
+)
+MINI = petfunc.PETConfig(
+    atomic_types=(1, 6, 7, 8), d_pet=4, d_node=4, d_head=4, d_feedforward=4, num_heads=1,
+    cutoff=4.0, num_gnn_layers=1, num_attention_layers=1, activation="SiLU",
+)
+
+
+def _molecule(name="CH3CH2OH", seed=1):
+    atoms = ase.build.molecule(name)
+    atoms.rattle(0.05, seed=seed)
+    return atoms
+
+
+def _cell(seed=2):
+    atoms = ase.build.bulk("C", "diamond", a=3.57)
+    atoms.rattle(0.05, seed=seed)
+    return atoms
+
+
+def _setup(frames, config=TINY, seed=0):
+    model = petfunc.PET(config)
+    params = model.init(seed=seed, dtype=F64)
+    positions, cell, neighbors = petfunc.from_atoms(frames, config, dtype=F64)
+    return model.energy, params, (positions, cell, neighbors)
+
+
+def _matrix(h):
+    n = h.shape[0]
+    return h.reshape(3 * n, 3 * n)
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("frames", [[_molecule("CH3OH")], [_cell()]], ids=["molecule", "periodic"])
+def test_hessian_matches_finite_differences_of_forces(frames):
+    energy_fn, params, (x, cell, nbrs) = _setup(frames)
+    h = _matrix(hessian(energy_fn)(params, x, cell, nbrs))
+    forces = petfunc.forces(energy_fn)
+    n, step = x.shape[0], 1e-5
+    numeric = torch.zeros_like(h)
+    for k in range(3 * n):
+        d = torch.zeros(3 * n, dtype=F64)
+        d[k] = step
+        d = d.reshape(n, 3)
+        plus, minus = forces(params, x + d, cell, nbrs), forces(params, x - d, cell, nbrs)
+        numeric[k] = -(plus - minus).reshape(-1) / (2 * step)
+    err = _rel(h, numeric)
+    assert err < 1e-6, f"Hessian vs central differences of forces: relative error {err:.1e}"
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_symmetry_sum_rule_hvp_and_chunks(mode):
+    energy_fn, params, (x, cell, nbrs) = _setup([_molecule()])
+    n = x.shape[0]
+    full = hessian(energy_fn, mode=mode)(params, x, cell, nbrs)
+    h = _matrix(full)
+    scale = float(h.abs().max())
+    # symmetric
+    assert float((h - h.T).abs().max()) < 1e-12 * scale
+    # translation sum rule: moving every atom by the same vector changes no force
+    assert float(full.sum(dim=2).abs().max()) < 1e-12 * scale
+    assert float(full.sum(dim=0).abs().max()) < 1e-12 * scale
+    # HVP == H @ v
+    v = torch.randn(n, 3, dtype=F64, generator=torch.Generator().manual_seed(0))
+    hv = hvp(energy_fn, mode=mode)(params, x, cell, nbrs, v)
+    assert float((hv.reshape(-1) - h @ v.reshape(-1)).abs().max()) < 1e-12 * scale
+    # chunked == full, with a ragged last chunk
+    for k in (4, 7):
+        chunked = hessian(energy_fn, chunk_size=k, mode=mode)(params, x, cell, nbrs)
+        assert float((chunked - full).abs().max()) < 1e-13 * scale, f"chunk_size={k}"
+    # both modes agree
+    other = hessian(energy_fn, mode="forward" if mode == "reverse" else "reverse")(params, x, cell, nbrs)
+    assert float((other - full).abs().max()) < 1e-12 * scale
+
+
+def test_batch_hessian_is_block_diagonal():
+    frames = [_molecule("CH3CH2OH", 1), _molecule("H2O", 3), _cell()]
+    energy_fn, params, (x, cell, nbrs) = _setup(frames)
+    full = hessian(energy_fn)(params, x, cell, nbrs)
+    blocks = structure_blocks(full, nbrs.structure_index)
+    start = 0
+    for atoms, block in zip(frames, blocks):
+        _, _, single = _setup([atoms])
+        ref = hessian(energy_fn)(params, *single)
+        assert block.shape == ref.shape
+        torch.testing.assert_close(block, ref, rtol=1e-10, atol=1e-12)
+        stop = start + len(atoms)
+        # no coupling to atoms of other structures: exactly zero
+        assert torch.count_nonzero(full[start:stop, :, :start]) == 0
+        assert torch.count_nonzero(full[start:stop, :, stop:]) == 0
+        start = stop
+
+
+def test_mass_weighting():
+    h = torch.randn(2, 3, 2, 3, dtype=F64)
+    masses = torch.tensor([1.0, 4.0], dtype=F64)
+    mw = mass_weighted(h, masses)
+    assert torch.allclose(mw[0:3, 3:6], h[0, :, 1, :] / 2.0)
+    assert torch.allclose(mw[3:6, 3:6], h[1, :, 1, :] / 4.0)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="mode"):
+        hessian(toy.energy, mode="sideways")
+    with pytest.raises(ValueError, match="chunk_size"):
+        hessian(toy.energy, chunk_size=1)
+
+
+# ---------------------------------------------------------------------------------------
+# compiled: one graph for every system size
+
+
+SIZES = [["CH3CH2OH", "CH4"], ["H2O", "NH3"], ["CH3CH2OH", "C2H6", "CH3OH"]]
+
+
+def _frames(names, seed=0):
+    return [_molecule(name, seed + i) for i, name in enumerate(names)]
+
+
+def _check_compiled_hessian(energy_fn, params, config, backend, chunk_size=4, with_hvp=True):
+    """Compile the full Hessian, its row function (chunked) and the HVP; compare on SIZES."""
+    inputs = [petfunc.from_atoms(_frames(names, i), config, dtype=F64) for i, names in enumerate(SIZES)]
+    x0, cell0, nbrs0 = inputs[0]
+    full = petfunc.compile(hessian(energy_fn), params, x0, cell0, nbrs0, backend=backend)
+    directions = torch.zeros(chunk_size, x0.shape[0], 3, dtype=F64)
+    rows = petfunc.compile(hessian_rows(energy_fn), params, x0, cell0, nbrs0, directions, backend=backend)
+    chunked = chunked_hessian(rows, chunk_size)
+    compiled = [full, rows]
+    if with_hvp:
+        products = petfunc.compile(hvp(energy_fn), params, x0, cell0, nbrs0, torch.zeros_like(x0), backend=backend)
+        compiled.append(products)
+    worst = 0.0
+    for x, cell, nbrs in inputs:
+        ref = hessian(energy_fn)(params, x, cell, nbrs)
+        worst = max(worst, _rel(full(params, x, cell, nbrs), ref), _rel(chunked(params, x, cell, nbrs), ref))
+        if with_hvp:
+            v = torch.randn_like(x)
+            worst = max(worst, _rel(products(params, x, cell, nbrs, v), hvp(energy_fn)(params, x, cell, nbrs, v)))
+    assert worst < 1e-9, f"compiled Hessian: relative error {worst:.1e}"
+    graphs = [c.num_graphs for c in compiled]
+    assert graphs == [1] * len(compiled), f"graphs compiled: {graphs}"
+    return worst
+
+
+def test_compiled_toy_hessian_aot_eager():
+    _check_compiled_hessian(toy.energy, toy.init(), MINI, "aot_eager", with_hvp=False)
+
+
+@pytest.mark.slow
+def test_compiled_toy_hvp_aot_eager():
+    _check_compiled_hessian(toy.energy, toy.init(), MINI, "aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_pet_hessian(backend):
+    model = petfunc.PET(MINI)
+    worst = _check_compiled_hessian(model.energy, model.init(seed=0, dtype=F64), MINI, backend)
+    print(f"PET Hessian {backend}: max relative error {worst:.1e}")
