@@ -100,6 +100,12 @@ def save_params(path: PathLike, config: PETConfig, params) -> None:
         "config": json.dumps(config.to_hypers(), sort_keys=True),
         "params": flat,
     }
+    atomic_save(payload, path)
+
+
+def atomic_save(payload, path: PathLike) -> None:
+    """``torch.save`` to a temporary file in the same folder, fsync, rename over ``path``:
+    a crash or kill leaves either the old file or the new one, never a partial one."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

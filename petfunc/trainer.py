@@ -68,6 +68,7 @@ from . import tree
 from .config import PETConfig
 from .data import Dataset, Sample, make_batch, random_rotations, sample_from_atoms
 from .derivatives import energy_and_forces, energy_forces_stress
+from .io import atomic_save
 from .loss import LossTerm, LossWeights, make_loss
 from .model import PET
 from .options import energy_unit_factor, length_unit_factor, parse_loss, resolve_options
@@ -176,21 +177,8 @@ def state_from_plain(plain, template, where: str = "opt_state"):
 
 
 def _atomic_save(payload, path: Path) -> None:
-    """``torch.save`` to a temporary file in the same folder, fsync, rename over ``path``."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    """See :func:`petfunc.io.atomic_save`."""
+    atomic_save(payload, path)
 
 
 def _atomic_write_text(text: str, path: Path) -> None:
