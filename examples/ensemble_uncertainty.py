@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 SMOKE = os.environ.get("PETFUNC_SMOKE") == "1"
-K, N_STRUCTURES, EPOCHS, WIDTH = (3, 8, 2, 8) if SMOKE else (4, 64, 60, 32)
+K, N_STRUCTURES, EPOCHS, WIDTH = (3, 8, 2, 8) if SMOKE else (4, 64, 40, 32)
 TRAIN_RANGE = (3.55, 3.65)
 
 

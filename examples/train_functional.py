@@ -19,7 +19,7 @@ import petfunc
 
 
 SMOKE = os.environ.get("PETFUNC_SMOKE") == "1"
-N_STRUCTURES, EPOCHS, WIDTH = (8, 2, 8) if SMOKE else (120, 40, 64)
+N_STRUCTURES, EPOCHS, WIDTH = (8, 2, 8) if SMOKE else (120, 30, 64)
 
 # %% EMT labels on rattled, strained copper cells (4 or 8 atoms: two batch shapes)
 rng = np.random.default_rng(0)

@@ -30,7 +30,7 @@ from petfunc.hessian import hessian, mass_weighted
 
 
 SMOKE = os.environ.get("PETFUNC_SMOKE") == "1"
-N_STRUCTURES, EPOCHS, WIDTH = (8, 3, 8) if SMOKE else (64, 150, 16)
+N_STRUCTURES, EPOCHS, WIDTH = (8, 3, 8) if SMOKE else (32, 60, 16)
 F64 = torch.float64
 torch.set_default_dtype(F64)
 
