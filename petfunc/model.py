@@ -5,7 +5,7 @@ Paper/metatrain symbols and their names here:
 
 =====================  ===========================================================
 r_e, d_e, f_e          ``vectors``, ``distances``, ``cutoff_factors`` (flat edges)
-V_ik, D_ik, F_ik       NEF-gathered vectors, sqrt(|V|^2 + 1e-15), factors (0 on padding)
+V_ik, D_ik, F_ik       token (kept-edge) vectors, sqrt(|V|^2 + 1e-15), factors
 h_i, m_ik              node features (d_node) and edge messages (d_pet)
 eps_i                  raw atomic energy; E_s = c sum eps_i + sum w_Z (+ ZBL)
 =====================  ===========================================================
@@ -125,52 +125,39 @@ def cutoff_factors(config: PETConfig, distances: torch.Tensor, neighbors: Neighb
 # the network
 
 
-def _readout(params, config, layer: int, nodes, edges, nef_mask, factors):
-    """Atomic energies ``[n_atoms]`` of one readout layer (node + masked edge sum)."""
+def _readout(params, config, layer: int, nodes, edges, factors, centers):
+    """Atomic energies ``[n_atoms]`` of one readout layer: node term plus the sum of
+    the edge terms (times their cutoff factors) over each atom's tokens."""
     node_hidden = nn.mlp2(params["node_heads"][TARGET][layer], nodes, final_activation=True)
     edge_hidden = nn.mlp2(params["edge_heads"][TARGET][layer], edges, final_activation=True)
     node_energy = nn.linear(params["node_last_layers"][TARGET][layer][BLOCK], node_hidden)[:, 0]
-    edge_energy = nn.linear(params["edge_last_layers"][TARGET][layer][BLOCK], edge_hidden)[..., 0]
-    edge_energy = torch.where(nef_mask, edge_energy, torch.zeros_like(edge_energy))
-    return node_energy + (edge_energy * factors).sum(dim=1)
+    edge_energy = nn.linear(params["edge_last_layers"][TARGET][layer][BLOCK], edge_hidden)[:, 0]
+    return node_energy.scatter_add(0, centers, edge_energy * factors)
 
 
-def _gnn_layer(params, config, layer: int, nodes, messages, geometry, species_nbr, bias):
-    """One CartesianTransformer: returns new ``(nodes, edges)``."""
-    embedded = nn.linear(params["edge_embedder"], geometry)  # [n_atoms, M, d_pet]
+def _gnn_layer(params, config, layer: int, nodes, messages, geometry, species_nbr, grid):
+    """One CartesianTransformer: returns new ``(nodes [n_atoms, d_node], edges [n_kept, d_pet])``."""
+    embedded = nn.linear(params["edge_embedder"], geometry)  # [n_kept, d_pet]
     if layer == 0:
-        tokens = torch.cat([embedded, messages], dim=2)
+        tokens = torch.cat([embedded, messages], dim=1)
     else:
         tokens = torch.cat(
-            [embedded, nn.embedding(params["neighbor_embedder"], species_nbr), messages], dim=2
+            [embedded, nn.embedding(params["neighbor_embedder"], species_nbr), messages], dim=1
         )
     edges = nn.mlp2(params["compress"], tokens)
     for layer_params in params["trans"]["layers"]:
-        nodes, edges = transformer.layer(layer_params, config, nodes, edges, bias)
+        nodes, edges = transformer.layer(layer_params, config, nodes, edges, grid)
     return nodes, edges
-
-
-def _cut_padding_gradient(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``values`` ``[n_atoms, M, ...]`` unchanged, with no gradient through padded slots.
-
-    Padded slots carry metatrain's filler values (edge 0's geometry, real slots
-    0, 1, 2, ... of the reverse gather), which may come from another structure. They
-    enter the energy only as attention keys weighted ~1e-15, so cutting their gradient
-    changes forces at round-off level and keeps structures of a batch independent.
-    """
-    mask = mask.reshape(mask.shape + (1,) * (values.dim() - mask.dim()))
-    return torch.where(mask, values, values.detach())
-
-
-def _reversed_edges(edges: torch.Tensor, reverse: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Features of the reverse edge j -> i in each NEF slot ``[n_atoms, M, d]``."""
-    n_atoms, width, d = edges.shape
-    gathered = edges.reshape(n_atoms * width, d)[reverse].reshape(edges.shape)
-    return _cut_padding_gradient(gathered, mask)
 
 
 def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETConfig):
     """Raw network energies eps_i ``[n_atoms]`` (before scale and composition).
+
+    Per-token layers run on the ``n_kept`` edge tokens and ``n_atoms`` centre tokens
+    only; the padded NEF grid is used for attention alone (see
+    :func:`petfunc.transformer.token_grid`). metatrain runs every layer on the whole
+    grid, padding included; its padded keys enter attention with weight ~1e-15, so
+    the two agree to round-off.
 
     Args:
         params: parameter tree of :func:`init`.
@@ -183,20 +170,16 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
     distances = torch.linalg.vector_norm(vectors, dim=-1) + 1e-15
     factors = cutoff_factors(config, distances, neighbors)
 
-    nef, mask = neighbors.nef_index, neighbors.nef_mask
-    n_atoms, width = nef.shape
-    # [n_atoms, M, 3]; padded slots hold edge 0's vector, as in metatrain, but with
-    # their gradient cut: edge 0 may belong to another structure of the batch
-    nef_vectors = _cut_padding_gradient(vectors[nef], mask)
-    nef_distances = torch.sqrt((nef_vectors**2).sum(dim=2) + 1e-15)
-    nef_factors = torch.where(mask, factors[nef], torch.zeros_like(nef_vectors[..., 0]))
-    geometry = torch.cat([nef_vectors, nef_distances[..., None]], dim=2)
+    kept = neighbors.kept_edges
+    token_vectors = vectors[kept]  # [n_kept, 3]
+    # metatrain recomputes the length from the NEF vectors: sqrt(|V|^2 + 1e-15)
+    token_distances = torch.sqrt((token_vectors**2).sum(dim=1) + 1e-15)
+    token_factors = factors[kept]
+    geometry = torch.cat([token_vectors, token_distances[:, None]], dim=1)  # [n_kept, 4]
     species = neighbors.species
-    species_nbr = species[neighbors.neighbors][nef]  # [n_atoms, M]
-
-    # key 0 is the centre (factor 1); log(max(f, 1e-15)) down-weights padded/cut keys
-    ones = nef_factors.new_ones((n_atoms, 1))  # not ones_like(f[:, :1]): M may be 0
-    bias = torch.log(torch.cat([ones, nef_factors], dim=1).clamp_min(1e-15))
+    species_nbr = species[neighbors.neighbors[kept]]  # [n_kept]
+    centers = neighbors.centers[kept]  # [n_kept]
+    grid = transformer.token_grid(neighbors.nef_index, neighbors.nef_mask, neighbors.nef_slot, centers, token_factors)
 
     messages = nn.embedding(params["edge_embedder"], species_nbr)
     reverse = neighbors.reverse_index
@@ -206,11 +189,10 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
         nodes = nn.embedding(params["node_embedders"][0], species)
         for index in range(config.num_gnn_layers):
             nodes, edges = _gnn_layer(
-                layers[index], config, index, nodes, messages, geometry, species_nbr, bias
+                layers[index], config, index, nodes, messages, geometry, species_nbr, grid
             )
-            reversed_edges = _reversed_edges(edges, reverse, mask)
             mixed = nn.layer_norm(
-                params["combination_norms"][index], torch.cat([edges, reversed_edges], dim=2)
+                params["combination_norms"][index], torch.cat([edges, edges[reverse]], dim=1)
             )
             messages = messages + edges + nn.mlp2(params["combination_mlps"][index], mixed)
         readout_features.append((nodes, messages))
@@ -218,15 +200,14 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
         for index in range(config.num_gnn_layers):
             nodes = nn.embedding(params["node_embedders"][index], species)
             nodes, edges = _gnn_layer(
-                layers[index], config, index, nodes, messages, geometry, species_nbr, bias
+                layers[index], config, index, nodes, messages, geometry, species_nbr, grid
             )
             readout_features.append((nodes, edges))
-            reversed_edges = _reversed_edges(edges, reverse, mask)
-            messages = 0.5 * (messages + reversed_edges)
+            messages = 0.5 * (messages + edges[reverse])
 
     energies = None
     for index, (nodes, edges) in enumerate(readout_features):
-        e = _readout(params, config, index, nodes, edges, mask, nef_factors)
+        e = _readout(params, config, index, nodes, edges, token_factors, centers)
         energies = e if energies is None else energies + e
     return energies
 

@@ -8,16 +8,20 @@ Conventions (as in ASE and metatrain):
   ``cell_shifts[e] = S``) has the vector ``r_e = positions[j] - positions[i] + S @ cell``.
 * the list is *full*: both ``(i, j, S)`` and ``(j, i, -S)`` are present.
 
-PET does not use the flat edge list directly. It arranges edges in the NEF
-(node, edge, feature) grid ``[n_atoms, max_neighbors]``: row ``i`` holds the edges
-centred on ``i`` in list order; ``nef_index[i, k]`` is the flat edge id and
-``nef_mask[i, k]`` says whether the slot is real. Padded slots point at the first
-edge, as in metatrain. ``reverse_index`` maps each flattened slot ``i*M + k`` to the
-slot of the reversed edge ``j -> i`` (padded slots get 0, 1, 2, ..., as metatrain).
+PET does not use the flat edge list directly. Its tokens are the *kept* edges
+(``kept_edges``: ``d <= cutoff`` or, adaptive, ``d <= (r_i + r_j) / 2``), listed by
+centre atom and, within one centre, in list order (metatrain's NEF order). Every
+per-token layer (embeddings, MLPs, norms, projections, heads) runs on this list of
+``n_kept`` tokens only. Attention alone needs each atom's tokens side by side: it
+uses the NEF (node, edge, feature) grid ``[n_atoms, max_neighbors]``, where
+``nef_index[i, k]`` is the token in slot ``k`` of atom ``i``, ``nef_mask`` says which
+slots are real and ``nef_slot[t] = i * max_neighbors + k`` maps each token back to
+its slot. ``reverse_index[t]`` is the token of the reversed edge ``j -> i``.
+Padded slots point at tokens 0, 1, 2, ... (spread out, so the backward of the
+gather has no hot spot); the model masks them to zero.
 
 The flat list may hold more edges than PET uses (the adaptive cutoff counts every
-edge within ``cutoff``, ZBL may need a longer list); the NEF grid holds only the edges
-PET keeps (``d <= cutoff`` or, adaptive, ``d <= (r_i + r_j) / 2``).
+edge within ``cutoff``, ZBL may need a longer list).
 """
 
 from __future__ import annotations
@@ -38,9 +42,12 @@ class Neighbors(NamedTuple):
         centers: ``[n_edges]`` atom i of each edge.
         neighbors: ``[n_edges]`` atom j of each edge.
         cell_shifts: ``[n_edges, 3]`` integer lattice shift S of each edge.
-        nef_index: ``[n_atoms, max_neighbors]`` flat edge id in each NEF slot.
+        kept_edges: ``[n_kept]`` ids (into the flat list) of the edges PET uses: its
+            edge tokens, in NEF order.
+        nef_index: ``[n_atoms, max_neighbors]`` token in each NEF slot.
         nef_mask: ``[n_atoms, max_neighbors]`` True for real slots.
-        reverse_index: ``[n_atoms * max_neighbors]`` flat NEF slot of the reversed edge.
+        nef_slot: ``[n_kept]`` flat NEF slot ``i * max_neighbors + k`` of each token.
+        reverse_index: ``[n_kept]`` token of the reversed edge.
     """
 
     species: torch.Tensor
@@ -48,8 +55,10 @@ class Neighbors(NamedTuple):
     centers: torch.Tensor
     neighbors: torch.Tensor
     cell_shifts: torch.Tensor
+    kept_edges: torch.Tensor
     nef_index: torch.Tensor
     nef_mask: torch.Tensor
+    nef_slot: torch.Tensor
     reverse_index: torch.Tensor
 
     @property
@@ -155,36 +164,37 @@ def reverse_edges(centers: np.ndarray, neighbors: np.ndarray, shifts: np.ndarray
 
 
 def nef_layout(centers: np.ndarray, neighbors: np.ndarray, shifts: np.ndarray, kept: np.ndarray, n_atoms: int):
-    """NEF grid of the kept edges: (nef_index, nef_mask, reverse_index) as numpy arrays.
+    """Tokens and NEF grid of the kept edges, as numpy arrays.
 
     Args:
         centers, neighbors, shifts: the flat edge list ``[n_edges]``, ``[n_edges, 3]``.
         kept: ``[n_kept]`` ids of the edges PET uses, in list order. It must be closed
             under reversal.
         n_atoms: number of atoms in the batch.
+    Returns:
+        ``(kept_edges, nef_index, nef_mask, nef_slot, reverse_index)``, see
+        :class:`Neighbors`.
     """
     kept = np.asarray(kept, dtype=np.int64)
+    order = np.argsort(centers[kept], kind="stable")
+    kept = kept[order]  # NEF order: by centre, then list order
     c = centers[kept]
-    counts = np.bincount(c, minlength=n_atoms) if len(c) else np.zeros(n_atoms, dtype=np.int64)
-    width = int(counts.max()) if n_atoms > 0 and len(c) else 0
-    order = np.argsort(c, kind="stable")
+    n_kept = len(kept)
+    counts = np.bincount(c, minlength=n_atoms) if n_kept else np.zeros(n_atoms, dtype=np.int64)
+    width = int(counts.max()) if n_atoms > 0 and n_kept else 0
     starts = np.cumsum(counts) - counts
-    slot = np.empty(len(c), dtype=np.int64)
-    slot[order] = np.arange(len(c)) - starts[c[order]]
+    slot = np.arange(n_kept, dtype=np.int64) - starts[c]
 
-    pad_edge = kept[0] if len(kept) else 0
-    nef_index = np.full((n_atoms, width), pad_edge, dtype=np.int64)
-    nef_index[c, slot] = kept
     nef_mask = np.zeros((n_atoms, width), dtype=bool)
     nef_mask[c, slot] = True
+    nef_index = np.empty((n_atoms, width), dtype=np.int64)
+    nef_index[c, slot] = np.arange(n_kept, dtype=np.int64)
+    n_pad = n_atoms * width - n_kept
+    nef_index[~nef_mask] = np.arange(n_pad, dtype=np.int64) % max(n_kept, 1)
+    nef_slot = c * width + slot
 
-    rev_local = reverse_edges(c, neighbors[kept], shifts[kept])
-    reverse_index = np.empty((n_atoms, width), dtype=np.int64)
-    reverse_index[c, slot] = neighbors[kept] * width + slot[rev_local]
-    # padded slots get 0, 1, 2, ... (many identical indices make index backward slow)
-    n_pad = n_atoms * width - len(c)
-    reverse_index[~nef_mask] = np.arange(n_pad, dtype=np.int64)
-    return nef_index, nef_mask, reverse_index.reshape(-1)
+    reverse_index = reverse_edges(c, neighbors[kept], shifts[kept])
+    return kept, nef_index, nef_mask, nef_slot, reverse_index
 
 
 def build(
@@ -200,7 +210,7 @@ def build(
     n_atoms = len(species)
     if kept is None:
         kept = np.arange(len(centers), dtype=np.int64)
-    nef_index, nef_mask, reverse_index = nef_layout(centers, neighbors, shifts, kept, n_atoms)
+    kept, nef_index, nef_mask, nef_slot, reverse_index = nef_layout(centers, neighbors, shifts, kept, n_atoms)
 
     def t(a, dtype=torch.long):
         return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
@@ -211,7 +221,9 @@ def build(
         centers=t(centers),
         neighbors=t(neighbors),
         cell_shifts=t(np.asarray(shifts).reshape(-1, 3)),
+        kept_edges=t(kept),
         nef_index=t(nef_index),
         nef_mask=t(nef_mask, torch.bool),
+        nef_slot=t(nef_slot),
         reverse_index=t(reverse_index),
     )

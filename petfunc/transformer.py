@@ -1,7 +1,9 @@
 """PET's transformer layers, acting on one token sequence per atom.
 
-Token 0 of atom i is its centre (node) token, tokens 1..M its NEF edge slots.
-Attention is written out (matmul, softmax, matmul) so that it has a double
+Tokens are kept in a flat list (centre tokens, then edge tokens) on which every
+per-token layer runs; attention gathers each atom's tokens into a padded grid row
+(centre first, then its NEF edge slots) and scatters the result back. Attention is
+written out (matmul, softmax, matmul) so that it has a double
 backward: force training differentiates it twice. The additive attention bias
 ``log(max(f, 1e-15))`` down-weights (it does not mask) padded and cut-off keys,
 exactly as metatrain does.
@@ -10,6 +12,7 @@ exactly as metatrain does.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -23,27 +26,74 @@ def init_attention(d: int, generator, dtype, device):
     }
 
 
-def attention(params, x: torch.Tensor, bias: torch.Tensor, num_heads: int, temperature: float):
-    """Multi-head self-attention with a per-key bias.
+class TokenGrid(NamedTuple):
+    """Where each atom's tokens sit in the padded attention grid.
+
+    The token list is ``[n_atoms + n_kept]``: centre tokens first, then the edge
+    tokens. The grid is ``[n_atoms, M + 1]``: column 0 holds atom i's centre token,
+    columns 1..M its edge tokens and padding.
+
+    Attributes:
+        index: ``[n_atoms, M + 1]`` token in each grid slot (padding: any real token).
+        mask: ``[n_atoms, M + 1, 1]`` True for real slots.
+        slot: ``[n_atoms + n_kept]`` flat grid slot of each token.
+        bias: ``[n_atoms, M + 1]`` attention bias of each key, ``log(max(f, 1e-15))``
+            with f = 1 for the centre, the cutoff factor for edges and 0 for padding.
+    """
+
+    index: torch.Tensor
+    mask: torch.Tensor
+    slot: torch.Tensor
+    bias: torch.Tensor
+
+
+def token_grid(nef_index, nef_mask, nef_slot, centers, factors) -> TokenGrid:
+    """The :class:`TokenGrid` of a batch.
 
     Args:
-        x: ``[n_atoms, n_tokens, d]`` tokens.
-        bias: ``[n_atoms, n_tokens]`` additive bias of each key (same for all queries).
-    Returns:
-        ``[n_atoms, n_tokens, d]``.
+        nef_index, nef_mask, nef_slot: of :class:`petfunc.neighbors.Neighbors`.
+        centers: ``[n_kept]`` centre atom of each edge token.
+        factors: ``[n_kept]`` cutoff factor of each edge token (carries gradients).
     """
-    n, t, d = x.shape
+    n_atoms, width = nef_mask.shape
+    atoms = torch.arange(n_atoms, device=nef_mask.device)
+    index = torch.cat([atoms[:, None], n_atoms + nef_index], dim=1)
+    mask = torch.cat([nef_mask.new_ones((n_atoms, 1)), nef_mask], dim=1)
+    # edge slot i*M + k of the [n_atoms, M] grid is i*(M+1) + 1 + k of the full grid
+    slot = torch.cat([atoms * (width + 1), nef_slot + centers + 1])
+    grid_factors = torch.where(nef_mask, factors[nef_index], 0.0)
+    ones = factors.new_ones((n_atoms, 1))
+    # log(max(f, 1e-15)) down-weights (does not mask) cut keys, as metatrain does;
+    # padded keys get the same bias and zero query/key/value vectors
+    bias = torch.log(torch.cat([ones, grid_factors], dim=1).clamp_min(1e-15))
+    return TokenGrid(index, mask[..., None], slot, bias)
+
+
+def attention(params, x: torch.Tensor, grid: TokenGrid, num_heads: int, temperature: float):
+    """Multi-head self-attention among the tokens of each atom.
+
+    Args:
+        x: ``[n_tokens, d]`` tokens (centres then edges, see :class:`TokenGrid`).
+        grid: the token layout.
+    Returns:
+        ``[n_tokens, d]``.
+    """
+    d = x.shape[1]
+    n_atoms, t = grid.bias.shape
     h = d // num_heads
-    qkv = nn.linear(params["input_linear"], x).reshape(n, t, 3, num_heads, h)
+    qkv = nn.linear(params["input_linear"], x)  # per token: no work on padding
+    # to the grid; padded slots get zero q, k, v (and no gradient to anything)
+    qkv = torch.where(grid.mask, qkv[grid.index], 0.0)
+    qkv = qkv.reshape(n_atoms, t, 3, num_heads, h)
     # unbind, not qkv[0], qkv[1], qkv[2]: the backward of three selects builds three
     # zero-filled copies of qkv and adds them; unbind's backward is one stack
-    q, k, v = (z.transpose(1, 2) for z in qkv.unbind(dim=2))  # [n, heads, t, h]
+    q, k, v = (z.transpose(1, 2) for z in qkv.unbind(dim=2))  # [n_atoms, heads, t, h]
     # scaling q rather than the scores touches t / h times fewer numbers
     q = q * (1.0 / (math.sqrt(h) * temperature))
     scores = torch.matmul(q, k.transpose(-2, -1))
-    weights = torch.softmax(scores + bias[:, None, None, :], dim=-1)
-    out = torch.matmul(weights, v).transpose(1, 2).reshape(n, t, d)
-    return nn.linear(params["output_linear"], out)
+    weights = torch.softmax(scores + grid.bias[:, None, None, :], dim=-1)
+    out = torch.matmul(weights, v).transpose(1, 2).reshape(n_atoms * t, d)
+    return nn.linear(params["output_linear"], out[grid.slot])  # back to the token list
 
 
 def init_layer(config, generator, dtype, device):
@@ -62,33 +112,34 @@ def init_layer(config, generator, dtype, device):
     return p
 
 
-def layer(params, config, nodes: torch.Tensor, edges: torch.Tensor, bias: torch.Tensor):
+def layer(params, config, nodes: torch.Tensor, edges: torch.Tensor, grid: TokenGrid):
     """One transformer layer.
 
     Args:
         nodes: ``[n_atoms, d_node]`` node features.
-        edges: ``[n_atoms, M, d_pet]`` edge tokens.
-        bias: ``[n_atoms, M + 1]`` attention bias.
+        edges: ``[n_kept, d_pet]`` edge tokens.
+        grid: the attention layout of :func:`token_grid`.
     Returns:
         new ``(nodes, edges)`` with the same shapes.
     """
     kind, act = config.normalization, config.activation
     expanded = config.d_node != config.d_pet
+    n_atoms = nodes.shape[0]
     center = nn.linear(params["center_contraction"], nodes) if expanded else nodes
-    tokens = torch.cat([center[:, None, :], edges], dim=1)
+    tokens = torch.cat([center, edges], dim=0)
 
     def attend(x):
-        return attention(params["attention"], x, bias, config.num_heads, config.attention_temperature)
+        return attention(params["attention"], x, grid, config.num_heads, config.attention_temperature)
 
     if config.transformer_type == "PreLN":
         new = attend(nn.norm(params["norm_attention"], tokens, kind))
-        new_center, new_edges = new[:, 0, :], new[:, 1:, :]
+        new_center, new_edges = new[:n_atoms], new[n_atoms:]
         edges = edges + new_edges
         edges = edges + nn.feedforward(params["mlp"], nn.norm(params["norm_mlp"], edges, kind), act)
     else:  # PostLN
         tokens = nn.norm(params["norm_attention"], tokens + attend(tokens), kind)
         tokens = nn.norm(params["norm_mlp"], tokens + nn.feedforward(params["mlp"], tokens, act), kind)
-        new_center, edges = tokens[:, 0, :], tokens[:, 1:, :]
+        new_center, edges = tokens[:n_atoms], tokens[n_atoms:]
 
     if expanded:
         nodes = nodes + nn.linear(params["center_expansion"], new_center)

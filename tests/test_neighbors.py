@@ -57,7 +57,7 @@ def test_pairs_equal_ase(name, cutoff):
     assert _edge_set(structure.centers, structure.neighbors, structure.shifts) == _edge_set(i, j, s)
     # ... and the NEF grid holds exactly those pairs, once each
     _, _, graph = petfunc.from_atoms(atoms, config, dtype=torch.float64)
-    nef = graph.nef_index[graph.nef_mask]
+    nef = graph.kept_edges[graph.nef_index[graph.nef_mask]]
     assert len(nef) == len(i) and len(set(nef.tolist())) == len(nef)
     assert _edge_set(graph.centers[nef], graph.neighbors[nef], graph.cell_shifts[nef]) == _edge_set(i, j, s)
     if name == "small_cell":  # periodic images of an atom itself are edges
@@ -67,35 +67,35 @@ def test_pairs_equal_ase(name, cutoff):
 def _check_layout(graph, positions, cell):
     n_atoms, width = graph.nef_index.shape
     mask = graph.nef_mask
-    counts = torch.bincount(graph.centers[graph.nef_index[mask]], minlength=n_atoms)
+    kept = graph.kept_edges
+    n_kept = len(kept)
+    centers = graph.centers[kept]
+    # tokens are in NEF order: sorted by centre, list order within a centre
+    assert torch.all(centers[1:] >= centers[:-1])
+    for atom in range(n_atoms):
+        ids = kept[centers == atom]
+        assert torch.all(ids[1:] > ids[:-1])
+    counts = torch.bincount(centers, minlength=n_atoms)
     assert torch.equal(mask.sum(1), counts)
     # rows are left-aligned: real slots first
     assert torch.equal(mask, torch.arange(width)[None, :] < counts[:, None])
-    # each real slot holds an edge centred on its row
-    rows = torch.arange(n_atoms)[:, None].expand(-1, width)
-    assert torch.equal(graph.centers[graph.nef_index][mask], rows[mask])
-    # padded slots point at the first kept edge, as in metatrain
-    if (~mask).any():
-        first = graph.nef_index[mask].min()
-        assert (graph.nef_index[~mask] == first).all()
+    # real slots hold the tokens in order; nef_slot is the inverse map
+    assert torch.equal(graph.nef_index[mask], torch.arange(n_kept))
+    assert torch.equal(graph.nef_slot, torch.nonzero(mask.reshape(-1)).reshape(-1))
+    # padded slots point at tokens 0, 1, 2, ... (spread out, masked by the model)
+    assert torch.equal(graph.nef_index[~mask], torch.arange(int((~mask).sum())) % max(n_kept, 1))
 
     rev = graph.reverse_index
-    flat_mask = mask.reshape(-1)
-    real = torch.nonzero(flat_mask).reshape(-1)
-    # an involution on the real slots, mapping real slots to real slots
-    assert flat_mask[rev[real]].all()
-    assert torch.equal(rev[rev[real]], real)
-    # the reverse slot holds (j, i, -S), whose vector is exactly -r
-    flat_nef = graph.nef_index.reshape(-1)
-    e, e_rev = flat_nef[real], flat_nef[rev[real]]
+    tokens = torch.arange(n_kept)
+    # an involution on the tokens
+    assert torch.equal(rev[rev], tokens)
+    # the reverse token is (j, i, -S), whose vector is exactly -r
+    e, e_rev = kept, kept[rev]
     assert torch.equal(graph.centers[e], graph.neighbors[e_rev])
     assert torch.equal(graph.neighbors[e], graph.centers[e_rev])
     assert torch.equal(graph.cell_shifts[e], -graph.cell_shifts[e_rev])
     vectors = petfunc.model.edge_vectors(positions, cell, graph)
     assert torch.equal(vectors[e], -vectors[e_rev])
-    # padded slots get 0, 1, 2, ... in row-major order
-    padded = torch.nonzero(~flat_mask).reshape(-1)
-    assert torch.equal(rev[padded], torch.arange(len(padded)))
 
 
 @pytest.mark.parametrize("name", list(STRUCTURES))

@@ -178,10 +178,10 @@ def test_pet_with_zbl_matches_metatrain(case):
     # the flat list reaches the ZBL range; PET's NEF grid holds only edges within its cutoff
     vectors = edge_vectors(positions, cell, neighbors)
     d = torch.linalg.vector_norm(vectors, dim=-1)
-    nef_d = d[neighbors.nef_index][neighbors.nef_mask]
+    nef_d = d[neighbors.kept_edges]
     assert nef_d.max() <= config.cutoff
     if not config.adaptive:
-        assert int(neighbors.nef_mask.sum()) == int((d <= config.cutoff).sum())
+        assert len(neighbors.kept_edges) == int((d <= config.cutoff).sum())
     if structures.list_cutoff(config) > config.cutoff:
         assert (d > config.cutoff).any()
         assert d.max() <= structures.list_cutoff(config)
