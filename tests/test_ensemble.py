@@ -7,6 +7,8 @@ several batch shapes through one graph and compares with K separate eager
 single-model evaluations or training steps, in float64.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -282,7 +284,9 @@ def test_compiled_toy_ensemble_aot_eager():
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_pet_ensemble(backend):
-    worst = _check_compiled_ensemble(MINI, backend)
+    # d_head >= 32 keeps inductor's CPU mm decomposition from guarding on sizes (see
+    # test_hessian.test_compiled_pet_hessian); PET's own d_head is 128
+    worst = _check_compiled_ensemble(dataclasses.replace(MINI, d_head=32), backend)
     print(f"PET ensemble {backend}: max relative errors {worst}")
 
 

@@ -42,7 +42,11 @@ def energy(params, positions, cell, neighbors, cutoff: float = 4.0):
     h = torch.cat([rbf, species], dim=1)  # [n_edges, WIDTH]
     h = nn.layer_norm(params["norm"], h)
     h = nn.mlp2(params["mlp"], h, final_activation=True)[:, 1:]  # slice: slice_backward
-    per_edge = nn.linear(params["readout"], h)[:, 0] * cosine(distances, cutoff, 1.0)
+    # a weighted sum, not a [.., 7] x [7, 1] matmul: the backward of the latter is an
+    # outer product, which inductor's CPU mm decomposition guards on (a recompile
+    # whenever n_edges + 7 crosses 32)
+    readout = params["readout"]
+    per_edge = ((h * readout["weight"][0]).sum(-1) + readout["bias"][0]) * cosine(distances, cutoff, 1.0)
     per_atom = torch.zeros_like(positions[:, 0]).scatter_add(0, neighbors.centers, per_edge)
     per_atom = params["energy_scale"] * per_atom + params["composition_weights"][neighbors.species]
     out = torch.zeros(cell.shape[0], dtype=positions.dtype)
