@@ -13,7 +13,10 @@ metatrain's step is computed the way its trainer does it: ``model.train()``,
 Timings are interleaved (metatrain, eager, compiled, metatrain, ...) over the same
 batches; we print medians, ratios, compile time, break-even step count, FLOPs of
 the step (torch.utils.flop_counter) and the achieved FLOP rate of the compiled step.
-``--memory`` measures peak RSS of each variant in a fresh subprocess.
+Memory: for every timed call, the rise of the process's peak resident set size over
+its resident size before the call (the step's working memory, allocator caches
+included); ``--memory`` also reports the whole-process peak RSS of each variant in
+a fresh subprocess (that one includes compilation).
 
     python benchmarks/train_step.py [--dataset qm9|carbon|both] [--steps 10] [--dtype float32]
 """
@@ -35,6 +38,9 @@ import torch
 
 import petfunc
 from petfunc.data import Dataset, make_batch, sample_from_atoms
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import _status as rss_mib, reset_peak_memory  # noqa: E402
 
 
 HERE = Path(__file__).resolve().parent
@@ -187,10 +193,16 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
         compile_time = time.perf_counter() - start
         results["compile_s"] = compile_time
         print(f"# petfunc.compile: trace {trace_time:.1f} s, trace + compile + first call {compile_time:.1f} s")
+        if os.environ.get("PETFUNC_COMPILE_TIMES"):
+            print(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
 
     times = {v: [] for v in variants}
+    memory = {v: 0.0 for v in variants}
     for i, batch in enumerate(batches):
         for v in variants:
+            # peak resident memory of this call above the resident memory before it
+            reset_peak_memory()
+            before = rss_mib("VmRSS")
             start = time.perf_counter()
             if v == "metatrain":
                 mtt(mtt_systems[i], batch)
@@ -200,6 +212,7 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
                 compiled(state, batch)
             if i >= warmup:
                 times[v].append(time.perf_counter() - start)
+                memory[v] = max(memory[v], rss_mib("VmHWM") - before)
     if "compiled" in variants:
         results["num_graphs"] = compiled.num_graphs
 
@@ -212,11 +225,11 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
 
     med = {v: median_ms(t) for v, t in times.items()}
     base = med.get("metatrain")
-    print(f"| variant | median ms/step | speed-up vs metatrain eager |")
-    print(f"|---|---|---|")
+    print(f"| variant | median ms/step | speed-up vs metatrain eager | peak step memory MiB |")
+    print(f"|---|---|---|---|")
     for v in variants:
         ratio = f"{base / med[v]:.2f}x" if base else "-"
-        print(f"| {v} | {med[v]:.1f} | {ratio} |")
+        print(f"| {v} | {med[v]:.1f} | {ratio} | {memory[v]:.0f} |")
     if "compiled" in variants:
         gain = (med.get("eager", med["compiled"]) - med["compiled"]) / 1e3
         be = results["compile_s"] / gain if gain > 0 else float("inf")
@@ -225,7 +238,7 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
         print(f"# compile {results['compile_s']:.1f} s; break-even after {be:.0f} steps vs petfunc eager; "
               f"graphs compiled: {results['num_graphs']}")
         results["gflops_per_s"] = rate
-    results.update(median_ms=med, flops=flops)
+    results.update(median_ms=med, flops=flops, peak_step_memory_mib=memory)
     return results
 
 
