@@ -13,9 +13,8 @@ metatrain's step is computed the way its trainer does it: ``model.train()``,
 Timings are interleaved (metatrain, eager, compiled, metatrain, ...) over the same
 batches; we print medians, ratios, compile time, break-even step count, FLOPs of
 the step (torch.utils.flop_counter) and the achieved FLOP rate of the compiled step.
-Memory: for every timed call, the rise of the process's peak resident set size over
-its resident size before the call (the step's working memory, allocator caches
-included); ``--memory`` also reports the whole-process peak RSS of each variant in
+Memory: the peak tensor memory one step allocates on top of what exists before it
+(profiler allocation events, largest batch); ``--memory`` also reports the whole-process peak RSS of each variant in
 a fresh subprocess (that one includes compilation).
 
     python benchmarks/train_step.py [--dataset qm9|carbon|both] [--steps 10] [--dtype float32]
@@ -40,7 +39,7 @@ import petfunc
 from petfunc.data import Dataset, make_batch, sample_from_atoms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import _status as rss_mib, reset_peak_memory  # noqa: E402
+from _measure import peak_tensor_memory  # noqa: E402
 
 
 HERE = Path(__file__).resolve().parent
@@ -196,23 +195,24 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
         if os.environ.get("PETFUNC_COMPILE_TIMES"):
             print(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
 
+    def call(v, i):
+        if v == "metatrain":
+            mtt(mtt_systems[i], batches[i])
+        elif v == "eager":
+            step(state, batches[i])
+        else:
+            compiled(state, batches[i])
+
     times = {v: [] for v in variants}
-    memory = {v: 0.0 for v in variants}
-    for i, batch in enumerate(batches):
+    for i in range(len(batches)):
         for v in variants:
-            # peak resident memory of this call above the resident memory before it
-            reset_peak_memory()
-            before = rss_mib("VmRSS")
             start = time.perf_counter()
-            if v == "metatrain":
-                mtt(mtt_systems[i], batch)
-            elif v == "eager":
-                step(state, batch)
-            else:
-                compiled(state, batch)
+            call(v, i)
             if i >= warmup:
                 times[v].append(time.perf_counter() - start)
-                memory[v] = max(memory[v], rss_mib("VmHWM") - before)
+    # working memory of one step (tensor allocations, profiler), on the largest batch
+    largest = max(range(len(batches)), key=lambda i: batches[i].neighbors.nef_mask.numel())
+    memory = {v: peak_tensor_memory(lambda: call(v, largest)) for v in variants}
     if "compiled" in variants:
         results["num_graphs"] = compiled.num_graphs
 
@@ -225,7 +225,7 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
 
     med = {v: median_ms(t) for v, t in times.items()}
     base = med.get("metatrain")
-    print(f"| variant | median ms/step | speed-up vs metatrain eager | peak step memory MiB |")
+    print(f"| variant | median ms/step | speed-up vs metatrain eager | peak step memory (MiB) |")
     print(f"|---|---|---|---|")
     for v in variants:
         ratio = f"{base / med[v]:.2f}x" if base else "-"
