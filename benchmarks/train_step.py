@@ -14,20 +14,17 @@ Timings are interleaved (metatrain, eager, compiled, metatrain, ...) over the sa
 batches; we print medians, ratios, compile time, break-even step count, FLOPs of
 the step (torch.utils.flop_counter) and the achieved FLOP rate of the compiled step.
 Memory: the peak tensor memory one step allocates on top of what exists before it
-(profiler allocation events, largest batch); ``--memory`` also reports the whole-process peak RSS of each variant in
-a fresh subprocess (that one includes compilation).
+(CPU: profiler allocation events; CUDA: ``max_memory_allocated``), on the largest batch.
 
     python benchmarks/train_step.py [--dataset qm9|carbon|both] [--steps 10] [--dtype float32]
+                                    [--threads 2] [--device cpu|cuda]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -101,14 +98,15 @@ def atomic_types(name):
 class MetatrainStep:
     """metatrain's eager training step on the same weights (trainer semantics)."""
 
-    def __init__(self, config, params, dtype, weights):
+    def __init__(self, config, params, dtype, weights, device="cpu"):
         sys.path.insert(0, str(HERE.parent / "tests"))
         import mtt_reference as ref
         from metatrain.utils.data.target_info import get_energy_target_info
 
         self.model = ref.make_model(config)
         ref.load_params(self.model, params)
-        self.model = self.model.to(dtype).train()
+        self.model = self.model.to(dtype=dtype, device=device).train()
+        self.device = device
         self.weights = weights
         self.info = get_energy_target_info(
             "energy",
@@ -129,14 +127,15 @@ class MetatrainStep:
             for s in samples
         ]
         systems = systems_to_torch(frames, dtype=self.dtype)
-        return [get_system_with_neighbor_lists(s, self.model.requested_neighbor_lists()) for s in systems]
+        requested = self.model.requested_neighbor_lists()
+        return [get_system_with_neighbor_lists(s, requested).to(self.device) for s in systems]
 
     def __call__(self, systems, batch):
         from metatrain.utils.evaluate_model import evaluate_model
 
         self.optimizer.zero_grad()
         block = evaluate_model(self.model, systems, {"energy": self.info}, is_training=True)["energy"].block()
-        n = torch.tensor([len(s) for s in systems], dtype=self.dtype)
+        n = torch.tensor([len(s) for s in systems], dtype=self.dtype, device=self.device)
         valid = ~torch.isnan(batch.energy[: len(systems)])
         loss = ((block.values[:, 0] - batch.energy[: len(systems)]) / n)[valid].pow(2).mean()
         if self.weights.forces.weight > 0:
@@ -156,7 +155,7 @@ def median_ms(values):
     return 1e3 * statistics.median(values)
 
 
-def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "compiled")):
+def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "compiled"), device="cpu"):
     torch.manual_seed(0)
     config = petfunc.PETConfig(atomic_types=atomic_types(name))
     dataset = load(name, config)
@@ -164,9 +163,9 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
     weights = petfunc.LossWeights.make(forces=0.0 if energy_only else 1.0, stress=0.0 if energy_only else 1.0)
     composition, scale = dataset.fit_composition_and_scale()
     model = petfunc.PET(config)
-    params = model.init(seed=0, dtype=dtype)
-    params["composition_weights"] = torch.tensor(composition, dtype=dtype)
-    params["energy_scale"] = torch.tensor(scale, dtype=dtype)
+    params = model.init(seed=0, dtype=dtype, device=device)
+    params["composition_weights"] = torch.tensor(composition, dtype=dtype, device=device)
+    params["energy_scale"] = torch.tensor(scale, dtype=dtype, device=device)
     optimizer = petfunc.make_optimizer(1e-4)
     state = petfunc.init_state(params, optimizer)
     step = petfunc.make_train_step(model, optimizer, weights)
@@ -174,7 +173,7 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
     order = np.random.default_rng(0).permutation(len(dataset))
     chunks = [order[i : i + 8] for i in range(0, len(order) - 7, 8)][: steps + warmup]
     samples = [[dataset.samples[i] for i in c] for c in chunks]
-    batches = [make_batch(s, config, composition, scale, dtype=dtype) for s in samples]
+    batches = [make_batch(s, config, composition, scale, dtype=dtype, device=device) for s in samples]
     atoms = [b.positions.shape[0] for b in batches]
     widths = [b.neighbors.nef_index.shape[1] for b in batches]
     print(f"\n## {name}: batch 8, {'energy only' if energy_only else 'energy + forces + stress'}, {dtype}")
@@ -182,18 +181,22 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
 
     results = {}
     if "metatrain" in variants:
-        mtt = MetatrainStep(config, params, dtype, weights)
+        mtt = MetatrainStep(config, params, dtype, weights, device)
         mtt_systems = [mtt.systems(s) for s in samples]
     if "compiled" in variants:
         start = time.perf_counter()
         compiled = petfunc.compile(step, state, batches[0], backend=backend)
         trace_time = time.perf_counter() - start
         compiled(state, batches[0])
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
         compile_time = time.perf_counter() - start
         results["compile_s"] = compile_time
         print(f"# petfunc.compile: trace {trace_time:.1f} s, trace + compile + first call {compile_time:.1f} s")
         if os.environ.get("PETFUNC_COMPILE_TIMES"):
             print(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
+
+    cuda = torch.device(device).type == "cuda"
 
     def call(v, i):
         if v == "metatrain":
@@ -202,6 +205,17 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
             step(state, batches[i])
         else:
             compiled(state, batches[i])
+        if cuda:
+            torch.cuda.synchronize()
+
+    def step_memory(v, i):
+        if not cuda:
+            return peak_tensor_memory(lambda: call(v, i))
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        call(v, i)
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
 
     times = {v: [] for v in variants}
     for i in range(len(batches)):
@@ -212,7 +226,7 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
                 times[v].append(time.perf_counter() - start)
     # working memory of one step (tensor allocations, profiler), on the largest batch
     largest = max(range(len(batches)), key=lambda i: batches[i].neighbors.nef_mask.numel())
-    memory = {v: peak_tensor_memory(lambda: call(v, largest)) for v in variants}
+    memory = {v: step_memory(v, largest) for v in variants}
     if "compiled" in variants:
         results["num_graphs"] = compiled.num_graphs
 
@@ -242,26 +256,21 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
     return results
 
 
-def cpu_peak_gflops(dtype):
-    """Measured peak of a large matmul on this machine (all torch threads)."""
-    a = torch.randn(2048, 2048, dtype=dtype)
-    b = torch.randn(2048, 2048, dtype=dtype)
-    a @ b
+def peak_matmul_gflops(dtype, device):
+    """Measured peak of a large matmul on this device (all torch threads on CPU)."""
+    a = torch.randn(2048, 2048, dtype=dtype, device=device)
+    b = torch.randn(2048, 2048, dtype=dtype, device=device)
+    cuda = torch.device(device).type == "cuda"
     best = float("inf")
-    for _ in range(5):
+    for _ in range(6):
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         a @ b
+        if cuda:
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return 2 * 2048**3 / best / 1e9
-
-
-def memory_child(name, variant, dtype, backend, steps):
-    import resource
-
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    run(name, steps, dtype, backend, warmup=1, variants=(variant,))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"variant": variant, "peak_rss_mb": peak / 1024, "delta_mb": (peak - base) / 1024}))
 
 
 def main(argv=None):
@@ -271,32 +280,18 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--memory", action="store_true", help="peak RSS per variant (subprocesses)")
-    parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (all three variants run there)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    if torch.device(args.device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # same arithmetic for every variant
     names = ["qm9", "carbon"] if args.dataset == "both" else [args.dataset]
-    if args._child:
-        memory_child(args._child[0], args._child[1], dtype, args.backend, args.steps)
-        return
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"measured matmul peak {cpu_peak_gflops(dtype):.0f} GFLOP/s ({args.dtype})")
+    print(f"# torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} CPU threads; "
+          f"measured matmul peak {peak_matmul_gflops(dtype, args.device):.0f} GFLOP/s ({args.dtype})")
     for name in names:
-        run(name, args.steps, dtype, args.backend)
-        if args.memory:
-            print("| variant | peak RSS MB |")
-            print("|---|---|")
-            for variant in ("metatrain", "eager", "compiled"):
-                out = subprocess.run(
-                    [sys.executable, __file__, "--dataset", name, "--steps", "3", "--dtype", args.dtype,
-                     "--backend", args.backend, "--_child", name, variant]
-                    + (["--threads", str(args.threads)] if args.threads else []),
-                    capture_output=True, text=True, check=True,
-                ).stdout.strip().splitlines()[-1]
-                info = json.loads(out)
-                print(f"| {variant} | {info['peak_rss_mb']:.0f} |")
+        run(name, args.steps, dtype, args.backend, device=args.device)
 
 
 if __name__ == "__main__":

@@ -200,7 +200,7 @@ bench() {  # bench FILE SECONDS ARGS...
     fi
     step "$file" "$limit" $PY "$file" --device "$DEVICE" "$@"
 }
-bench train_step.py 75 --steps 5 --dataset carbon
+bench train_step.py 240 --steps 5 --dataset qm9
 bench ensemble.py 45 --quick
 bench md_step.py 45 --quick
 bench ddp.py 60 --steps 10 --warmup 2 --batch 16
