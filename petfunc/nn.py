@@ -39,6 +39,13 @@ def linear(params: Dict[str, Tensor], x: Tensor) -> Tensor:
     decomposition reads concrete sizes of >2-d inputs and bakes them into a trace.
     """
     weight, bias = params["weight"], params.get("bias")
+    if weight.shape[0] == 1:
+        # one output (the energy heads): a weighted sum, not an [n, d] x [d, 1] matmul.
+        # The matmul's backward is an [n, 1] x [1, d] outer product, which inductor's
+        # CPU decomposition guards on (n + d <= 32): a recompile for small batches
+        # whenever d < 31
+        out = (x * weight[0]).sum(dim=-1, keepdim=True)
+        return out if bias is None else out + bias
     if bias is None:
         return torch.matmul(x, weight.t())
     if x.dim() == 2:
