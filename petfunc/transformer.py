@@ -2,11 +2,11 @@
 
 Tokens are kept in a flat list (centre tokens, then edge tokens) on which every
 per-token layer runs; attention gathers each atom's tokens into a padded grid row
-(centre first, then its NEF edge slots) and scatters the result back. Attention is
-written out (matmul, softmax, matmul) so that it has a double
-backward: force training differentiates it twice. The additive attention bias
-``log(max(f, 1e-15))`` down-weights (it does not mask) padded and cut-off keys,
-exactly as metatrain does.
+(centre first, then its NEF edge slots) and gathers the result back. Attention is
+written out (matmul, softmax, matmul) so that it has a double backward: force
+training differentiates it twice. The additive attention bias ``log(max(f, 1e-15))``
+down-weights cut-off keys without masking them, exactly as metatrain does; padded
+slots get the same bias and zero query, key and value vectors.
 """
 
 from __future__ import annotations
