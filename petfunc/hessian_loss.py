@@ -24,13 +24,13 @@ import math
 from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
-from torch.func import grad, grad_and_value, vjp, vmap
+from torch.func import grad, vjp, vmap
 
 from ._vmap_rules import symbolic_vmap_rules
 from .data import Batch
 from .derivatives import _identity_strain, _strained
 from .loss import LossTerm, LossWeights, _term
-from .train import FROZEN, TrainState, apply_gradients, trainable
+from .train import grad_step_of, train_step_of
 
 
 class HessianBatch(NamedTuple):
@@ -164,18 +164,7 @@ def make_hessian_loss(
 
 def make_hessian_grad_step(energy_fn, weights: LossWeights = LossWeights(), hvp_weight: float = 1.0, hvp_type: str = "mse"):
     """``grad_step(params, hessian_batch) -> (grads, metrics)`` of the trainable parameters."""
-    loss_fn = make_hessian_loss(energy_fn, weights, hvp_weight, hvp_type)
-
-    def grad_step(params, hbatch: HessianBatch):
-        frozen = {k: params[k] for k in FROZEN if k in params}
-
-        def objective(train_params):
-            return loss_fn({**train_params, **frozen}, hbatch)
-
-        grads, (_, metrics) = grad_and_value(objective, has_aux=True)(trainable(params))
-        return grads, metrics
-
-    return grad_step
+    return grad_step_of(make_hessian_loss(energy_fn, weights, hvp_weight, hvp_type))
 
 
 def make_hessian_train_step(
@@ -189,12 +178,4 @@ def make_hessian_train_step(
     """``train_step(state, hessian_batch) -> (state, metrics)``: as
     :func:`petfunc.make_train_step`, with the loss of :func:`make_hessian_loss`."""
     grad_step = make_hessian_grad_step(energy_fn, weights, hvp_weight, hvp_type)
-
-    def train_step(state: TrainState, hbatch: HessianBatch):
-        grads, metrics = grad_step(state.params, hbatch)
-        state, norm = apply_gradients(optimizer, state, grads, grad_clip_norm)
-        if norm is not None:
-            metrics = {**metrics, "grad_norm": norm}
-        return state, metrics
-
-    return train_step
+    return train_step_of(grad_step, optimizer, grad_clip_norm)

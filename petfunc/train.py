@@ -135,7 +135,13 @@ def make_grad_step(energy_fn, weights: LossWeights = LossWeights()):
     Gradients are plain outputs, so data-parallel training can all-reduce them
     between this step and :func:`apply_gradients`.
     """
-    loss_fn = make_loss(energy_fn, weights)
+    return grad_step_of(make_loss(energy_fn, weights))
+
+
+def grad_step_of(loss_fn):
+    """``grad_step(params, batch) -> (grads, metrics)`` of any ``loss_fn(params, batch)
+    -> (loss, metrics)``: the gradient of the trainable parameters (frozen
+    composition and scale held fixed)."""
 
     def grad_step(params, batch):
         frozen = {k: params[k] for k in FROZEN if k in params}
@@ -147,6 +153,21 @@ def make_grad_step(energy_fn, weights: LossWeights = LossWeights()):
         return grads, metrics
 
     return grad_step
+
+
+def train_step_of(grad_step, optimizer, grad_clip_norm: float = 1.0):
+    """``train_step(state, batch) -> (state, metrics)`` from a ``grad_step``: clipping
+    and the optimizer update of :func:`apply_gradients`, with the gradient norm added
+    to the metrics when clipping."""
+
+    def train_step(state: TrainState, batch):
+        grads, metrics = grad_step(state.params, batch)
+        state, norm = apply_gradients(optimizer, state, grads, grad_clip_norm)
+        if norm is not None:
+            metrics = {**metrics, "grad_norm": norm}
+        return state, metrics
+
+    return train_step
 
 
 def apply_gradients(optimizer, state: TrainState, grads, grad_clip_norm: float = 1.0):
@@ -177,13 +198,4 @@ def make_train_step(
         weights: the loss terms.
         grad_clip_norm: maximal global gradient norm (``None`` or ``inf``: no clipping).
     """
-    grad_step = make_grad_step(energy_fn, weights)
-
-    def train_step(state: TrainState, batch):
-        grads, metrics = grad_step(state.params, batch)
-        state, norm = apply_gradients(optimizer, state, grads, grad_clip_norm)
-        if norm is not None:
-            metrics = {**metrics, "grad_norm": norm}
-        return state, metrics
-
-    return train_step
+    return train_step_of(make_grad_step(energy_fn, weights), optimizer, grad_clip_norm)
