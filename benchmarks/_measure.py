@@ -67,3 +67,26 @@ def peak_tensor_memory(fn: Callable[[], object]) -> float:
         total += nbytes
         peak = max(peak, total)
     return peak / 2**20
+
+
+def emt_carbon_frames(n: int = 64, alternate_size: bool = False):
+    """Labelled stand-ins for carbon_reduced_100 when ../shared/data is missing.
+
+    Rattled diamond cells (2x1x1 primitive cells of 4 atoms, or 4 and 8 atoms
+    alternately) with EMT energy, forces
+    (``force``) and virial, the keys of the carbon dataset.
+    """
+    import ase.build
+    from ase.calculators.emt import EMT
+
+    frames = []
+    for i in range(n):
+        atoms = ase.build.bulk("C", "diamond", a=3.57).repeat((2, 1 + (i % 2 if alternate_size else 0), 1))
+        atoms.rattle(0.1, seed=i)
+        atoms.calc = EMT()
+        atoms.info["energy"] = atoms.get_potential_energy()
+        atoms.arrays["force"] = atoms.get_forces()
+        atoms.info["virial"] = -atoms.get_stress(voigt=False) * atoms.get_volume()
+        atoms.calc = None
+        frames.append(atoms)
+    return frames

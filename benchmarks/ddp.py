@@ -42,21 +42,10 @@ def _frames():
 
     if DATA.exists():
         return ase.io.read(DATA, ":")
-    import ase.build
-    from ase.calculators.emt import EMT
+    from _measure import emt_carbon_frames
 
     print(f"# {DATA} not found: generated EMT carbon cells", file=sys.stderr)
-    frames = []
-    for i in range(64):
-        atoms = ase.build.bulk("C", "diamond", a=3.57).repeat((2, 1 + i % 2, 1))
-        atoms.rattle(0.1, seed=i)
-        atoms.calc = EMT()
-        atoms.info["energy"] = atoms.get_potential_energy()
-        atoms.arrays["force"] = atoms.get_forces()
-        atoms.info["virial"] = -atoms.get_stress(voigt=False) * atoms.get_volume()
-        atoms.calc = None
-        frames.append(atoms)
-    return frames
+    return emt_carbon_frames(64, alternate_size=True)
 
 
 def child(args):

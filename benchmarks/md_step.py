@@ -10,7 +10,10 @@ architecture, petfunc's seed-0 init copied into metatrain; float32 by default):
 * ``petfunc eager``: ``petfunc.ase.PETCalculator`` (torch.func, vesin every step);
 * ``petfunc compiled``: the same with ``compile=True`` (``petfunc.compile``, inductor).
   It is traced and compiled once, on the first system, and then serves every system
-  size: the script prints the compile time and the number of compilations (1).
+  size: the script prints the compile time and the number of compilations (1);
+* ``petfunc AOTI`` (with ``--export``): ``PETCalculator.from_exported`` on the
+  ``petfunc export`` artifact (torch.export + AOTInductor, no Python model code);
+  the script prints the export time.
 
 Systems: ethanol (9 atoms, energy + forces), diamond carbon 2x2x2 (64 atoms) and
 4x4x4 (512 atoms) conventional supercells (energy + forces + stress). Timings are
@@ -24,6 +27,7 @@ Run from the repository root on a quiet machine:
     python benchmarks/md_step.py --repeats 50 --threads 8
     python benchmarks/md_step.py --quick               # 3 repeats (a smoke run)
     python benchmarks/md_step.py --no-compile          # skip the inductor compile
+    python benchmarks/md_step.py --export              # add the AOTInductor artifact
 
 Needs metatrain and metatomic-ase (``pip install 'petfunc[metatrain]'``).
 """
@@ -154,6 +158,7 @@ def main(argv=None):
     parser.add_argument("--rattle", type=float, default=0.02, help="displacement std per step (A)")
     parser.add_argument("--no-compile", action="store_true", help="skip petfunc compiled (inductor)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
+    parser.add_argument("--export", action="store_true", help="add petfunc's AOTInductor artifact (petfunc export)")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.warmup = 3, 1
@@ -183,6 +188,17 @@ def main(argv=None):
         start = time.perf_counter()
         evaluate(compiled, atoms, PROPERTIES_PERIODIC if atoms.pbc.all() else PROPERTIES_MOLECULE)
         print(f"petfunc compile ({args.backend}, trace + first call): {time.perf_counter() - start:.1f} s")
+
+    if args.export:
+        import tempfile
+
+        from petfunc.export import export
+
+        scratch = tempfile.mkdtemp(prefix="petfunc-md-export-")
+        start = time.perf_counter()
+        path = export(config, params, Path(scratch) / "model.pt2", dtype=dtype)
+        print(f"petfunc export (torch.export + AOTInductor): {time.perf_counter() - start:.1f} s")
+        calculators["petfunc AOTI"] = PETCalculator.from_exported(path)
 
     rows, edges = [], {}
     for name in args.systems:

@@ -115,6 +115,9 @@ class PETCalculator(Calculator):
         dtype: computation dtype (default: the dtype of the network weights).
         ensemble_params: optional committee: a parameter tree with a leading member
             axis on every leaf, or a list of parameter trees.
+        exported: an :class:`petfunc.export.ExportedPET` (a ``petfunc export``
+            artifact) evaluating the model instead of ``params``; see
+            :meth:`from_exported`.
         **kwargs: passed to :class:`ase.calculators.calculator.Calculator`.
     """
 
@@ -140,11 +143,18 @@ class PETCalculator(Calculator):
         device=None,
         dtype: Optional[torch.dtype] = None,
         ensemble_params=None,
+        exported=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
         if not isinstance(config, PETConfig):
             raise TypeError(f"config must be a PETConfig, got {type(config).__name__}")
+        self.exported = exported
+        if exported is not None:
+            if params is not None or ensemble_params is not None or compile:
+                raise ValueError("an exported model carries its own weights and code: give it without params, ensemble_params or compile")
+            device, dtype = exported.device, exported.dtype
+            params = {}  # stands for the weights inside the artifact
         if params is None and ensemble_params is None:
             raise ValueError("PETCalculator needs params, ensemble_params or both")
         self.config = config
@@ -155,6 +165,7 @@ class PETCalculator(Calculator):
         reference = params if params is not None else ensemble_params
         self.dtype = dtype or _network_dtype(reference)
         self.params = None if params is None else _cast(params, self.dtype, self.device)
+        self._per_atom = None
         self.ensemble_params = ensemble_params
         self.compile = bool(compile)
         self.backend = backend
@@ -194,6 +205,19 @@ class PETCalculator(Calculator):
 
         config, params = from_metatrain(path, target=target)
         return cls(config, params, **kwargs)
+
+    @classmethod
+    def from_exported(cls, path, aoti: Optional[bool] = None, **kwargs) -> "PETCalculator":
+        """Calculator running a ``petfunc export`` artifact (``.pt2``).
+
+        The model, its weights and its derivatives come from the file (the
+        AOTInductor library when it has one, or with ``aoti=False`` the exported
+        program); petfunc only builds the neighbour lists. See :mod:`petfunc.export`.
+        """
+        from .export import load
+
+        exported = load(path, aoti=aoti)
+        return cls(exported.config, exported=exported, **kwargs)
 
     # -- committee -------------------------------------------------------------------
     @property
@@ -250,6 +274,9 @@ class PETCalculator(Calculator):
 
     def _evaluate(self, params, inputs):
         positions, cell, neighbors = inputs
+        if self.exported is not None:
+            energies, self._per_atom, forces, strain = self.exported(positions, cell, neighbors)
+            return energies, forces, strain
         if self.compile:
             if self._compiled is None:
                 from .compile import compile as petfunc_compile
@@ -314,7 +341,9 @@ class PETCalculator(Calculator):
             if "energies" in properties:
                 positions, cell, neighbors = inputs
                 reference = self.params
-                if reference is None:
+                if self.exported is not None:
+                    per_atom = self._per_atom
+                elif reference is None:
                     per_atom = torch.func.vmap(
                         self.model.per_atom_energies, in_dims=(0, None, None, None)
                     )(self.ensemble_params, positions, cell, neighbors).mean(0)

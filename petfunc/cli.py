@@ -257,6 +257,23 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--length-unit", default="angstrom")
     ev.add_argument("--json", metavar="FILE", help="also write the metrics as JSON")
     ev.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+
+    ex = sub.add_parser(
+        "export", help="write a deployment artifact (.pt2)",
+        description="Export energy, per-atom energies, forces and strain derivative of a model, "
+        "weights included, as a PT2 archive: a torch.export program and (default) its "
+        "AOTInductor build. Load it with petfunc.export.load or "
+        "PETCalculator.from_exported; see `python -m pydoc petfunc.export`.",
+    )
+    ex.add_argument("model", help="a petfunc checkpoint (.ckpt), a best_params.pt file, or a metatrain checkpoint")
+    ex.add_argument("output", help="the artifact to write (must end in .pt2)")
+    ex.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    ex.add_argument("--device", default="cpu", help="cpu or cuda: the AOTInductor build runs there only")
+    ex.add_argument("--which", choices=("best", "last"), default="best",
+                    help="parameters of a training checkpoint (default: best)")
+    ex.add_argument("--no-aoti", dest="aoti", action="store_false",
+                    help="only the torch.export program (seconds instead of minutes; no C++ compiler needed)")
+    ex.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     return parser
 
 
@@ -400,7 +417,7 @@ def _eval(args) -> int:
     dtype = {"float32": torch.float32, "float64": torch.float64, None: None}[args.dtype]
     metrics, _ = evaluate(
         args.model, args.dataset, batch_size=args.batch_size, dtype=dtype, device=args.device,
-        energy_key=args.energy_key, forces_key=args.forces_key, stress_key=args.stress_key,
+        which=args.which, energy_key=args.energy_key, forces_key=args.forces_key, stress_key=args.stress_key,
         energy_unit=args.energy_unit, length_unit=args.length_unit,
     )
     print(f"{args.dataset}: {metrics['n_structures']} structures, {metrics['n_atoms']} atoms")
@@ -413,6 +430,27 @@ def _eval(args) -> int:
                   f"{unit:8s}  {metrics[f'{key}_count']}")
     if args.json:
         Path(args.json).write_text(json.dumps(metrics, indent=2))
+    return 0
+
+
+def _export(args) -> int:
+    import time
+
+    import torch
+
+    from .export import export
+    from .trainer import load_model
+
+    if not args.output.endswith(".pt2"):
+        raise ValueError(f"the output file name must end in .pt2, got {args.output!r}")
+    dtype = {"float32": torch.float32, "float64": torch.float64}[args.dtype]
+    config, params = load_model(args.model, which=args.which)
+    what = "torch.export program and AOTInductor build (this takes minutes)" if args.aoti else "torch.export program"
+    print(f"exporting {args.model} ({args.dtype}, {args.device}): {what}")
+    start = time.perf_counter()
+    path = export(config, params, args.output, dtype=dtype, device=args.device, aoti=args.aoti)
+    size = path.stat().st_size / 2**20
+    print(f"wrote {path} ({size:.1f} MiB) in {time.perf_counter() - start:.0f} s")
     return 0
 
 
@@ -435,6 +473,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "export":
+            return _export(args)
         return _eval(args)
     except TrainingError as error:
         print(f"petfunc: training stopped: {error}", file=sys.stderr)

@@ -218,16 +218,33 @@ def _structure_sum(values: torch.Tensor, structure_index: torch.Tensor, n_struct
     return out.scatter_add(0, structure_index, values)
 
 
-def per_atom_energies(params, positions, cell, neighbors: Neighbors, config: PETConfig):
-    """Energies per atom ``[n_atoms]`` in eV: c eps_i + w_{Z_i} (+ half the ZBL pairs)."""
+def energy_terms(params, positions, cell, neighbors: Neighbors, config: PETConfig):
+    """``(energy [n_structures], per-atom energies [n_atoms])`` in eV from one pass.
+
+    ``E_s = c * sum_{i in s} eps_i + sum_{i in s} w_{Z_i}`` (+ ZBL) is metatrain's
+    evaluation-mode output; the per-atom energies ``c eps_i + w_{Z_i}`` (+ half of
+    each ZBL pair) sum to it up to round-off. Traced code that needs only one of
+    them loses the other to dead-code elimination.
+    """
     raw = atomic_energies(params, positions, cell, neighbors, config)
+    n_structures = cell.shape[0]
+    sidx = neighbors.structure_index
     scale = params["energy_scale"].to(raw.dtype)
-    out = scale * raw + params["composition_weights"].to(raw.dtype)[neighbors.species]
+    weights = params["composition_weights"].to(raw.dtype)[neighbors.species]
+    total = scale * _structure_sum(raw, sidx, n_structures) + _structure_sum(weights, sidx, n_structures)
+    per_atom = scale * raw + weights
     if config.zbl:
         from . import zbl
 
-        out = out + zbl.atomic_energies(positions, cell, neighbors, config)
-    return out
+        repulsion = zbl.atomic_energies(positions, cell, neighbors, config)
+        total = total + _structure_sum(repulsion, sidx, n_structures)
+        per_atom = per_atom + repulsion
+    return total, per_atom
+
+
+def per_atom_energies(params, positions, cell, neighbors: Neighbors, config: PETConfig):
+    """Energies per atom ``[n_atoms]`` in eV: c eps_i + w_{Z_i} (+ half the ZBL pairs)."""
+    return energy_terms(params, positions, cell, neighbors, config)[1]
 
 
 def energy(params, positions, cell, neighbors: Neighbors, config: PETConfig):
@@ -236,17 +253,7 @@ def energy(params, positions, cell, neighbors: Neighbors, config: PETConfig):
     ``E_s = c * sum_{i in s} eps_i + sum_{i in s} w_{Z_i}`` (+ ZBL), metatrain's
     evaluation-mode output. See :func:`atomic_energies` for the arguments.
     """
-    raw = atomic_energies(params, positions, cell, neighbors, config)
-    n_structures = cell.shape[0]
-    sidx = neighbors.structure_index
-    scale = params["energy_scale"].to(raw.dtype)
-    weights = params["composition_weights"].to(raw.dtype)[neighbors.species]
-    total = scale * _structure_sum(raw, sidx, n_structures) + _structure_sum(weights, sidx, n_structures)
-    if config.zbl:
-        from . import zbl
-
-        total = total + _structure_sum(zbl.atomic_energies(positions, cell, neighbors, config), sidx, n_structures)
-    return total
+    return energy_terms(params, positions, cell, neighbors, config)[0]
 
 
 def raw_energy(params, positions, cell, neighbors: Neighbors, config: PETConfig):
@@ -285,6 +292,10 @@ class PET:
     def energy(self, params, positions, cell, neighbors):
         """Total energies ``[n_structures]`` (eV); see :func:`petfunc.model.energy`."""
         return energy(params, positions, cell, neighbors, self.config)
+
+    def energy_terms(self, params, positions, cell, neighbors):
+        """``(energies [n_structures], per-atom energies [n_atoms])`` from one pass (eV)."""
+        return energy_terms(params, positions, cell, neighbors, self.config)
 
     def per_atom_energies(self, params, positions, cell, neighbors):
         """Energies per atom ``[n_atoms]`` (eV)."""

@@ -646,10 +646,11 @@ def read_labelled(path, config: PETConfig, energy_key="energy", forces_key="forc
 
 
 def evaluate(model_path, dataset_path, batch_size: int = 16, dtype: Optional[torch.dtype] = None, device=None,
-             **label_options) -> Tuple[Dict[str, float], dict]:
+             which: str = "best", **label_options) -> Tuple[Dict[str, float], dict]:
     """Errors of a saved model on an extxyz file: ``(metrics, predictions)`` (see
-    :func:`error_metrics`, :func:`predict`). ``label_options`` go to :func:`read_labelled`."""
-    config, params = load_model(model_path, dtype=dtype, device=device)
+    :func:`error_metrics`, :func:`predict`). ``which`` picks a training checkpoint's
+    best or last parameters; ``label_options`` go to :func:`read_labelled`."""
+    config, params = load_model(model_path, dtype=dtype, which=which, device=device)
     samples = read_labelled(dataset_path, config, **label_options)
     pred = predict(config, params, samples, batch_size=batch_size)
     metrics = error_metrics(pred)
