@@ -42,7 +42,9 @@ Outputs: ``energy`` [S] (eV), ``energies`` [N] (eV per atom), ``forces`` [N, 3]
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -306,13 +308,28 @@ def load(path, aoti: Optional[bool] = None) -> ExportedPET:
     use_aoti = has_aoti if aoti is None else aoti
     # the weights are constants on the device the model was exported for
     device = torch.device(metadata["device"])
-    if use_aoti:
-        runner = torch._inductor.aoti_load_package(str(path), model_name="model")
-    else:
-        # only the program: loading the archive's AOTInductor library is not needed
-        from torch.export.pt2_archive._package import PT2ArchiveReader, _load_exported_programs
-
-        with PT2ArchiveReader(str(path)) as reader:
-            programs = _load_exported_programs(reader, reader.get_file_names(), None)
-        runner = programs["model"].module()
+    with _quiet_deserializer():
+        runner = _runner(path, use_aoti)
     return ExportedPET(config, runner, dtype, device, use_aoti, metadata)
+
+
+@contextlib.contextmanager
+def _quiet_deserializer():
+    """Silence torch's deserializer warnings about size symbols that the saved graph
+    no longer mentions (harmless; one per such symbol at every load)."""
+    logger = logging.getLogger("torch._export.serde.serialize")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _runner(path: Path, use_aoti: bool):
+    if use_aoti:
+        from torch._inductor.package import load_package
+
+        return load_package(str(path), model_name="model")
+    # the program only (torch.export.load reads the archive's "model" program)
+    return torch.export.load(str(path)).module()
