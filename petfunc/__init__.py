@@ -7,6 +7,7 @@ from .derivatives import (
     energy_and_forces,
     energy_forces_strain_derivative,
     energy_forces_stress,
+    energy_terms_forces_strain_derivative,
     forces,
 )
 from .io import from_metatrain, load_params, save_params

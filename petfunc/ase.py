@@ -5,10 +5,12 @@
     from petfunc.ase import PETCalculator
     atoms.calc = PETCalculator.from_checkpoint("model.pt", compile=True)
 
-Every calculation evaluates energy, forces and the strain derivative in one call of
-``energy_forces_strain_derivative(model.energy)``: eagerly, or, with
+Every calculation evaluates energy, per-atom energies, forces and the strain
+derivative in one call of
+``energy_terms_forces_strain_derivative(model.energy_terms)``: eagerly, or, with
 ``compile=True``, through :func:`petfunc.compile` (one ``make_fx`` trace, then
-``torch.compile(dynamic=True)``). The structure is batched together with
+``torch.compile(dynamic=True)``), or in a ``petfunc export`` artifact
+(:meth:`PETCalculator.from_exported`). The structure is batched together with
 :func:`petfunc.data.padding_sample` (a 3-atom dummy molecule), so that no size the
 compiled graph sees (structures, atoms, edges, neighbours per atom) is 0 or 1: those
 are the sizes torch specialises on, and a single structure, or one atom, would
@@ -53,7 +55,7 @@ from ase.data import chemical_symbols
 from . import tree
 from .config import PETConfig
 from .data import padding_sample
-from .derivatives import energy_forces_strain_derivative
+from .derivatives import energy_terms_forces_strain_derivative
 from .io import EXTRA_KEYS, load_params
 from .model import PET
 from .structures import collate, prepare_atoms
@@ -165,11 +167,11 @@ class PETCalculator(Calculator):
         reference = params if params is not None else ensemble_params
         self.dtype = dtype or _network_dtype(reference)
         self.params = None if params is None else _cast(params, self.dtype, self.device)
-        self._per_atom = None
         self.ensemble_params = ensemble_params
         self.compile = bool(compile)
         self.backend = backend
-        self._efs = energy_forces_strain_derivative(self.model.energy)
+        # energy, per-atom energies, forces, strain derivative: one forward pass
+        self._efs = energy_terms_forces_strain_derivative(self.model.energy_terms)
         self._compiled = None
         self._padding = padding_sample(config).structure
 
@@ -275,8 +277,7 @@ class PETCalculator(Calculator):
     def _evaluate(self, params, inputs):
         positions, cell, neighbors = inputs
         if self.exported is not None:
-            energies, self._per_atom, forces, strain = self.exported(positions, cell, neighbors)
-            return energies, forces, strain
+            return self.exported(positions, cell, neighbors)
         if self.compile:
             if self._compiled is None:
                 from .compile import compile as petfunc_compile
@@ -323,33 +324,26 @@ class PETCalculator(Calculator):
         ensemble = None
         with torch.no_grad():
             if self.ensemble_params is not None:
-                energies, forces, strain = self._evaluate_ensemble(inputs)
+                energies, per_atom, forces, strain = self._evaluate_ensemble(inputs)
                 ensemble = (
                     energies[:, 0].double().cpu().numpy(),
                     forces[:, :n_atoms].double().cpu().numpy(),
                     strain[:, 0].double().cpu().numpy(),
+                    per_atom[:, :n_atoms].double().cpu().numpy(),
                 )
             if self.params is not None:
-                energies, forces, strain = self._evaluate(self.params, inputs)
+                energies, per_atom, forces, strain = self._evaluate(self.params, inputs)
                 energy = energies[0].double().item()
                 forces = forces[:n_atoms].double().cpu().numpy()
                 strain = strain[0].double().cpu().numpy()
+                per_atom = per_atom[:n_atoms].double().cpu().numpy()
             else:
                 energy = float(ensemble[0].mean())
                 forces = ensemble[1].mean(axis=0)
                 strain = ensemble[2].mean(axis=0)
+                per_atom = ensemble[3].mean(axis=0)
             if "energies" in properties:
-                positions, cell, neighbors = inputs
-                reference = self.params
-                if self.exported is not None:
-                    per_atom = self._per_atom
-                elif reference is None:
-                    per_atom = torch.func.vmap(
-                        self.model.per_atom_energies, in_dims=(0, None, None, None)
-                    )(self.ensemble_params, positions, cell, neighbors).mean(0)
-                else:
-                    per_atom = self.model.per_atom_energies(reference, positions, cell, neighbors)
-                results["energies"] = per_atom[:n_atoms].double().cpu().numpy()
+                results["energies"] = per_atom
 
         results["energy"] = energy
         results["free_energy"] = energy

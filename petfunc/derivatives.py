@@ -81,6 +81,29 @@ def energy_forces_strain_derivative(energy_fn):
     return fn
 
 
+def energy_terms_forces_strain_derivative(terms_fn):
+    """``fn(...) -> (energy, per-atom energies, forces, dE/d eps)`` from one pass.
+
+    ``terms_fn(params, positions, cell, neighbors) -> (energy [n_structures],
+    per-atom energies [n_atoms])``, e.g. :meth:`petfunc.PET.energy_terms`. As
+    :func:`energy_forces_strain_derivative`; the per-atom energies come from the same
+    forward pass (no second evaluation).
+    """
+
+    def fn(params, positions, cell, neighbors):
+        strain = _identity_strain(cell)
+
+        def total(x, eps):
+            xs, cs = _strained(x, cell, eps, neighbors.structure_index)
+            energy, per_atom = terms_fn(params, xs, cs, neighbors)
+            return energy.sum(), (energy, per_atom)
+
+        (de_dx, de_deps), (energy, per_atom) = grad(total, argnums=(0, 1), has_aux=True)(positions, strain)
+        return energy, per_atom, -de_dx, de_deps
+
+    return fn
+
+
 def energy_forces_stress(energy_fn):
     """``fn(...) -> (energy [n_structures], forces [n_atoms, 3], stress [n_structures, 3, 3])``.
 

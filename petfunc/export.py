@@ -17,7 +17,7 @@ with the weights inside as constants:
   output contract below.
 
 The graph is built like every compiled petfunc function: ``make_fx`` of
-:func:`petfunc.derivatives.energy_forces_strain_derivative` (forces and the strain
+:func:`petfunc.derivatives.energy_terms_forces_strain_derivative` (forces and the strain
 derivative by ``torch.func.grad``, adaptive-cutoff terms included) on inputs with
 symbolic sizes, then ``torch.export`` with every data size dynamic. One artifact
 serves any number of structures, atoms, edges and neighbours.
@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from .config import PETConfig
-from .derivatives import _identity_strain, _strained
+from .derivatives import energy_terms_forces_strain_derivative
 from .neighbors import Neighbors
 
 
@@ -64,29 +64,7 @@ METADATA = "petfunc.json"
 INPUTS = ("positions", "cell") + Neighbors._fields
 OUTPUTS = ("energy", "energies", "forces", "strain_derivative")
 
-__all__ = ["export", "load", "ExportedPET", "energy_terms_forces_strain_derivative"]
-
-
-def energy_terms_forces_strain_derivative(model):
-    """``fn(params, positions, cell, neighbors) -> (energy, energies, forces, dE/d eps)``.
-
-    As :func:`petfunc.derivatives.energy_forces_strain_derivative`, plus the per-atom
-    energies of the same forward pass.
-    """
-    from torch.func import grad
-
-    def fn(params, positions, cell, neighbors):
-        strain = _identity_strain(cell)
-
-        def total(x, eps):
-            xs, cs = _strained(x, cell, eps, neighbors.structure_index)
-            energy, per_atom = model.energy_terms(params, xs, cs, neighbors)
-            return energy.sum(), (energy, per_atom)
-
-        (de_dx, de_deps), (energy, per_atom) = grad(total, argnums=(0, 1), has_aux=True)(positions, strain)
-        return energy, per_atom, -de_dx, de_deps
-
-    return fn
+__all__ = ["export", "load", "ExportedPET"]
 
 
 def _example_inputs(config: PETConfig, dtype, device):
@@ -127,7 +105,7 @@ def trace(config: PETConfig, params, dtype=torch.float32, device="cpu"):
 
     device = torch.device(device)
     params = _cast(params, dtype, device)
-    fn = energy_terms_forces_strain_derivative(PET(config))
+    fn = energy_terms_forces_strain_derivative(PET(config).energy_terms)
 
     def flat(positions, cell, *fields):
         return fn(params, positions, cell, Neighbors(*fields))

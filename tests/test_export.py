@@ -58,7 +58,7 @@ def exported(tmp_path_factory):
 
 def reference(params, atoms):
     inputs = collate([prepare_atoms(atoms, CONFIG), padding_sample(CONFIG).structure], CONFIG, dtype=torch.float64)
-    fn = pexport.energy_terms_forces_strain_derivative(petfunc.PET(CONFIG))
+    fn = petfunc.derivatives.energy_terms_forces_strain_derivative(petfunc.PET(CONFIG).energy_terms)
     return inputs, fn(params, *inputs)
 
 
