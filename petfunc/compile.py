@@ -1,5 +1,6 @@
-"""``petfunc.compile(fn, *example_args)``: trace once with ``make_fx``, compile with
-``torch.compile(dynamic=True, fullgraph=True)``.
+"""``petfunc.compile(fn, *example_args)``: trace once with ``make_fx``, compile the
+graph for symbolic sizes (what ``torch.compile(dynamic=True, fullgraph=True)`` does,
+without Dynamo's second trace).
 
 The function (a train step, an energy-forces-stress evaluation, a Hessian...) may
 take and return any pytree of tensors (dicts, lists, NamedTuples such as
@@ -9,23 +10,32 @@ take and return any pytree of tensors (dicts, lists, NamedTuples such as
    constant that must not change between calls.
 2. ``make_fx`` traces the whole function, torch.func transforms included, into one
    aten graph, on fake inputs whose data sizes are symbols (parameter sizes, in
-   ``static_argnums``, stay fixed). Duck shaping is off while tracing and during the
-   first compiled call, so equal sizes at trace time (say 3 structures and the 3 of
-   xyz) are not merged into one symbol.
-3. ``torch.compile(graph, dynamic=True, fullgraph=True)`` compiles that graph
-   once; any later batch, whatever its numbers of structures, atoms, edges and
-   neighbours, reuses it, provided no size is 0 or 1 (torch specialises those):
-   :func:`petfunc.data.make_batch` pads batches for this.
-4. Calls run under ``torch.no_grad()``: gradients are graph outputs, never a
+   ``static_argnums``, stay fixed). Duck shaping is off, so equal sizes at trace
+   time (say 3 structures and the 3 of xyz) are not merged into one symbol.
+3. At the first call the ``torch.compile`` backend (``"inductor"``,
+   ``"aot_eager"``, ... or a backend callable) compiles that graph, given fake
+   inputs with symbolic sizes, exactly as Dynamo hands a graph to a backend. Dynamo
+   itself is skipped: the graph is already a flat aten graph, and re-tracing it
+   cost 15 s of a 30 s warm compile of the training step. What Dynamo's guards
+   did is kept: every assumption the backend makes about the sizes (at least 2; a
+   kernel choice for n > 16; ...) is recorded in the shape environment and checked
+   at every call (about 10 us); a call that breaks it compiles another graph, as a
+   Dynamo recompilation would. Dtype, device, rank and the fixed parameter shapes
+   are checked too, with a clear error.
+4. Any later batch, whatever its numbers of structures, atoms, edges and
+   neighbours, reuses the graph, provided no size is 0 or 1 (torch specialises
+   those): :func:`petfunc.data.make_batch` pads batches for this.
+5. Calls run under ``torch.no_grad()``: gradients are graph outputs, never a
    backward through the compiled region (which would silently drop second-order
    terms).
 
-``compiled.num_graphs`` counts the graphs Dynamo compiled for this function:
-1 after the first call, and it must stay 1.
+``compiled.num_graphs`` counts the graphs compiled for this function: 1 after the
+first call, and it must stay 1.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 from typing import Any, Callable, Optional
 
@@ -109,24 +119,55 @@ class Compiled:
         self.graph.graph.eliminate_dead_code()
         self.graph.recompile()
         self.num_graphs = 0
-        inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
-
-        def counting_backend(gm, example_inputs):
-            self.num_graphs += 1
-            return inner(gm, example_inputs)
-
-        if options:
-            # torch.compile takes options only with a named backend: no counting hook
-            self._compiled = torch.compile(
-                self.graph, dynamic=True, fullgraph=True, backend=backend, options=options
-            )
-        else:
-            self._compiled = torch.compile(self.graph, dynamic=True, fullgraph=True, backend=counting_backend)
-        self._count_via_backend = not options
-        self._called = False
+        self.options = dict(options or {})
+        self._entries = []  # (compiled guard expression or None, compiled callable)
+        self._signature = [(t.dtype, t.device, t.dim()) for t in inputs]
+        self._static_shapes = [tuple(t.shape) if s else None for t, s in zip(inputs, self._static)]
 
     def _graph_inputs(self, tensors):
         return [t.reshape(1) if s else t for t, s in zip(tensors, self._scalar)]
+
+    def _check_inputs(self, inputs):
+        for index, (t, (dtype, device, dim), static) in enumerate(zip(inputs, self._signature, self._static_shapes)):
+            if t.dtype != dtype or t.device != device or t.dim() != dim:
+                raise TypeError(
+                    f"compiled function: tensor input {index} is {t.dtype}, {t.device}, {t.dim()}-d; "
+                    f"it was traced as {dtype}, {device}, {dim}-d"
+                )
+            if static is not None and tuple(t.shape) != static:
+                raise ValueError(
+                    f"compiled function: tensor input {index} (a parameter or optimizer "
+                    f"state) has shape {tuple(t.shape)}, traced with {static}"
+                )
+
+    def _compile_for(self, inputs):
+        """Compile the traced graph for sizes like those of ``inputs``.
+
+        The backend gets the graph and fake inputs whose data sizes are symbols,
+        as Dynamo would hand them over, without Dynamo re-tracing the (already
+        traced) graph. The backend's assumptions about those sizes (for instance
+        "at least 2", or a kernel choice that needs n > 16) are collected in the
+        shape environment and turned into a guard expression checked at every call.
+        """
+        mode, fakes = _fake_inputs(inputs, self._static)
+        inner = torch._dynamo.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend
+        patch = torch._inductor.config.patch(self.options) if self.options else contextlib.nullcontext()
+        with patch, no_duck_shape(), torch.no_grad():
+            compiled = inner(self.graph, fakes)
+        guards = mode.shape_env.produce_guards_expression(fakes, ignore_static=False)
+        code = None if guards is None else builtins.compile(guards, "<petfunc guards>", "eval")
+        self._entries.append((code, compiled))
+        self.num_graphs += 1
+        return compiled
+
+    def _select(self, inputs):
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+        names = {f"t{i}": t for i, t in enumerate(inputs)}
+        for code, compiled in reversed(self._entries):
+            if code is None or eval(code, SYMPY_INTERP, {"L": names}):
+                return compiled
+        return self._compile_for(inputs)
 
     def __call__(self, *args):
         tensors, constants, is_tensor, spec = _split(args)
@@ -142,18 +183,9 @@ class Compiled:
                     f"from the traced value {b!r}; trace again for other constants"
                 )
         inputs = self._graph_inputs(tensors)
+        self._check_inputs(inputs)
         with torch.no_grad():
-            if not self._called:
-                for t, is_static in zip(inputs, self._static):
-                    if is_static:
-                        torch._dynamo.mark_static(t)
-                with no_duck_shape():
-                    out = self._compiled(*inputs)
-                self._called = True
-                if not self._count_via_backend:
-                    self.num_graphs = 1
-            else:
-                out = self._compiled(*inputs)
+            out = self._select(inputs)(*inputs)
         return pytree.tree_unflatten(list(out), self._out_spec)
 
     def eager_graph(self, *args):
@@ -179,7 +211,8 @@ def compile(
             least 2 (build batches with :func:`petfunc.data.make_batch`, which pads).
         backend: ``torch.compile`` backend: ``"inductor"`` (fast code, slow to
             compile) or ``"aot_eager"`` (quick to compile, for tests).
-        options: inductor options, passed to ``torch.compile``.
+        options: inductor config options (``torch._inductor.config`` names), set
+            while the graph compiles.
         static_argnums: arguments whose tensor sizes never change (parameters,
             optimizer state): they are traced with static sizes, which makes tracing
             and compiling much faster. All other tensors get symbolic sizes.

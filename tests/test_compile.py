@@ -1,0 +1,50 @@
+"""petfunc.compile itself: one graph for every size, guards, input checks.
+
+The backend compiles the traced graph with symbolic sizes, without Dynamo; the size
+assumptions it makes become a guard checked at every call. A call that breaks them
+(here: a size of 1, which torch specialises) compiles a second graph and still
+gives the right numbers; a dtype or parameter shape the graph was not traced for
+is refused.
+"""
+
+import pytest
+import torch
+
+import petfunc
+
+
+def scatter_energy(params, positions, index):
+    """A toy with the ingredients of PET's graph: a gather, a matmul, a scatter."""
+    hidden = torch.tanh(positions[index] @ params["w"])
+    out = torch.zeros(positions.shape[0], hidden.shape[1], dtype=positions.dtype)
+    return out.index_add(0, index, hidden).sum(1)
+
+
+def example(n_atoms, n_edges, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.randn(n_atoms, 3, generator=g, dtype=torch.float64)
+    index = torch.randint(0, n_atoms, (n_edges,), generator=g)
+    return positions, index
+
+
+def test_one_graph_guards_and_checks():
+    params = {"w": torch.randn(3, 5, dtype=torch.float64)}
+    compiled = petfunc.compile(scatter_energy, params, *example(4, 7), backend="aot_eager")
+    assert compiled.num_graphs == 0  # compiled at the first call
+    for n_atoms, n_edges in ((4, 7), (9, 30), (2, 2), (50, 3)):
+        x = example(n_atoms, n_edges, seed=n_atoms)
+        torch.testing.assert_close(compiled(params, *x), scatter_energy(params, *x), rtol=1e-12, atol=1e-12)
+    assert compiled.num_graphs == 1
+    # size 1 breaks the traced graph's assumptions (sizes >= 2): a second graph
+    x = example(1, 3)
+    torch.testing.assert_close(compiled(params, *x), scatter_energy(params, *x), rtol=1e-12, atol=1e-12)
+    assert compiled.num_graphs == 2
+    x = example(6, 11)
+    torch.testing.assert_close(compiled(params, *x), scatter_energy(params, *x), rtol=1e-12, atol=1e-12)
+    assert compiled.num_graphs == 2
+    with pytest.raises(TypeError, match="float32"):
+        compiled(params, x[0].float(), x[1])
+    with pytest.raises(ValueError, match="parameter"):
+        compiled({"w": torch.randn(3, 6, dtype=torch.float64)}, *x)
+    with pytest.raises(TypeError, match="structure"):
+        compiled({"w": params["w"], "b": params["w"]}, *x)
