@@ -97,8 +97,9 @@ class Compiled:
         for index, arg in enumerate(example_args):
             n = len([x for x in pytree.tree_leaves(arg) if isinstance(x, torch.Tensor)])
             self._static += [index in static_argnums] * n
-        # 0-d tensors enter the graph as [1]: Dynamo would turn a 0-d float input into
-        # a symbolic Python float and restart its analysis to specialise it
+        # 0-d tensors enter the graph as [1], so that torch.compile(compiled.graph)
+        # also works (Dynamo turns a 0-d float input into a symbolic Python float
+        # and restarts its analysis to specialise it)
         self._scalar = [t.dim() == 0 for t in tensors]
         self._out_spec = None
 

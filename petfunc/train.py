@@ -88,7 +88,8 @@ def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None
         del inplace  # always functional
         count = state.count + 1
         # no tensors made from Python floats here: a 0-d constant in a traced graph
-        # becomes a symbolic float for Dynamo, which then restarts its analysis
+        # becomes a symbolic float if the graph is handed to Dynamo (torch.compile),
+        # which then restarts its analysis
         t = count.to(torch.float64)
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate * torch.ones_like(t)
         bias1 = 1.0 - torch.pow(b1, t)

@@ -109,7 +109,7 @@ class FitResult:
         history: one dict of metrics per epoch (the rows of ``metrics.csv``).
         output_dir: where the files were written (``None`` if nothing was written).
         files: name -> path of the written files.
-        compiled_graphs: with ``compile: true``, how many graphs Dynamo compiled for
+        compiled_graphs: with ``compile: true``, how many graphs were compiled for
             the ``"train"`` and ``"eval"`` steps (1 each when no batch recompiled).
     """
 
