@@ -17,6 +17,7 @@
 #   2. compiled == eager on $DEVICE in float32 and float64 (energy/forces/stress
 #      function and the training step's gradient, 4 batch shapes), and exactly one compiled
 #      graph each (zero recompilations);
+#   2b. petfunc export (AOTInductor) for $DEVICE == eager on 3 sizes, float64;
 #   3. benchmarks on $DEVICE: train_step.py, ensemble.py, md_step.py with short
 #      options, each only if it accepts `--device` (else noted as skipped: they time
 #      the CPU otherwise), and ddp.py (data parallel, 1..#GPU processes);
@@ -178,6 +179,32 @@ elif what == "compiled":
         if cstep.num_graphs != 1:
             failures.append(f"{tag} train step recompiled")
 
+elif what == "export":
+    # petfunc export for the device (AOTInductor), small model, float64 vs eager
+    import tempfile
+    import ase.build
+    from petfunc import export as pexport
+    from petfunc.data import padding_sample
+    from petfunc.structures import collate, prepare_atoms
+
+    config = petfunc.PETConfig(atomic_types=(1, 6, 8), num_neighbors_adaptive=12, d_pet=16, d_node=32,
+                               d_head=16, d_feedforward=32, num_heads=2)
+    params = petfunc.init(config, seed=3, dtype=torch.float64)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        path = pexport.export(config, params, os.path.join(scratch, "m.pt2"), dtype=torch.float64, device=DEVICE)
+        print(f"export (AOTInductor, {DEVICE}): {time.perf_counter() - t0:.1f} s")
+        model = pexport.load(path)
+    fn = petfunc.derivatives.energy_terms_forces_strain_derivative(petfunc.PET(config).energy_terms)
+    dparams = petfunc.tree.tree_map(lambda t: t.to(DEVICE), params)
+    for repeat in ((1, 1, 1), (2, 1, 1), (2, 2, 1)):
+        atoms = ase.build.bulk("C", "diamond", a=3.57, cubic=True).repeat(repeat)
+        atoms.rattle(0.05, seed=1)
+        x = collate([prepare_atoms(atoms, config), padding_sample(config).structure], config,
+                    dtype=torch.float64, device=DEVICE)
+        for name, a, b in zip(pexport.OUTPUTS, model(*x), fn(dparams, *x)):
+            check(f"export {len(atoms)} atoms {name}", rel(a, b), 1e-10)
+
 print("FAILURES:", failures if failures else "none")
 sys.exit(1 if failures else 0)
 EOF
@@ -187,6 +214,8 @@ for DT in float64 float32; do
     step "compiled == eager, one graph ($DEVICE, $DT, $BACKEND)" 200 \
         env DEVICE="$DEVICE" BACKEND="$BACKEND" SMALL="${SMALL:-}" SKIP_EFS="${SKIP_EFS:-}" $PY "$CHECKS" compiled $DT
 done
+
+step "petfunc export, AOTInductor ($DEVICE, float64)" 150 env DEVICE="$DEVICE" $PY "$CHECKS" export
 
 # ---------------------------------------------------------------------------------
 # 3: benchmarks
