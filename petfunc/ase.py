@@ -8,8 +8,8 @@
 Every calculation evaluates energy, per-atom energies, forces and the strain
 derivative in one call of
 ``energy_terms_forces_strain_derivative(model.energy_terms)``: eagerly, or, with
-``compile=True``, through :func:`petfunc.compile` (one ``make_fx`` trace, then
-``torch.compile(dynamic=True)``), or in a ``petfunc export`` artifact
+``compile=True``, through :func:`petfunc.compile` (one ``make_fx`` trace, compiled
+for symbolic sizes), or in a ``petfunc export`` artifact
 (:meth:`PETCalculator.from_exported`). The structure is batched together with
 :func:`petfunc.data.padding_sample` (a 3-atom dummy molecule), so that no size the
 compiled graph sees (structures, atoms, edges, neighbours per atom) is 0 or 1: those
