@@ -121,12 +121,13 @@ class Compiled:
         self.graph.recompile()
         self.num_graphs = 0
         self.options = dict(options or {})
-        self._entries = []  # (compiled guard expression or None, compiled callable)
+        self._entries = []  # (guard code or None, fixed data sizes, compiled callable)
         self._signature = [(t.dtype, t.device, t.dim()) for t in inputs]
         self._static_shapes = [tuple(t.shape) if s else None for t, s in zip(inputs, self._static)]
 
     def _graph_inputs(self, tensors):
-        return [t.reshape(1) if s else t for t, s in zip(tensors, self._scalar)]
+        # contiguous: the compiled code is specialised to the strides it was given
+        return [(t.reshape(1) if s else t).contiguous() for t, s in zip(tensors, self._scalar)]
 
     def _check_inputs(self, inputs):
         for index, (t, (dtype, device, dim), static) in enumerate(zip(inputs, self._signature, self._static_shapes)):
@@ -155,9 +156,17 @@ class Compiled:
         patch = torch._inductor.config.patch(self.options) if self.options else contextlib.nullcontext()
         with patch, no_duck_shape(), torch.no_grad():
             compiled = inner(self.graph, fakes)
-        guards = mode.shape_env.produce_guards_expression(fakes, ignore_static=False)
+        # symbolic sizes: the relations the backend assumed; data sizes torch
+        # specialised (0 or 1) are fixed numbers, checked one by one (parameter
+        # shapes are checked by _check_inputs)
+        guards = mode.shape_env.produce_guards_expression(fakes)
         code = None if guards is None else builtins.compile(guards, "<petfunc guards>", "eval")
-        self._entries.append((code, compiled))
+        fixed = [
+            (index, dim, int(size))
+            for index, (fake, static) in enumerate(zip(fakes, self._static)) if not static
+            for dim, size in enumerate(fake.shape) if not isinstance(size, torch.SymInt)
+        ]
+        self._entries.append((code, fixed, compiled))
         self.num_graphs += 1
         return compiled
 
@@ -165,8 +174,10 @@ class Compiled:
         from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 
         names = {f"t{i}": t for i, t in enumerate(inputs)}
-        for code, compiled in reversed(self._entries):
-            if code is None or eval(code, SYMPY_INTERP, {"L": names}):
+        for code, fixed, compiled in reversed(self._entries):
+            if all(inputs[i].shape[d] == size for i, d, size in fixed) and (
+                code is None or eval(code, SYMPY_INTERP, {"L": names})
+            ):
                 return compiled
         return self._compile_for(inputs)
 

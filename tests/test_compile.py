@@ -48,3 +48,17 @@ def test_one_graph_guards_and_checks():
         compiled({"w": torch.randn(3, 6, dtype=torch.float64)}, *x)
     with pytest.raises(TypeError, match="structure"):
         compiled({"w": params["w"], "b": params["w"]}, *x)
+
+
+def test_views_and_strides_reuse_the_graph():
+    """Committee members are views into stacked tensors (storage offsets, as
+    petfunc.tree.unstack makes them), data may come transposed: same graph."""
+    stacked = torch.randn(3, 3, 5, dtype=torch.float64)
+    members = [{"w": stacked[k]} for k in range(3)]
+    compiled = petfunc.compile(scatter_energy, members[0], *example(4, 7), backend="aot_eager")
+    positions, index = example(8, 20)
+    for member in members:
+        torch.testing.assert_close(compiled(member, positions, index), scatter_energy(member, positions, index))
+    transposed = positions.t().contiguous().t()  # same values, other strides
+    torch.testing.assert_close(compiled(members[0], transposed, index), scatter_energy(members[0], positions, index))
+    assert compiled.num_graphs == 1
