@@ -56,7 +56,7 @@ from . import tree
 from .config import PETConfig
 from .data import padding_sample
 from .derivatives import energy_terms_forces_strain_derivative
-from .io import EXTRA_KEYS, load_params
+from .io import EXTRA_KEYS, cast_params, load_params
 from .model import PET
 from .structures import collate, prepare_atoms
 
@@ -66,16 +66,6 @@ __all__ = ["PETCalculator"]
 
 def _symbol(z: int) -> str:
     return chemical_symbols[z] if 0 <= z < len(chemical_symbols) else f"Z={z}"
-
-
-def _cast(params, dtype, device):
-    """Network weights to ``dtype``/``device``; composition and scale keep their dtype."""
-    flat = tree.flatten(params)
-    out = {}
-    for key, value in flat.items():
-        keep = key in EXTRA_KEYS or not value.is_floating_point()
-        out[key] = value.to(device=device, dtype=None if keep else dtype)
-    return tree.unflatten(out)
 
 
 def _network_dtype(params) -> torch.dtype:
@@ -166,7 +156,7 @@ class PETCalculator(Calculator):
             ensemble_params = tree.stack(ensemble_params)
         reference = params if params is not None else ensemble_params
         self.dtype = dtype or _network_dtype(reference)
-        self.params = None if params is None else _cast(params, self.dtype, self.device)
+        self.params = None if params is None else cast_params(params, self.dtype, self.device)
         self.ensemble_params = ensemble_params
         self.compile = bool(compile)
         self.backend = backend
@@ -247,7 +237,7 @@ class PETCalculator(Calculator):
                 "ensemble_params must have one leading (member) axis of the same, "
                 f"non-zero size on every leaf; found sizes {sorted(sizes)}"
             )
-        self._ensemble_params = _cast(value, self.dtype, self.device)
+        self._ensemble_params = cast_params(value, self.dtype, self.device)
         self.ensemble_size = sizes.pop()
         self.reset()
 

@@ -60,6 +60,20 @@ def energy_and_forces(energy_fn):
     return fn
 
 
+def _position_and_strain_grad(terms_fn, params, positions, cell, neighbors):
+    """``(terms, dE/dx, dE/d eps)`` at the identity strain, where ``terms = terms_fn(params,
+    x, cell, neighbors)`` is a tuple whose first item is the energy [n_structures]."""
+    strain = _identity_strain(cell)
+
+    def total(x, eps):
+        xs, cs = _strained(x, cell, eps, neighbors.structure_index)
+        terms = terms_fn(params, xs, cs, neighbors)
+        return terms[0].sum(), terms
+
+    (de_dx, de_deps), terms = grad(total, argnums=(0, 1), has_aux=True)(positions, strain)
+    return terms, de_dx, de_deps
+
+
 def energy_forces_strain_derivative(energy_fn):
     """``fn(...) -> (energy, forces, dE/d strain [n_structures, 3, 3])``.
 
@@ -67,15 +81,11 @@ def energy_forces_strain_derivative(energy_fn):
     every structure, periodic or not.
     """
 
+    def energy_only(*args):
+        return (energy_fn(*args),)
+
     def fn(params, positions, cell, neighbors):
-        strain = _identity_strain(cell)
-
-        def total(x, eps):
-            xs, cs = _strained(x, cell, eps, neighbors.structure_index)
-            e = energy_fn(params, xs, cs, neighbors)
-            return e.sum(), e
-
-        (de_dx, de_deps), energies = grad(total, argnums=(0, 1), has_aux=True)(positions, strain)
+        (energies,), de_dx, de_deps = _position_and_strain_grad(energy_only, params, positions, cell, neighbors)
         return energies, -de_dx, de_deps
 
     return fn
@@ -91,14 +101,7 @@ def energy_terms_forces_strain_derivative(terms_fn):
     """
 
     def fn(params, positions, cell, neighbors):
-        strain = _identity_strain(cell)
-
-        def total(x, eps):
-            xs, cs = _strained(x, cell, eps, neighbors.structure_index)
-            energy, per_atom = terms_fn(params, xs, cs, neighbors)
-            return energy.sum(), (energy, per_atom)
-
-        (de_dx, de_deps), (energy, per_atom) = grad(total, argnums=(0, 1), has_aux=True)(positions, strain)
+        (energy, per_atom), de_dx, de_deps = _position_and_strain_grad(terms_fn, params, positions, cell, neighbors)
         return energy, per_atom, -de_dx, de_deps
 
     return fn

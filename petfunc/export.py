@@ -55,6 +55,7 @@ import torch
 
 from .config import PETConfig
 from .derivatives import energy_terms_forces_strain_derivative
+from .io import cast_params
 from .neighbors import Neighbors
 
 
@@ -99,12 +100,11 @@ def trace(config: PETConfig, params, dtype=torch.float32, device="cpu"):
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from .ase import _cast
     from .compile import _fake_inputs, no_duck_shape
     from .model import PET
 
     device = torch.device(device)
-    params = _cast(params, dtype, device)
+    params = cast_params(params, dtype, device)
     fn = energy_terms_forces_strain_derivative(PET(config).energy_terms)
 
     def flat(positions, cell, *fields):
@@ -133,8 +133,8 @@ def _is_xyz(name: str, dim: int) -> bool:
 
 def _check_dynamic(program) -> None:
     """Every data size must have stayed symbolic (no silent specialisation)."""
-    placeholders = [n for n in program.graph.nodes if n.op == "placeholder" and n.name not in program.graph_signature.inputs_to_lifted_tensor_constants]
-    user = [n for n in placeholders if n.name in program.graph_signature.user_inputs]
+    user_inputs = set(program.graph_signature.user_inputs)
+    user = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
     for name, node in zip(INPUTS, user):
         value = node.meta.get("val")
         for d, size in enumerate(value.shape):

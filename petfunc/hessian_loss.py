@@ -28,7 +28,7 @@ from torch.func import grad, vjp, vmap
 
 from ._vmap_rules import symbolic_vmap_rules
 from .data import Batch
-from .derivatives import _identity_strain, _strained
+from .derivatives import _position_and_strain_grad
 from .loss import LossTerm, LossWeights, _term
 from .train import grad_step_of, train_step_of
 
@@ -81,17 +81,12 @@ def _derivatives_and_hvp(energy_fn, params, batch: Batch, directions, with_strai
     cell, neighbors = batch.cell, batch.neighbors
 
     if with_strain:
-        strain = _identity_strain(cell)
 
-        def total(x, eps):
-            xs, cs = _strained(x, cell, eps, neighbors.structure_index)
-            e = energy_fn(params, xs, cs, neighbors)
-            return e.sum(), e
-
-        gradient = grad(total, argnums=(0, 1), has_aux=True)
+        def energy_only(*args):
+            return (energy_fn(*args),)
 
         def position_gradient(x):
-            (de_dx, de_deps), energies = gradient(x, strain)
+            (energies,), de_dx, de_deps = _position_and_strain_grad(energy_only, params, x, cell, neighbors)
             return de_dx, (energies, de_deps)
 
     else:

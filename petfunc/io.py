@@ -53,6 +53,17 @@ def _expected_shapes(config: PETConfig) -> Dict[str, torch.Size]:
     return {k: v.shape for k, v in tree.flatten(init(config, dtype=torch.float32)).items()}
 
 
+def cast_params(params, dtype, device):
+    """Network weights to ``dtype``/``device``; the composition weights and energy
+    scale (``EXTRA_KEYS``) and integer leaves keep their dtype."""
+    flat = tree.flatten(params)
+    out = {}
+    for key, value in flat.items():
+        keep = key in EXTRA_KEYS or not value.is_floating_point()
+        out[key] = value.to(device=device, dtype=None if keep else dtype)
+    return tree.unflatten(out)
+
+
 def check_params(config: PETConfig, params, what: str = "parameters", expected=None) -> None:
     """Raise ``ValueError`` naming every missing, unexpected or misshapen parameter."""
     expected = _expected_shapes(config) if expected is None else expected
