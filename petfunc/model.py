@@ -27,6 +27,7 @@ from . import adaptive, nn, transformer
 from .config import PETConfig
 from .cutoff import switching_function
 from .neighbors import Neighbors
+from .permute import permute_rows
 
 
 TARGET = "energy"
@@ -191,9 +192,9 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
             nodes, edges = _gnn_layer(
                 layers[index], config, index, nodes, messages, geometry, species_nbr, grid
             )
-            mixed = nn.layer_norm(
-                params["combination_norms"][index], torch.cat([edges, edges[reverse]], dim=1)
-            )
+            # reverse is an involution of the tokens: its adjoint is itself
+            reversed_edges = permute_rows(edges, reverse, reverse)
+            mixed = nn.layer_norm(params["combination_norms"][index], torch.cat([edges, reversed_edges], dim=1))
             messages = messages + edges + nn.mlp2(params["combination_mlps"][index], mixed)
         readout_features.append((nodes, messages))
     else:  # residual featurizer: fresh node embeddings each layer, every layer read out
@@ -203,7 +204,7 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
                 layers[index], config, index, nodes, messages, geometry, species_nbr, grid
             )
             readout_features.append((nodes, edges))
-            messages = 0.5 * (messages + edges[reverse])
+            messages = 0.5 * (messages + permute_rows(edges, reverse, reverse))
 
     energies = None
     for index, (nodes, edges) in enumerate(readout_features):

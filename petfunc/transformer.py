@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from . import nn
+from .permute import permute_rows
 
 
 def init_attention(d: int, generator, dtype, device):
@@ -61,7 +62,8 @@ def token_grid(nef_index, nef_mask, nef_slot, centers, factors) -> TokenGrid:
     mask = torch.cat([nef_mask.new_ones((n_atoms, 1)), nef_mask], dim=1)
     # edge slot i*M + k of the [n_atoms, M] grid is i*(M+1) + 1 + k of the full grid
     slot = torch.cat([atoms * (width + 1), nef_slot + centers + 1])
-    grid_factors = torch.where(nef_mask, factors[nef_index], 0.0)
+    grid_factors = permute_rows(factors, nef_index.reshape(-1), nef_slot, mask=nef_mask.reshape(-1))
+    grid_factors = grid_factors.reshape(n_atoms, width)
     ones = factors.new_ones((n_atoms, 1))
     # log(max(f, 1e-15)) down-weights (does not mask) cut keys, as metatrain does;
     # padded keys get the same bias and zero query/key/value vectors
@@ -82,8 +84,11 @@ def attention(params, x: torch.Tensor, grid: TokenGrid, num_heads: int, temperat
     n_atoms, t = grid.bias.shape
     h = d // num_heads
     qkv = nn.linear(params["input_linear"], x)  # per token: no work on padding
-    # to the grid; padded slots get zero q, k, v (and no gradient to anything)
-    qkv = torch.where(grid.mask, qkv[grid.index], 0.0)
+    # to the grid; padded slots get zero q, k, v (and no gradient to anything).
+    # Token list and grid are in one-to-one correspondence, so both directions and
+    # all their derivatives are gathers (no atomic scatter-adds)
+    index, mask = grid.index.reshape(-1), grid.mask.reshape(-1)
+    qkv = permute_rows(qkv, index, grid.slot, mask=mask)
     qkv = qkv.reshape(n_atoms, t, 3, num_heads, h)
     # unbind, not qkv[0], qkv[1], qkv[2]: the backward of three selects builds three
     # zero-filled copies of qkv and adds them; unbind's backward is one stack
@@ -93,7 +98,8 @@ def attention(params, x: torch.Tensor, grid: TokenGrid, num_heads: int, temperat
     scores = torch.matmul(q, k.transpose(-2, -1))
     weights = torch.softmax(scores + grid.bias[:, None, None, :], dim=-1)
     out = torch.matmul(weights, v).transpose(1, 2).reshape(n_atoms * t, d)
-    return nn.linear(params["output_linear"], out[grid.slot])  # back to the token list
+    out = permute_rows(out, grid.slot, index, inverse_mask=mask)  # back to the token list
+    return nn.linear(params["output_linear"], out)
 
 
 def init_layer(config, generator, dtype, device):
