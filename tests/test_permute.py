@@ -6,7 +6,13 @@ import torch
 from torch.func import grad, jacfwd, jacrev, jvp, vmap
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from petfunc.permute import permute_rows
+from petfunc import permute
+
+
+def permute_rows(x, index, inverse, mask=None, inverse_mask=None):
+    """The autograd.Function itself (petfunc.permute.permute_rows only uses it while
+    make_fx traces, and a plain gather in eager mode)."""
+    return permute._PermuteRows.apply(x, index, mask, inverse, inverse_mask)
 
 
 DT = torch.float64
@@ -96,7 +102,7 @@ def plain(x, index, inverse, mask=None, inverse_mask=None):
 
 def test_derivatives_trace_to_gathers_only():
     x, v = torch.randn(7, 3, dtype=DT), torch.randn(7, 3, dtype=DT)
-    graph = make_fx(_hvp(permute_rows), tracing_mode="symbolic")(x, v, INDEX, MASK, INVERSE)
+    graph = make_fx(_hvp(permute.permute_rows), tracing_mode="symbolic")(x, v, INDEX, MASK, INVERSE)
     scatters = [
         n for n in graph.graph.nodes
         if n.op == "call_function" and any(s in str(n.target) for s in ("index_put", "index_add", "scatter"))
@@ -111,6 +117,13 @@ def test_derivatives_trace_to_gathers_only():
         torch.testing.assert_close(
             graph(x, v, index, mask, inverse), _hvp(plain)(x, v, index, mask, inverse), rtol=1e-13, atol=1e-13
         )
+
+
+def test_eager_calls_are_plain_gathers():
+    x = torch.randn(7, 3, dtype=DT, requires_grad=True)
+    y = permute.permute_rows(x, INDEX, INVERSE, mask=MASK)
+    assert torch.equal(y, reference(x, INDEX, MASK))
+    assert "PermuteRows" not in type(y.grad_fn).__name__
 
 
 @pytest.mark.parametrize("shape", [(7,), (7, 2, 3)])
