@@ -318,3 +318,25 @@ def test_inductor_compiled_step_equals_eager(dataset, fitted):
             if (a[key] - before[key]).abs().max() > 0:
                 assert _relative(b[key] - before[key], a[key] - before[key]) < 1e-9, key
     assert compiled.num_graphs == 1
+
+
+@pytest.mark.parametrize("weight_decay", [None, 0.01])
+def test_adamw_matches_torch_with_mixed_order_and_dtypes(weight_decay):
+    # the concatenated update (one dtype) and the per-tensor fallback (mixed dtypes)
+    # both equal torch.optim; the gradient tree may list its keys in another order
+    for dtypes in [(torch.float64, torch.float64), (torch.float64, torch.float32)]:
+        params = {"w": torch.randn(4, 3, dtype=dtypes[0]), "b": {"c": torch.randn(3, dtype=dtypes[1])}}
+        optimizer = petfunc.make_optimizer(0.01, weight_decay=weight_decay)
+        state = petfunc.TrainState(params, optimizer.init(params))
+        reference = [torch.nn.Parameter(params["w"].clone()), torch.nn.Parameter(params["b"]["c"].clone())]
+        kind = torch.optim.Adam if weight_decay is None else torch.optim.AdamW
+        torch_opt = kind(reference, lr=0.01, **({} if weight_decay is None else {"weight_decay": weight_decay}))
+        for _ in range(3):
+            grads = {"b": {"c": torch.randn(3, dtype=dtypes[1])}, "w": torch.randn(4, 3, dtype=dtypes[0])}
+            state, _ = petfunc.apply_gradients(optimizer, state, grads, grad_clip_norm=None)
+            reference[0].grad, reference[1].grad = grads["w"].clone(), grads["b"]["c"].clone()
+            torch_opt.step()
+        rtol = 1e-12 if dtypes[1] == torch.float64 else 1e-5
+        assert torch.allclose(state.params["w"], reference[0].detach(), rtol=rtol, atol=1e-7)
+        assert torch.allclose(state.params["b"]["c"], reference[1].detach(), rtol=rtol, atol=1e-7)
+        assert state.opt_state.mu["b"]["c"].shape == (3,) and state.opt_state.nu["w"].shape == (4, 3)
