@@ -28,7 +28,7 @@ from torch.func import grad, vjp, vmap
 
 from ._vmap_rules import symbolic_vmap_rules
 from .data import Batch
-from .derivatives import _position_and_strain_grad
+from .derivatives import energy_forces_strain_derivative
 from .loss import LossTerm, LossWeights, _term
 from .train import grad_step_of, train_step_of
 
@@ -81,13 +81,11 @@ def _derivatives_and_hvp(energy_fn, params, batch: Batch, directions, with_strai
     cell, neighbors = batch.cell, batch.neighbors
 
     if with_strain:
-
-        def energy_only(*args):
-            return (energy_fn(*args),)
+        efs = energy_forces_strain_derivative(energy_fn)
 
         def position_gradient(x):
-            (energies,), de_dx, de_deps = _position_and_strain_grad(energy_only, params, x, cell, neighbors)
-            return de_dx, (energies, de_deps)
+            energies, forces, de_deps = efs(params, x, cell, neighbors)
+            return -forces, (energies, de_deps)
 
     else:
 

@@ -9,10 +9,10 @@ is itself a gather: for ``y[r] = x[index[r]]`` (rows with ``mask[r]`` False set 
 0) and every row ``s`` of ``x`` reached by exactly one unmasked row
 ``r = inverse[s]``, ``x_bar[s] = y_bar[inverse[s]]``.
 
-:func:`permute_rows` is that gather as an ``autograd.Function`` whose backward and
-forward-mode derivative are :func:`permute_rows` with the roles of the two maps
-swapped, so derivatives of any order (force training, Hessians, Hessian matching)
-stay gathers. It works under ``torch.func`` transforms (``grad``, ``jvp``, ``vmap``)
+:func:`permute_rows` is that gather as an ``autograd.Function`` whose backward is
+:func:`permute_rows` with the roles of the two maps swapped and whose forward-mode
+derivative is the same gather of the tangent, so derivatives of any order (force
+training, Hessians, Hessian matching) stay gathers. It works under ``torch.func`` transforms (``grad``, ``jvp``, ``vmap``)
 and ``make_fx``.
 
 The function is used only while ``make_fx`` traces (``petfunc.compile``,

@@ -322,8 +322,8 @@ def test_inductor_compiled_step_equals_eager(dataset, fitted):
 
 @pytest.mark.parametrize("weight_decay", [None, 0.01])
 def test_adamw_matches_torch_with_mixed_order_and_dtypes(weight_decay):
-    # the concatenated update (one dtype) and the per-tensor fallback (mixed dtypes)
-    # both equal torch.optim; the gradient tree may list its keys in another order
+    # Adam and AdamW equal torch.optim with one dtype and with mixed dtypes, and the
+    # gradient tree may list its keys in another order than the parameters
     for dtypes in [(torch.float64, torch.float64), (torch.float64, torch.float32)]:
         params = {"w": torch.randn(4, 3, dtype=dtypes[0]), "b": {"c": torch.randn(3, dtype=dtypes[1])}}
         optimizer = petfunc.make_optimizer(0.01, weight_decay=weight_decay)
