@@ -257,8 +257,8 @@ class DataParallel:
             collective is called and the step equals ``make_train_step``'s.
         metrics: ``"global"``: the union batch's metrics on every rank; ``"share"``:
             the same, but ``*_sse``/``*_sae``/``*_count`` divided by the world size,
-            so that an epoch-end :func:`all_reduce_metrics` (SUM of those, MEAN of the
-            rest) gives the global sums; this is the convention of
+            so that an epoch-end :func:`all_reduce_metrics` (a SUM) gives the global
+            sums; this is the convention of
             :func:`petfunc.trainer.fit`'s ``reduce_metrics`` hook.
 
     Calling the object, ``dp(params, batch)``, is :meth:`grad_step`: it is a drop-in
@@ -351,14 +351,13 @@ def _is_sum(key: str) -> bool:
 
 
 def all_reduce_metrics(values: Dict[str, float], info: Optional[DistInfo] = None) -> Dict[str, float]:
-    """Epoch metrics across ranks: SUM of ``*_sse``/``*_sae``/``*_count``, MEAN of the
-    rest (``loss``). The ``reduce_metrics`` hook of :func:`petfunc.trainer.fit`, used
-    with ``DataParallel(metrics="share")``. Every rank must pass the same keys."""
-    info = info or current()
-    if not info.distributed:
-        return dict(values)
-    summed = all_reduce_sums(values, info)
-    return {k: (v if _is_sum(k) else v / info.world_size) for k, v in summed.items()}
+    """Epoch metrics across ranks: the ``reduce_metrics`` hook of
+    :func:`petfunc.trainer.fit`. Every value there is a sum (batch losses, batch count,
+    ``*_sse``/``*_sae``/``*_count``), so this is a SUM all-reduce; the means are taken
+    after it. With ``DataParallel(metrics="share")`` every rank holds the union batch's
+    loss, and the summed batch count is ``world_size`` times larger too, so the mean
+    loss is unchanged. Every rank must pass the same keys."""
+    return all_reduce_sums(values, info)
 
 
 def all_reduce_sums(values: Dict[str, float], info: Optional[DistInfo] = None) -> Dict[str, float]:

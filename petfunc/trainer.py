@@ -417,19 +417,28 @@ def batch_plan(
     drop_last: bool = True,
     rank: int = 0,
     world_size: int = 1,
+    even_shards: bool = True,
 ) -> List[np.ndarray]:
     """Indices of the batches of one epoch for one rank.
 
-    All ranks draw the same permutation (from ``seed`` and ``epoch``), truncate it to a
-    multiple of ``world_size`` and take ``perm[rank::world_size]``; that shard is cut
-    into batches of ``batch_size``, the last partial one dropped when ``drop_last``
-    (unless it is the only one), as metatrain's training loader does.
+    All ranks draw the same permutation (from ``seed`` and ``epoch``) and take
+    ``perm[rank::world_size]``; that shard is cut into batches of ``batch_size``, the
+    last partial one dropped when ``drop_last`` (unless it is the only one), as
+    metatrain's training loader does.
+
+    With ``even_shards`` (training) the permutation is first truncated to a multiple
+    of ``world_size``, so that every rank runs the same number of steps (each step
+    all-reduces gradients). ``even_shards=False`` (evaluation, which has no per-batch
+    collectives) puts every structure in exactly one shard; shards may then differ by
+    one structure, and a rank may get none.
     """
     order = np.arange(n)
     if shuffle:
         order = np.random.default_rng(_derived_seed(seed, epoch, 0x5EED)).permutation(n)
     if world_size > 1:
-        order = order[: (n // world_size) * world_size][rank::world_size]
+        if even_shards:
+            order = order[: (n // world_size) * world_size]
+        order = order[rank::world_size]
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     if drop_last and len(batches) > 1 and len(batches[-1]) < batch_size:
         batches = batches[:-1]
@@ -452,11 +461,12 @@ def iterate_batches(
     device=None,
     rank: int = 0,
     world_size: int = 1,
+    even_shards: bool = True,
 ):
     """Yield ``(indices, Batch)`` for one epoch (see :func:`batch_plan`). Augmentation
     rotations come from a generator seeded by ``(seed, epoch, rank)``."""
     generator = torch.Generator().manual_seed(_derived_seed(seed, epoch, rank, 0xA06))
-    for idx in batch_plan(len(samples), batch_size, epoch, seed, shuffle, drop_last, rank, world_size):
+    for idx in batch_plan(len(samples), batch_size, epoch, seed, shuffle, drop_last, rank, world_size, even_shards):
         chosen = [samples[i] for i in idx]
         rotations = random_rotations(len(chosen), generator) if augment else None
         yield idx, make_batch(chosen, config, composition, scale, dtype, device, rotations)
@@ -467,22 +477,32 @@ def iterate_batches(
 
 
 class _Sums:
-    """Sums of the per-batch metric tensors (sse, sae, count per term; loss per batch)."""
+    """Epoch sums of the per-batch metrics: ``loss`` (sum of batch losses),
+    ``batch_count`` and ``{term}_sse``/``_sae``/``_count`` for the active ``terms``.
 
-    def __init__(self):
-        self.values: Dict[str, float] = {}
-        self.batches = 0
+    The keys are fixed by ``terms``, so every rank holds the same keys even when it
+    evaluated no batch, and every value is a sum: the ``reduce_metrics`` hook
+    all-reduces them with SUM and :meth:`summary` gives the global means.
+    """
+
+    def __init__(self, terms: Sequence[str]):
+        self.terms = tuple(terms)
+        self.values: Dict[str, float] = {"loss": 0.0, "batch_count": 0.0}
+        for term in self.terms:
+            for kind in ("sse", "sae", "count"):
+                self.values[f"{term}_{kind}"] = 0.0
 
     def add(self, metrics: Dict[str, float]):
-        self.batches += 1
-        for key, value in metrics.items():
-            if key.endswith(("_sse", "_sae", "_count")) or key == "loss":
-                self.values[key] = self.values.get(key, 0.0) + value
+        self.values["batch_count"] += 1.0
+        for key in self.values:
+            if key in metrics:
+                self.values[key] += metrics[key]
 
-    def summary(self, scale: float, terms: Sequence[str]) -> Dict[str, float]:
-        out = {"loss": self.values.get("loss", math.nan) / max(self.batches, 1)}
-        for term in terms:
-            count = self.values.get(f"{term}_count", 0.0)
+    def summary(self, scale: float) -> Dict[str, float]:
+        batches = self.values["batch_count"]
+        out = {"loss": self.values["loss"] / batches if batches > 0 else math.nan}
+        for term in self.terms:
+            count = self.values[f"{term}_count"]
             if count > 0:
                 out[f"{term}_rmse"] = math.sqrt(self.values[f"{term}_sse"] / count) * scale
                 out[f"{term}_mae"] = self.values[f"{term}_sae"] / count * scale
@@ -983,7 +1003,7 @@ def fit(
     try:
         for epoch in range(start_epoch, num_epochs):
             t0 = time.perf_counter()
-            sums = _Sums()
+            sums = _Sums(terms)
             batches = iterate_batches(
                 train_samples, config, composition, scale, batch_size, epoch=epoch, seed=seed,
                 shuffle=True, drop_last=True, augment=augment, dtype=dtype, device=device,
@@ -1005,7 +1025,7 @@ def fit(
                 step += 1
                 sums.add(values)
                 bar.update(1)
-                running = sums.summary(scale, terms)
+                running = sums.summary(scale)
                 postfix = {"epoch": epoch + 1, "loss": f"{running['loss']:.4g}"}
                 if "energy" in terms:
                     postfix["E(eV/atom)"] = f"{running['energy_rmse']:.3g}"
@@ -1013,7 +1033,7 @@ def fit(
                     postfix["F(eV/Å)"] = f"{running['forces_rmse']:.3g}"
                 bar.set_postfix(postfix, refresh=False)
             sums.values = reduce_metrics(sums.values)
-            train_summary = sums.summary(scale, terms)
+            train_summary = sums.summary(scale)
             if not _all_finite(state.params):
                 raise TrainingError(f"epoch {epoch + 1}: the parameters became NaN/inf")
             row = {"epoch": epoch + 1, "step": step, "learning_rate": float(schedule(max(step - 1, 0)))}
@@ -1027,16 +1047,18 @@ def fit(
                             b for _, b in iterate_batches(
                                 val_samples, config, composition, scale, batch_size, shuffle=False,
                                 drop_last=False, augment=False, dtype=dtype, device=device,
-                                rank=rank, world_size=world_size,
+                                rank=rank, world_size=world_size, even_shards=False,
                             )
                         ]
-                    if eval_fn is None:
+                    # every validation structure is evaluated once, on one rank; a
+                    # rank whose shard is empty contributes zero sums
+                    if eval_fn is None and val_batches:
                         eval_fn = build_eval(val_batches[0])
-                    vsums = _Sums()
+                    vsums = _Sums(terms)
                     for batch in val_batches:
                         vsums.add(_floats(eval_fn(state.params, batch)[1]))
                     vsums.values = reduce_metrics(vsums.values)
-                    val_summary = vsums.summary(scale, terms)
+                    val_summary = vsums.summary(scale)
                     if not math.isfinite(val_summary["loss"]):
                         raise TrainingError(
                             f"epoch {epoch + 1}: the validation loss is {val_summary['loss']}; "

@@ -21,10 +21,17 @@ ZBL energy. metatrain requests a list of radius ``2 max_t R_t``; petfunc's flat 
 (:func:`petfunc.structures.list_cutoff`) is at least that long, and any longer pair is
 masked to 0 here.
 
-Precision note (bit-for-bit metatrain): metatrain's atomic numbers are ``int32``, so
-``Z^0.23``, ``a`` and ``K`` are evaluated in torch's *default* float dtype (float32
-unless changed) before meeting the float64 distances. :func:`atomic_energies` does the
-same, so K carries a ~3e-8 relative rounding, exactly as metatrain's energies do.
+Precision note: metatrain's atomic numbers are ``int32``, so ``Z^0.23``, ``a`` and
+``K`` are evaluated in torch's *default* float dtype (float32 unless changed) before
+meeting the float64 distances. :func:`atomic_energies` does the same, in the same
+order of operations. This cannot be bit-for-bit in general, because metatrain is not
+reproducible there itself: on CPU, torch's float32 ``pow`` gives results 1 ulp apart
+in its SIMD lanes and in the scalar tail of a kernel, so which value a pair gets
+depends on its position in the concatenated pair list, that is on the rest of the
+batch (measured: the same Au-Fe cell's ZBL energy differs by 2e-8 relative in
+metatrain alone and batched). ``a`` then enters ``exp(-r d / a)`` with a factor
+``r d / a`` of up to ~40 for heavy pairs, so ZBL energies and forces agree with
+metatrain's to ~1e-7 relative rather than to float64 round-off (the PET part does).
 """
 
 from __future__ import annotations

@@ -166,7 +166,9 @@ def test_petfunc_train_under_torchrun_equals_one_process(tmp_path):
     torchrun = shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("no torchrun")
-    common = ["train", "--structures", "40", "--epochs", "2", "--dtype", "float64", "--no-compile",
+    # 40 structures, 5 for validation: an odd count, so the ranks' validation shards
+    # differ (3 and 2) and every structure must still be evaluated once
+    common = ["train", "--structures", "40", "-s", "validation_set=0.125", "--epochs", "2", "--dtype", "float64", "--no-compile",
               "--no-augmentation", "--no-progress", "--threads", "1",
               "-s", "architecture.model.d_pet=8", "-s", "architecture.model.d_head=8",
               "-s", "architecture.model.d_node=16", "-s", "architecture.model.d_feedforward=16",
@@ -184,7 +186,8 @@ def test_petfunc_train_under_torchrun_equals_one_process(tmp_path):
     assert a["step"] == b["step"]
     _assert_close(b["params"], a["params"])
     for row_a, row_b in zip(a["history"], b["history"]):
-        for key in ("train_loss", "train_energy_rmse", "train_forces_rmse", "train_stress_rmse", "val_forces_rmse"):
+        for key in ("train_loss", "train_energy_rmse", "train_forces_rmse", "train_stress_rmse", "val_energy_rmse", "val_forces_rmse",
+                    "val_stress_rmse"):
             assert abs(row_a[key] - row_b[key]) <= 1e-10 * abs(row_a[key]), key
     # rank 0 alone wrote: one output folder, no other
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]

@@ -244,3 +244,87 @@ def test_atoms_without_neighbours():
         assert_close(pa - comp_atoms, per_atom - comp_atoms, "per-atom energy - composition")
         assert_close(f, forces, "forces")
         assert_close(w, strain, "dE/dstrain")
+
+
+# ---------------------------------------------------------------------------------------
+# random architectures on random structures
+
+
+def _random_config(rng):
+    """Any combination of metatrain's switches, small widths, random cutoffs."""
+    heads = rng.choice([1, 2, 4])
+    d_pet = heads * rng.choice([4, 8])
+    hypers = dict(
+        atomic_types=tuple(sorted(rng.sample([1, 3, 6, 7, 8, 14, 26, 79], rng.randint(1, 5)))),
+        d_pet=d_pet, num_heads=heads, d_node=rng.choice([d_pet, 2 * d_pet, 12]),
+        d_head=rng.choice([8, 16]), d_feedforward=rng.choice([8, 24]),
+        num_gnn_layers=rng.randint(1, 3), num_attention_layers=rng.randint(1, 3),
+        cutoff=rng.choice([2.5, 3.7, 4.5, 6.0]), cutoff_width=rng.choice([0.2, 0.5, 1.0]),
+        cutoff_function=rng.choice(["Bump", "Cosine"]),
+        normalization=rng.choice(["RMSNorm", "LayerNorm"]), activation=rng.choice(["SwiGLU", "SiLU"]),
+        transformer_type=rng.choice(["PreLN", "PostLN"]),
+        featurizer_type=rng.choice(["feedforward", "residual"]),
+        attention_temperature=rng.choice([1.0, 0.7, 1.9]),
+    )
+    if rng.random() < 0.5:
+        hypers.update(
+            num_neighbors_adaptive=rng.choice([2, 5, 9, 30]),
+            adaptive_cutoff_method=rng.choice(["solver", "grid"]),
+            cutoff_width_adaptive=rng.choice([0.5, 1.0]),
+        )
+    return petfunc.PETConfig(**hypers)
+
+
+def _random_structure(rng, types):
+    """A molecule, a (triclinic) bulk cell, a slab, a wire or a tiny cell whose atoms
+    see many of their own images; no two atoms closer than 0.7 Å."""
+    from ase.geometry import get_distances
+
+    gen = np.random.default_rng(rng.randint(0, 2**31))
+    for _ in range(100):
+        kind = rng.choice(["molecule", "bulk", "triclinic", "slab", "wire", "one_atom_cell"])
+        n = rng.randint(1, 10)
+        numbers = [rng.choice(types) for _ in range(n)]
+        if kind == "molecule":
+            atoms = ase.Atoms(numbers=numbers, positions=gen.uniform(0, 3.5, (n, 3)))
+        elif kind == "one_atom_cell":
+            atoms = ase.Atoms(numbers=numbers[:1], positions=[[0.3, 0.1, 0.2]],
+                              cell=np.eye(3) * gen.uniform(1.8, 3.0), pbc=True)
+        else:
+            cell = np.diag(gen.uniform(2.0, 6.0, 3))
+            if kind == "triclinic":
+                cell = cell + gen.uniform(-1.2, 1.2, (3, 3))
+            pbc = {"slab": [1, 1, 0], "wire": [0, 0, 1]}.get(kind, [1, 1, 1])
+            atoms = ase.Atoms(numbers=numbers, scaled_positions=gen.uniform(0, 1, (n, 3)), cell=cell, pbc=pbc)
+        if len(atoms) == 1:
+            return atoms
+        d = get_distances(atoms.positions, cell=atoms.cell, pbc=atoms.pbc)[1]
+        if d[~np.eye(len(atoms), dtype=bool)].min() > 0.7:
+            return atoms
+    raise RuntimeError("no structure without close contacts")
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_architecture_on_random_structures(seed):
+    """Energies, per-atom energies, forces and strain derivatives to 1e-10 relative
+    (absolute floor 1e-12: symmetric cells have zero forces) for a random switch
+    combination on a random batch of molecules, bulk, slabs and wires."""
+    import random
+
+    rng = random.Random(seed)
+    config = _random_config(rng)
+    params = random_params(config, seed=seed)
+    mtt = ref.make_model(config)
+    ref.load_params(mtt, params)
+    batch = [_random_structure(rng, config.atomic_types) for _ in range(rng.randint(1, 4))]
+    energy, per_atom, forces, strain = ref.evaluate(mtt, batch)
+
+    model = petfunc.PET(config)
+    positions, cell, neighbors = petfunc.from_atoms(batch, config, dtype=torch.float64)
+    e, f, w = petfunc.energy_forces_strain_derivative(model.energy)(params, positions, cell, neighbors)
+    pa = model.per_atom_energies(params, positions, cell, neighbors)
+    comp_atoms, comp_total = composition(params, batch, config)
+    assert_close(e - comp_total, energy - comp_total, f"{config} energy")
+    assert_close(pa - comp_atoms, per_atom - comp_atoms, "per-atom energy")
+    assert_close(f, forces, "forces")
+    assert_close(w, strain, "dE/dstrain")

@@ -174,6 +174,16 @@ def test_batch_plan_shards():
     assert not np.array_equal(np.concatenate(batch_plan(23, 4, epoch=3, seed=5)), np.concatenate(batch_plan(23, 4, epoch=2, seed=5)))
 
 
+def test_uneven_shards_cover_every_structure_once():
+    # evaluation shards: no structure dropped, none repeated, a rank may get none
+    for n, world in ((23, 2), (7, 3), (2, 4)):
+        shards = [batch_plan(n, 4, shuffle=False, drop_last=False, rank=r, world_size=world, even_shards=False)
+                  for r in range(world)]
+        flat = np.concatenate([np.concatenate(s) if s else np.zeros(0, dtype=int) for s in shards])
+        assert sorted(flat.tolist()) == list(range(n))
+    assert batch_plan(2, 4, shuffle=False, drop_last=False, rank=3, world_size=4, even_shards=False) == []
+
+
 def test_optimizer_state_roundtrip(tmp_path):
     params = {"a": torch.randn(3), "b": [torch.randn(2, 2)], "composition_weights": torch.zeros(2)}
     optimizer = make_optimizer(warmup_cosine(1e-3, 10), weight_decay=0.01)
