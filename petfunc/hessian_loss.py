@@ -146,7 +146,7 @@ def make_hessian_loss(
         if hvp_term.weight > 0:
             terms.append(("hvp", hvp_term, hd, hbatch.hvp))
         for name, term, pred, target in terms:
-            mean, sse, sae, count = _term(term.type, pred, target)
+            mean, sse, sae, count = _term(term, pred, target)
             loss = loss + term.weight * mean
             metrics.update({f"{name}_loss": mean, f"{name}_sse": sse, f"{name}_sae": sae, f"{name}_count": count})
         metrics["loss"] = loss

@@ -8,7 +8,7 @@ the atoms of structure s, and targets from :class:`~petfunc.data.Batch`:
 * stress:  ``L_S = mean_{s,a,b} l(dE/d eps_sab / N_s, Sigma_sab / (c N_s))``
 
 ``L = w_E L_E + w_F L_F + w_S L_S`` where each ``l`` is ``mse``, ``mae`` or ``huber``
-(delta 1) and means run over non-NaN targets only. Derivatives come from
+(torch's ``HuberLoss`` with threshold ``delta``, 1 by default as in metatrain) and means run over non-NaN targets only. Derivatives come from
 ``torch.func.grad`` inside the loss, so the parameter gradient of the loss is a
 grad of a grad.
 """
@@ -29,16 +29,20 @@ _TYPES = ("mse", "mae", "huber")
 
 @dataclass(frozen=True)
 class LossTerm:
-    """Weight and type (``mse``, ``mae``, ``huber``) of one loss term."""
+    """Weight and type (``mse``, ``mae``, ``huber``) of one loss term; ``delta`` is
+    the Huber threshold (in training units, as metatrain's), unused by the others."""
 
     weight: float = 1.0
     type: str = "mse"
+    delta: float = 1.0
 
     def __post_init__(self):
         if self.type not in _TYPES:
             raise ValueError(f"loss type must be one of {_TYPES}, got {self.type!r}")
         if not self.weight >= 0:
             raise ValueError(f"loss weight must be >= 0, got {self.weight!r}")
+        if not self.delta > 0:
+            raise ValueError(f"huber delta must be > 0, got {self.delta!r}")
 
 
 @dataclass(frozen=True)
@@ -60,14 +64,15 @@ class LossWeights:
         return cls(term(energy), term(forces), term(stress))
 
 
-def _elementwise(kind: str, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _elementwise(term: LossTerm, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     diff = pred - target
-    if kind == "mse":
+    if term.type == "mse":
         return diff * diff
-    if kind == "mae":
+    if term.type == "mae":
         return diff.abs()
     absolute = diff.abs()
-    return torch.where(absolute < 1.0, 0.5 * diff * diff, absolute - 0.5)
+    delta = term.delta
+    return torch.where(absolute < delta, 0.5 * diff * diff, delta * (absolute - 0.5 * delta))
 
 
 def _masked(pred: torch.Tensor, target: torch.Tensor):
@@ -78,11 +83,11 @@ def _masked(pred: torch.Tensor, target: torch.Tensor):
     return safe_pred, safe_target, valid
 
 
-def _term(kind, pred, target):
+def _term(term: LossTerm, pred, target):
     """(mean loss over valid entries, sum of squared errors, sum of abs errors, count)."""
     pred, target, valid = _masked(pred, target)
     count = valid.sum().to(pred.dtype)
-    per_entry = _elementwise(kind, pred, target)
+    per_entry = _elementwise(term, pred, target)
     mean = per_entry.sum() / count.clamp_min(1.0)
     diff = pred - target
     return mean, (diff * diff).sum(), diff.abs().sum(), count
@@ -125,17 +130,17 @@ def make_loss(energy_fn: Callable, weights: LossWeights = LossWeights()):
         metrics: Dict[str, torch.Tensor] = {}
         loss = torch.zeros((), dtype=energies.dtype, device=energies.device)
 
-        mean, sse, sae, count = _term(weights.energy.type, energies / n_atoms, batch.energy / n_atoms)
+        mean, sse, sae, count = _term(weights.energy, energies / n_atoms, batch.energy / n_atoms)
         loss = loss + weights.energy.weight * mean
         metrics.update(energy_loss=mean, energy_sse=sse, energy_sae=sae, energy_count=count)
         if use_forces:
-            mean, sse, sae, count = _term(weights.forces.type, forces, batch.forces)
+            mean, sse, sae, count = _term(weights.forces, forces, batch.forces)
             loss = loss + weights.forces.weight * mean
             metrics.update(forces_loss=mean, forces_sse=sse, forces_sae=sae, forces_count=count)
         if use_stress:
             per_atom = out[2] / n_atoms[:, None, None]
             target = batch.strain_derivative / n_atoms[:, None, None]
-            mean, sse, sae, count = _term(weights.stress.type, per_atom, target)
+            mean, sse, sae, count = _term(weights.stress, per_atom, target)
             loss = loss + weights.stress.weight * mean
             metrics.update(stress_loss=mean, stress_sse=sse, stress_sae=sae, stress_count=count)
         metrics["loss"] = loss

@@ -264,11 +264,15 @@ def _loss_term(spec, where: str, default_type: str) -> LossTerm:
         return LossTerm(float(spec), default_type)
     if not isinstance(spec, Mapping):
         raise ValueError(f"option '{where}' must be a loss type, a weight or a mapping, got {spec!r}")
-    _check_keys(spec, ("type", "weight", "reduction"), where)
+    _check_keys(spec, ("type", "weight", "reduction", "delta"), where)
     if spec.get("reduction", "mean") != "mean":
         raise ValueError(f"option '{where}.reduction': only 'mean' is supported")
     try:
-        return LossTerm(_number(spec.get("weight", 1.0), f"{where}.weight", minimum=0.0), spec.get("type", default_type))
+        return LossTerm(
+            _number(spec.get("weight", 1.0), f"{where}.weight", minimum=0.0),
+            spec.get("type", default_type),
+            _number(spec.get("delta", 1.0), f"{where}.delta"),
+        )
     except ValueError as error:
         raise ValueError(f"option '{where}': {error}") from None
 
@@ -277,9 +281,13 @@ def parse_loss(spec) -> tuple:
     """``(LossWeights, explicit)`` from the ``loss`` option.
 
     Accepted forms: a type (``"mse"``, ``"mae"``, ``"huber"``) for every term, or
-    ``{energy: {type, weight, gradients: {positions|forces: {...}, strain|stress|virial: {...}}}}``
+    ``{energy: {type, weight, delta, gradients: {positions|forces: {...}, strain|stress|virial: {...}}}}``
     (metatrain's layout; ``forces``/``stress`` may also sit directly under
-    ``energy``). ``explicit`` is the set of gradient terms the user configured with a
+    ``energy``; a term may be a type, a weight or a mapping). As in metatrain's
+    ``expand_loss_config``, only the global string form sets the type of every term:
+    the energy term's type does not carry over to the force and stress terms, which
+    are ``mse`` with weight 1 unless configured. ``delta`` is the Huber threshold
+    (default 1). ``explicit`` is the set of gradient terms the user configured with a
     weight > 0, whose labels are then required.
     """
     where = "architecture.training.loss"
@@ -291,13 +299,13 @@ def parse_loss(spec) -> tuple:
     _check_keys(spec, ("energy",), where)
     energy = spec.get("energy", {})
     if isinstance(energy, str):
-        term = _loss_term(energy, f"{where}.energy", "mse")
-        return LossWeights(term, term, term), set()
+        # as in metatrain, a target's type is not its gradients' type: those stay mse
+        return LossWeights(_loss_term(energy, f"{where}.energy", "mse"), LossTerm(), LossTerm()), set()
     if not isinstance(energy, Mapping):
         raise ValueError(f"option '{where}.energy' must be a loss type or a mapping")
     where_e = f"{where}.energy"
-    _check_keys(energy, ("type", "weight", "reduction", "gradients", "forces", "positions", "stress", "strain", "virial"), where_e)
-    base = {k: v for k, v in energy.items() if k in ("type", "weight", "reduction")}
+    _check_keys(energy, ("type", "weight", "reduction", "delta", "gradients", "forces", "positions", "stress", "strain", "virial"), where_e)
+    base = {k: v for k, v in energy.items() if k in ("type", "weight", "reduction", "delta")}
     energy_term = _loss_term(base, where_e, "mse")
     gradients = dict(energy.get("gradients") or {})
     if not isinstance(gradients, Mapping):
@@ -305,7 +313,9 @@ def parse_loss(spec) -> tuple:
     _check_keys(gradients, tuple(_TERM_ALIASES), f"{where_e}.gradients")
     entries = [(f"{where_e}.gradients.{k}", k, v) for k, v in gradients.items()]
     entries += [(f"{where_e}.{k}", k, energy[k]) for k in _TERM_ALIASES if k in energy]
-    terms = {"forces": LossTerm(1.0, energy_term.type), "stress": LossTerm(1.0, energy_term.type)}
+    # metatrain (expand_loss_config): gradient terms default to mse with weight 1,
+    # whatever the energy term's type; only a global loss type applies to all terms
+    terms = {"forces": LossTerm(), "stress": LossTerm()}
     seen = {}
     explicit = set()
     for name, key, value in entries:
@@ -313,7 +323,7 @@ def parse_loss(spec) -> tuple:
         if target in seen:
             raise ValueError(f"options '{seen[target]}' and '{name}' both set the {target} loss")
         seen[target] = name
-        terms[target] = _loss_term(value, name, energy_term.type)
+        terms[target] = _loss_term(value, name, "mse")
         if terms[target].weight > 0:
             explicit.add(target)
     return LossWeights(energy_term, terms["forces"], terms["stress"]), explicit

@@ -304,10 +304,49 @@ def test_options_defaults_and_loss_forms():
     assert options["training_set"]["targets"]["energy"]["forces"] == "auto"
     assert options["validation_set"] == 0.1
     weights, explicit = parse_loss({"energy": {"type": "mae", "gradients": {"positions": {"weight": 10}}, "stress": 0.5}})
-    assert (weights.energy.type, weights.forces.weight, weights.forces.type, weights.stress.weight) == ("mae", 10.0, "mae", 0.5)
+    # metatrain: the energy type does not carry over to the gradient terms
+    assert (weights.energy.type, weights.forces.weight, weights.forces.type, weights.stress.weight) == ("mae", 10.0, "mse", 0.5)
     assert explicit == {"forces", "stress"}
     weights, explicit = parse_loss("huber")
     assert weights.stress.type == "huber" and explicit == set()
+    weights, _ = parse_loss({"energy": {"type": "huber", "delta": 0.1, "forces": {"type": "huber", "delta": 0.3}}})
+    assert (weights.energy.delta, weights.forces.delta, weights.stress.type) == (0.1, 0.3, "mse")
+    with pytest.raises(ValueError, match="delta"):
+        parse_loss({"energy": {"type": "huber", "delta": -1.0}})
+
+
+LOSS_FORMS = [
+    None,
+    "huber",
+    "mae",
+    {"energy": "huber"},
+    {"energy": {"type": "mae", "gradients": {"positions": {"weight": 10}}}},
+    {"energy": {"type": "huber", "delta": 0.1, "forces": {"type": "huber", "delta": 0.3}}},
+    {"energy": {"weight": 2.0, "forces": "mae", "virial": {"weight": 0.5}}},
+    {"energy": {"gradients": {"positions": "huber", "strain": {"type": "mae", "weight": 3.0}}}},
+]
+
+
+@pytest.mark.parametrize("form", LOSS_FORMS, ids=[str(f) for f in LOSS_FORMS])
+def test_loss_options_expand_like_metatrain(form):
+    """Every term's type, weight and Huber delta as metatrain's expand_loss_config
+    gives them, for an energy target with forces and stress."""
+    pytest.importorskip("metatrain")
+    from omegaconf import OmegaConf
+    from metatrain.utils.omegaconf import expand_loss_config
+
+    targets = {"energy": {"quantity": "energy", "forces": {"key": "forces"}, "stress": {"key": "stress"}}}
+    conf = OmegaConf.create({"training_set": [{"targets": targets}], "architecture": {"training": {"loss": form}}})
+    expanded = OmegaConf.to_container(expand_loss_config(conf)["architecture"]["training"]["loss"])["energy"]
+    weights, _ = parse_loss(form if form is not None else {})
+    reference = {
+        "energy": expanded,
+        "forces": expanded["gradients"]["positions"],
+        "stress": expanded["gradients"]["strain"],
+    }
+    for name, ref in reference.items():
+        term = getattr(weights, name)
+        assert (term.type, term.weight, term.delta) == (ref["type"], ref["weight"], ref.get("delta", 1.0)), name
 
 
 @pytest.mark.slow
