@@ -8,9 +8,12 @@ One run, side by side, the same default-PET weights and the same batches:
 metatrain's step is computed the way its trainer does it: ``model.train()``,
 ``evaluate_model(..., is_training=True)`` (forces/strain gradients with
 ``create_graph=True``), the loss of spec section 9, ``loss.backward()``,
-``clip_grad_norm_(1.0)`` and ``torch.optim.Adam``. petfunc runs
-``make_train_step`` eagerly and through ``petfunc.compile`` (make_fx + inductor).
-Timings are interleaved (metatrain, eager, compiled, metatrain, ...) over the same
+``clip_grad_norm_(1.0)`` and ``torch.optim.Adam``. petfunc runs ``make_train_step``
+eagerly with ``autodiff="autograd"`` ("eager": what ``petfunc train`` runs without
+compile), eagerly with ``autodiff="func"`` ("eager func": torch.func, the traced
+formulation run eagerly) and through ``petfunc.compile`` ("compiled": make_fx of the
+torch.func step + inductor).
+Timings are interleaved (metatrain, eager, eager func, compiled, metatrain, ...) over the same
 batches; we print medians, ratios, compile time, break-even step count, FLOPs of
 the step (torch.utils.flop_counter) and the achieved FLOP rate of the compiled step.
 Memory: the peak tensor memory one step allocates on top of what exists before it
@@ -149,7 +152,7 @@ def median_ms(values):
     return 1e3 * statistics.median(values)
 
 
-def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "compiled"), device="cpu"):
+def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "eager func", "compiled"), device="cpu"):
     torch.manual_seed(0)
     config = petfunc.PETConfig(atomic_types=atomic_types(name))
     dataset = load(name, config)
@@ -163,6 +166,7 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
     optimizer = petfunc.make_optimizer(1e-4)
     state = petfunc.init_state(params, optimizer)
     step = petfunc.make_train_step(model, optimizer, weights)
+    step_autograd = petfunc.make_train_step(model, optimizer, weights, autodiff="autograd")
 
     order = np.random.default_rng(0).permutation(len(dataset))
     chunks = [order[i : i + 8] for i in range(0, len(order) - 7, 8)][: steps + warmup]
@@ -196,6 +200,8 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
         if v == "metatrain":
             mtt(mtt_systems[i], batches[i])
         elif v == "eager":
+            step_autograd(state, batches[i])
+        elif v == "eager func":
             step(state, batches[i])
         else:
             compiled(state, batches[i])

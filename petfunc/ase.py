@@ -7,9 +7,10 @@
 
 Every calculation evaluates energy, per-atom energies, forces and the strain
 derivative in one call of
-``energy_terms_forces_strain_derivative(model.energy_terms)``: eagerly, or, with
-``compile=True``, through :func:`petfunc.compile` (one ``make_fx`` trace, compiled
-for symbolic sizes), or in a ``petfunc export`` artifact
+``energy_terms_forces_strain_derivative(model.energy_terms)``: eagerly (by
+``torch.autograd``, the faster eager path, :mod:`petfunc.derivatives`), or, with
+``compile=True``, through :func:`petfunc.compile` (one ``make_fx`` trace of the
+``torch.func`` derivative, compiled for symbolic sizes), or in a ``petfunc export`` artifact
 (:meth:`PETCalculator.from_exported`). The structure is batched together with
 :func:`petfunc.data.padding_sample` (a 3-atom dummy molecule), so that no size the
 compiled graph sees (structures, atoms, edges, neighbours per atom) is 0 or 1: those
@@ -160,8 +161,10 @@ class PETCalculator(Calculator):
         self.ensemble_params = ensemble_params
         self.compile = bool(compile)
         self.backend = backend
-        # energy, per-atom energies, forces, strain derivative: one forward pass
+        # energy, per-atom energies, forces, strain derivative: one forward pass;
+        # traced (torch.func) when compiled, by autograd when eager (faster there)
         self._efs = energy_terms_forces_strain_derivative(self.model.energy_terms)
+        self._efs_eager = energy_terms_forces_strain_derivative(self.model.energy_terms, "autograd")
         self._compiled = None
         self._padding = padding_sample(config).structure
 
@@ -277,7 +280,7 @@ class PETCalculator(Calculator):
                     backend=self.backend, static_argnums=(0,),
                 )
             return self._compiled(params, positions, cell, neighbors)
-        return self._efs(params, positions, cell, neighbors)
+        return self._efs_eager(params, positions, cell, neighbors)
 
     def _evaluate_ensemble(self, inputs):
         positions, cell, neighbors = inputs

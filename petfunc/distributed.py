@@ -208,18 +208,19 @@ def label_counts(batch) -> torch.Tensor:
     ).to(batch.positions.dtype)
 
 
-def make_scaled_grad_step(energy_fn, weights: LossWeights = LossWeights()):
+def make_scaled_grad_step(energy_fn, weights: LossWeights = LossWeights(), autodiff: str = "func"):
     """``grad_step(params, batch, factors) -> (grads, metrics)`` of
     ``sum_t w_t factors[t] mean_t``: with ``factors = n_local / N_global`` the sum of
     the ranks' gradients is the gradient of the union batch's loss.
 
     ``metrics`` holds the local ``*_sse``/``*_sae``/``*_count`` sums, the local shares
     ``factors[t] mean_t`` as ``*_loss`` and ``loss = L_r``: all of them sum over the
-    ranks to the union batch's values.
+    ranks to the union batch's values. ``autodiff``: as for
+    :func:`petfunc.train.make_grad_step`.
     """
-    from torch.func import grad_and_value
+    from .train import value_and_grad
 
-    loss_fn = make_loss(energy_fn, weights)
+    loss_fn = make_loss(energy_fn, weights, autodiff)
     term_weights = [getattr(weights, t).weight for t in TERMS]
 
     def grad_step(params, batch, factors):
@@ -237,8 +238,7 @@ def make_scaled_grad_step(energy_fn, weights: LossWeights = LossWeights()):
             out["loss"] = share
             return share, out
 
-        grads, (_, metrics) = grad_and_value(objective, has_aux=True)(trainable(params))
-        return grads, metrics
+        return value_and_grad(objective, trainable(params), autodiff)
 
     return grad_step
 
@@ -260,6 +260,8 @@ class DataParallel:
             so that an epoch-end :func:`all_reduce_metrics` (a SUM) gives the global
             sums; this is the convention of
             :func:`petfunc.trainer.fit`'s ``reduce_metrics`` hook.
+        autodiff: ``"func"`` or ``"autograd"`` (see :func:`petfunc.train.make_grad_step`);
+            by default ``"func"`` when compiling, ``"autograd"`` (faster eagerly) when not.
 
     Calling the object, ``dp(params, batch)``, is :meth:`grad_step`: it is a drop-in
     replacement for :func:`petfunc.train.make_grad_step`'s function whose gradient is
@@ -268,7 +270,7 @@ class DataParallel:
 
     def __init__(self, energy_fn, optimizer, weights: LossWeights = LossWeights(), grad_clip_norm=1.0,
                  compile: bool = False, backend: str = "inductor", info: Optional[DistInfo] = None,
-                 metrics: str = "global"):
+                 metrics: str = "global", autodiff: Optional[str] = None):
         if metrics not in ("global", "share"):
             raise ValueError(f"metrics must be 'global' or 'share', got {metrics!r}")
         self.metrics = metrics
@@ -276,7 +278,9 @@ class DataParallel:
         self.weights = weights
         self.grad_clip_norm = grad_clip_norm
         self.info = info or current()
-        self._raw = make_scaled_grad_step(energy_fn, weights)
+        # compiled steps trace torch.func; eager ones run the faster autograd path
+        self.autodiff = autodiff or ("func" if compile else "autograd")
+        self._raw = make_scaled_grad_step(energy_fn, weights, self.autodiff)
         self._compile = compile
         self._backend = backend
         self._fn = None

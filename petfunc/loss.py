@@ -93,8 +93,11 @@ def _term(term: LossTerm, pred, target):
     return mean, (diff * diff).sum(), diff.abs().sum(), count
 
 
-def make_loss(energy_fn: Callable, weights: LossWeights = LossWeights()):
+def make_loss(energy_fn: Callable, weights: LossWeights = LossWeights(), autodiff: str = "func"):
     """``loss_fn(params, batch) -> (loss, metrics)`` for an energy function.
+
+    ``autodiff`` chooses how forces and stress are differentiated (``"func"`` or the
+    eager-only ``"autograd"``, see :mod:`petfunc.derivatives`).
 
     ``energy_fn(params, positions, cell, neighbors)`` must return energies in the
     batch's training units: for PET that is ``model.raw_energy`` (metatrain's
@@ -111,9 +114,9 @@ def make_loss(energy_fn: Callable, weights: LossWeights = LossWeights()):
     use_forces = weights.forces.weight > 0
     use_stress = weights.stress.weight > 0
     if use_stress:
-        derivatives = energy_forces_strain_derivative(energy_fn)
+        derivatives = energy_forces_strain_derivative(energy_fn, autodiff)
     elif use_forces:
-        derivatives = energy_and_forces(energy_fn)
+        derivatives = energy_and_forces(energy_fn, autodiff)
     else:
         derivatives = None
 
