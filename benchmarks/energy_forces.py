@@ -1,4 +1,4 @@
-"""Energy + forces + stress: petfunc (eager, torch.func) against metatrain's eager PET.
+"""Energy + forces + stress: petfunc (eager) against metatrain's eager PET.
 
 Both run the same weights (the default PET architecture, petfunc's seed-0 init copied
 into metatrain) on the same structures, in evaluation mode. metatrain's forces and
@@ -11,6 +11,11 @@ medians. Run from the repository root:
 
     python benchmarks/energy_forces.py                # float32 and float64
     python benchmarks/energy_forces.py --repeats 20 --threads 1 --dtype float32
+    python benchmarks/energy_forces.py --autodiff autograd   # petfunc by torch.autograd
+
+petfunc differentiates with ``torch.func`` by default (``--autodiff func``), or with
+``torch.autograd`` as metatrain does (``--autodiff autograd``, what petfunc's eager
+trainer and ASE calculator use).
 
 Needs metatrain (``pip install 'petfunc[metatrain]'``).
 """
@@ -144,9 +149,9 @@ class MetatrainRunner:
 
 
 class PetfuncRunner:
-    def __init__(self, config, params, frames, dtype):
+    def __init__(self, config, params, frames, dtype, autodiff="func"):
         self.config, self.params, self.frames, self.dtype = config, params, frames, dtype
-        self.fn = petfunc.energy_forces_stress(petfunc.PET(config).energy)
+        self.fn = petfunc.energy_forces_stress(petfunc.PET(config).energy, autodiff)
         self.inputs = petfunc.from_atoms(frames, config, dtype=dtype)
 
     def __call__(self, rebuild_lists: bool = False):
@@ -192,6 +197,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--dtype", choices=["float32", "float64", "both"], default="both")
     parser.add_argument("--batch", type=int, default=16, help="ethanol molecules in the batch case")
+    parser.add_argument("--autodiff", choices=["func", "autograd"], default="func", help="petfunc's derivative path")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     if args.threads:
@@ -207,7 +213,8 @@ def main(argv=None):
     dtypes = [torch.float32, torch.float64] if args.dtype == "both" else [getattr(torch, args.dtype)]
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), default PET "
-          f"({petfunc.tree.count(params64)} parameters), median of {args.repeats}, interleaved")
+          f"({petfunc.tree.count(params64)} parameters), median of {args.repeats}, interleaved; "
+          f"petfunc autodiff={args.autodiff}")
     header = f"{'structures':<24} {'atoms':>5} {'dtype':>7} {'what':<16} {'metatrain ms':>12} {'petfunc ms':>11} {'ratio':>6}"
     print(header)
     print("-" * len(header))
@@ -216,7 +223,7 @@ def main(argv=None):
         model = metatrain_model(config, params64, dtype)
         for name, frames in cases:
             mtt = MetatrainRunner(model, frames, dtype)
-            pft = PetfuncRunner(config, params, frames, dtype)
+            pft = PetfuncRunner(config, params, frames, dtype, args.autodiff)
             check_agreement(mtt, pft, dtype)
             n_atoms = sum(len(a) for a in frames)
             for label, rebuild in (("model", False), ("+ neighbour list", True)):
