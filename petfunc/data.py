@@ -11,6 +11,12 @@ energy scale c:
 * ``forces``: F / c per atom;
 * ``strain_derivative``: dE/d eps / c = V sigma / c (or -W / c from a virial).
 
+With ``PETConfig(zbl=True)`` the ZBL repulsion is an additive model, as in
+metatrain (``remove_additive``): its energy, forces and strain derivative
+(:func:`zbl_baseline`, float64) are subtracted from the labels before the
+composition fit, the scale fit and the division by c, so the network learns only
+the rest, and ``model.energy`` adds ZBL back.
+
 Batches whose sizes (structures, atoms, edges, NEF width) could fall below 2 get a
 padding structure (a 3-atom triangle with NaN labels, skipped by the loss): sizes 0
 and 1 are specialised by ``torch.compile`` and would force a recompilation.
@@ -18,6 +24,7 @@ and 1 are specialised by ``torch.compile`` and would force a recompilation.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, List, NamedTuple, Optional, Sequence
 
@@ -63,6 +70,8 @@ class Sample:
     forces: Optional[np.ndarray] = None  # [n_atoms, 3]
     stress: Optional[np.ndarray] = None  # [3, 3], ASE sign convention
     virial: Optional[np.ndarray] = None  # [3, 3], W = -dE/d eps
+    # cache of zbl_baseline: (config, (E, F [n_atoms, 3], dE/d eps [3, 3]))
+    _zbl: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.structure)
@@ -138,6 +147,35 @@ def sample_from_atoms(
 
 
 # ---------------------------------------------------------------------------------------
+# the ZBL additive model
+
+
+def zbl_baseline(sample: Sample, config: PETConfig) -> tuple:
+    """``(E, F [n_atoms, 3], dE/d eps [3, 3])`` of the ZBL repulsion of ``sample``
+    (eV, eV/Å; float64 numpy), zeros when ``config.zbl`` is off. Computed once per
+    sample and cached on it."""
+    n = len(sample)
+    if not config.zbl:
+        return 0.0, np.zeros((n, 3)), np.zeros((3, 3))
+    if sample._zbl is None or sample._zbl[0] != config:
+        from . import zbl
+        from .derivatives import energy_forces_strain_derivative
+
+        positions, cell, neighbors = collate([sample.structure], config, dtype=torch.float64)
+
+        def repulsion(params, x, c, nb):
+            return zbl.energy(x, c, nb, config)
+
+        e, f, w = energy_forces_strain_derivative(repulsion, "autograd")({}, positions, cell, neighbors)
+        sample._zbl = (config, (float(e[0]), f.numpy().astype(np.float64), w[0].numpy().astype(np.float64)))
+    return sample._zbl[1]
+
+
+def _baseline_energy(sample: Sample, config: Optional[PETConfig]) -> float:
+    return zbl_baseline(sample, config)[0] if config is not None and config.zbl else 0.0
+
+
+# ---------------------------------------------------------------------------------------
 # composition and scale (metatrain's CompositionModel and Scaler)
 
 
@@ -146,12 +184,15 @@ def composition_counts(samples: Sequence[Sample], n_species: int) -> np.ndarray:
     return np.stack([np.bincount(s.structure.species, minlength=n_species) for s in samples]).astype(np.float64)
 
 
-def fit_composition(samples: Sequence[Sample], n_species: int, batch_size: int = 16) -> np.ndarray:
+def fit_composition(
+    samples: Sequence[Sample], n_species: int, batch_size: int = 16, config: Optional[PETConfig] = None
+) -> np.ndarray:
     """Per-species energies w (eV) by ridge-regularised least squares on total energies.
 
     Accumulates X^T X and X^T y per block of ``batch_size`` structures in dataset
     order and solves (X^T X + 1e-14 mean(diag) I) w = X^T y, as metatrain does;
     species that never appear get 0. Structures without an energy label are skipped.
+    With a ``config`` whose ``zbl`` is on, y is the energy minus its ZBL part.
     """
     labelled = [s for s in samples if s.energy is not None and np.isfinite(s.energy)]
     if not labelled:
@@ -161,7 +202,7 @@ def fit_composition(samples: Sequence[Sample], n_species: int, batch_size: int =
     for start in range(0, len(labelled), batch_size):
         chunk = labelled[start : start + batch_size]
         x = torch.as_tensor(composition_counts(chunk, n_species))
-        y = torch.tensor([s.energy for s in chunk], dtype=torch.float64)
+        y = torch.tensor([s.energy - _baseline_energy(s, config) for s in chunk], dtype=torch.float64)
         xtx += x.T @ x
         xty += torch.tensordot(x, y, dims=([0], [0]))
     present = torch.diagonal(xtx) > 0
@@ -172,10 +213,11 @@ def fit_composition(samples: Sequence[Sample], n_species: int, batch_size: int =
     return w.numpy()
 
 
-def fit_scale(samples: Sequence[Sample], composition: np.ndarray) -> float:
-    """Energy scale c: the uncentred RMS of the per-atom residual (E - sum w)/N."""
+def fit_scale(samples: Sequence[Sample], composition: np.ndarray, config: Optional[PETConfig] = None) -> float:
+    """Energy scale c: the uncentred RMS of the per-atom residual (E - sum w)/N
+    (minus the ZBL energy too with a ``config`` whose ``zbl`` is on)."""
     residuals = [
-        (s.energy - composition[s.structure.species].sum()) / len(s)
+        (s.energy - composition[s.structure.species].sum() - _baseline_energy(s, config)) / len(s)
         for s in samples
         if s.energy is not None and np.isfinite(s.energy)
     ]
@@ -263,19 +305,24 @@ def make_batch(
     cells = [s.structure.cell @ r for s, r in zip(samples, rotations)]
     pos, cell, graph = collate(structures, config, dtype=dtype, device=device, positions=positions, cells=cells)
 
+    # the ZBL additive model's share of each label (zeros without ZBL); it is
+    # rotation-equivariant, so it rotates with the labels
+    baselines = [zbl_baseline(s, config) for s in samples]
     energy = np.array(
         [
-            (s.energy - composition[s.structure.species].sum()) / scale if s.energy is not None else np.nan
-            for s in samples
+            (s.energy - composition[s.structure.species].sum() - b[0]) / scale if s.energy is not None else np.nan
+            for s, b in zip(samples, baselines)
         ]
     )
     forces = np.concatenate(
         [
-            (s.forces @ r) / scale if s.forces is not None else np.full((len(s), 3), np.nan)
-            for s, r in zip(samples, rotations)
+            ((s.forces - b[1]) @ r) / scale if s.forces is not None else np.full((len(s), 3), np.nan)
+            for s, r, b in zip(samples, rotations, baselines)
         ]
     )
-    strain = np.stack([r.T @ s.strain_derivative() @ r / scale for s, r in zip(samples, rotations)])
+    strain = np.stack(
+        [r.T @ (s.strain_derivative() - b[2]) @ r / scale for s, r, b in zip(samples, rotations, baselines)]
+    )
 
     def t(a):
         return torch.as_tensor(a, dtype=pos.dtype, device=device)
@@ -312,8 +359,8 @@ class Dataset:
 
     def fit_composition_and_scale(self):
         """``(composition [n_species], scale)`` fitted on this dataset (metatrain's way)."""
-        w = fit_composition(self.samples, self.config.num_species)
-        return w, fit_scale(self.samples, w)
+        w = fit_composition(self.samples, self.config.num_species, config=self.config)
+        return w, fit_scale(self.samples, w, self.config)
 
     def batch_indices(self, batch_size: int, shuffle: bool = False, seed: int = 0, drop_last: bool = False):
         order = np.arange(len(self.samples))

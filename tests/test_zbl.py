@@ -354,3 +354,61 @@ def test_traces_with_dynamic_shapes():
     others = ([carbon, mol, carbon], [mol, mol], [carbon.repeat((1, 2, 1)), mol])
     for inputs in (first, *(_zbl_only_graph(f, config) for f in others)):
         torch.testing.assert_close(traced(*inputs), forces(*inputs), rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------
+# training with ZBL: the repulsion is an additive model, removed from the labels
+
+
+def _zbl_training_samples(config):
+    from ase.build import bulk
+
+    from petfunc.data import sample_from_atoms
+
+    samples = []
+    for k in range(4):
+        atoms = bulk("Cu", "fcc", a=3.3, cubic=True)  # nearest neighbours 2.33 A < r_c 2.42-2.64 A
+        atoms.numbers[: k + 1] = 13  # 1 to 4 Al atoms: compositions not collinear
+        atoms.rattle(0.1, seed=k)
+        samples.append(sample_from_atoms(atoms, config, energy_key=None, forces_key=None, stress_key=None))
+    return samples
+
+
+def test_training_targets_exclude_zbl():
+    """Labels made by the model itself (eval mode, ZBL included) are fitted exactly
+    by its training-mode output: the loss is 0 only if ZBL's energy, forces and
+    strain derivative are all removed from the targets."""
+    from petfunc.data import make_batch, zbl_baseline
+
+    config = petfunc.PETConfig(atomic_types=(13, 29), zbl=True, **SMALL)
+    model = petfunc.PET(config)
+    params = model.init(seed=0, dtype=torch.float64)
+    params["composition_weights"] = torch.tensor([-3.0, -4.0], dtype=torch.float64)
+    params["energy_scale"] = torch.tensor(0.3, dtype=torch.float64)
+    samples = _zbl_training_samples(config)
+    for s in samples:
+        pos, cell, nb = petfunc.structures.collate([s.structure], config, dtype=torch.float64)
+        e, f, w = energy_forces_strain_derivative(model.energy)(params, pos, cell, nb)
+        s.energy, s.forces = float(e[0]), f.numpy()
+        s.virial = -w[0].numpy()
+        assert abs(zbl_baseline(s, config)[0]) > 0.1  # the repulsion matters here
+    batch = make_batch(samples, config, [-3.0, -4.0], 0.3, dtype=torch.float64)
+    weights = petfunc.LossWeights.make(1.0, 1.0, 1.0)
+    loss, metrics = petfunc.make_loss(model, weights)(params, batch)
+    assert loss.item() < 1e-20, metrics
+    for term in ("energy", "forces", "stress"):
+        assert metrics[f"{term}_count"].item() > 0
+
+
+def test_composition_fit_excludes_zbl():
+    """Energies = sum of per-species offsets + ZBL: the fit recovers the offsets."""
+    from petfunc.data import Dataset, zbl_baseline
+
+    config = petfunc.PETConfig(atomic_types=(13, 29), zbl=True, **SMALL)
+    samples = _zbl_training_samples(config)
+    offsets = np.array([-3.25, -4.5])
+    for s in samples:
+        s.energy = float(offsets[s.structure.species].sum() + zbl_baseline(s, config)[0])
+    w, c = Dataset(samples, config).fit_composition_and_scale()
+    np.testing.assert_allclose(w, offsets, rtol=1e-10)
+    assert c < 1e-10  # nothing left but round-off
