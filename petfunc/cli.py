@@ -93,7 +93,8 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
 
 metatrain trainer keys that only concern its logging or data loading
 (``num_workers``, ``log_mae``, ``log_separate_blocks``, ``distributed_port``) are
-accepted and ignored; ``atomic_baseline``, ``fixed_scaling_weights``,
+accepted and ignored; ``atomic_baseline`` takes metatrain's ``{energy: w}`` and
+``{energy: {Z: w, ...}}`` forms (fixed composition weights); ``fixed_scaling_weights``,
 ``per_structure_targets``, ``max_atoms_per_batch`` and ``min_atoms_per_batch`` are
 accepted only at their default values. ``test_set`` is not supported: use
 ``petfunc eval``.

@@ -15,6 +15,8 @@ import difflib
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
+import numpy as np
+
 from .config import PETConfig
 from .loss import LossTerm, LossWeights
 
@@ -33,6 +35,9 @@ TRAINING_DEFAULTS: Dict[str, Any] = {
     "log_interval": 1,
     "checkpoint_interval": 100,
     "scale_targets": True,
+    # metatrain's fixed composition: {} (fit), {energy: w} (every type) or
+    # {energy: {Z: w, ...}} (every type of the model listed)
+    "atomic_baseline": {},
     "finetune": {"read_from": None, "method": "full", "config": {}, "inherit_heads": {}},
     "augmentation": True,
     "compile": False,
@@ -45,7 +50,6 @@ IGNORED_METATRAIN_KEYS = ("num_workers", "log_mae", "log_separate_blocks", "dist
 
 #: metatrain trainer keys petfunc does not implement: accepted only at their default.
 UNSUPPORTED_METATRAIN_KEYS = {
-    "atomic_baseline": {},
     "fixed_scaling_weights": {},
     "per_structure_targets": [],
     "max_atoms_per_batch": None,
@@ -251,6 +255,48 @@ def resolve_dataset(section, where: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
+# fixed composition
+
+
+def _atomic_baseline(value, where: str) -> dict:
+    """``{}`` or ``{"energy": float | {Z: float}}`` (metatrain's forms, energy only)."""
+    if isinstance(value, str):
+        raise ValueError(f"option '{where}': loading a composition model from a file is not supported; "
+                         "give the weights as {energy: {Z: w}}")
+    if not isinstance(value, Mapping):
+        raise ValueError(f"option '{where}' must be a mapping like {{energy: {{1: -13.6, 8: -2041.3}}}}, got {value!r}")
+    _check_keys(value, ("energy",), where)
+    if "energy" not in value:
+        return {}
+    energy = value["energy"]
+    if isinstance(energy, Mapping):
+        out = {}
+        for z, w in energy.items():
+            if isinstance(z, bool) or not isinstance(z, (int, str)) or not str(z).lstrip("-").isdigit():
+                raise ValueError(f"option '{where}.energy': keys must be atomic numbers, got {z!r}")
+            out[int(z)] = _number(w, f"{where}.energy.{z}")
+        return {"energy": out}
+    return {"energy": _number(energy, f"{where}.energy")}
+
+
+def fixed_composition(baseline: Mapping, atomic_types) -> Optional[np.ndarray]:
+    """Per-species energies from a resolved ``atomic_baseline`` (None: fit them).
+    A mapping must list every atomic type of the model, as metatrain requires."""
+    if "energy" not in baseline:
+        return None
+    energy = baseline["energy"]
+    if not isinstance(energy, Mapping):
+        return np.full(len(atomic_types), float(energy))
+    missing = sorted(set(int(z) for z in atomic_types) - set(energy))
+    if missing:
+        raise ValueError(
+            f"option 'architecture.training.atomic_baseline.energy' has no weight for atomic "
+            f"type(s) {missing}; it must list every type of the model ({list(atomic_types)})"
+        )
+    return np.array([float(energy[int(z)]) for z in atomic_types])
+
+
+# ---------------------------------------------------------------------------------------
 # loss
 
 
@@ -381,6 +427,7 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
         training.pop(key, None)
     training = _merge(TRAINING_DEFAULTS, training)
     t = "architecture.training"
+    training["atomic_baseline"] = _atomic_baseline(training["atomic_baseline"], f"{t}.atomic_baseline")
     training["batch_size"] = _number(training["batch_size"], f"{t}.batch_size", positive=True, integer=True)
     training["num_epochs"] = _number(training["num_epochs"], f"{t}.num_epochs", minimum=0, integer=True)
     training["warmup_fraction"] = _number(training["warmup_fraction"], f"{t}.warmup_fraction", minimum=0.0, maximum=1.0)

@@ -66,12 +66,12 @@ import torch
 
 from . import tree
 from .config import PETConfig
-from .data import Dataset, Sample, make_batch, random_rotations, sample_from_atoms
+from .data import Dataset, Sample, fit_scale, make_batch, random_rotations, sample_from_atoms
 from .derivatives import energy_and_forces, energy_forces_stress
 from .io import atomic_save
 from .loss import LossTerm, LossWeights, make_loss
 from .model import PET
-from .options import energy_unit_factor, length_unit_factor, parse_loss, resolve_options
+from .options import energy_unit_factor, fixed_composition, length_unit_factor, parse_loss, resolve_options
 from .structures import collate
 from .train import (
     TrainState,
@@ -841,7 +841,11 @@ def fit(
         composition = np.asarray(ckpt["composition"]["weights"], dtype=np.float64)
         scale = float(ckpt["energy_scale"])
     else:
-        composition, scale = train_set.fit_composition_and_scale()
+        fixed = fixed_composition(training["atomic_baseline"], config.atomic_types)
+        if fixed is None:
+            composition, scale = train_set.fit_composition_and_scale()
+        else:
+            composition, scale = fixed, fit_scale(train_set.samples, fixed, config)
         if not training["scale_targets"]:
             scale = 1.0
         params["composition_weights"] = torch.as_tensor(composition, dtype=torch.float64, device=device)

@@ -104,6 +104,22 @@ def assert_plain(node):
         assert node is None or isinstance(node, (torch.Tensor, str, int, float, bool)), type(node)
 
 
+def test_atomic_baseline_fixes_the_composition(dataset):
+    """metatrain's atomic_baseline: a weight per type, or one weight for all types;
+    the scale is then fitted on the residual of the fixed weights."""
+    baseline = {"energy": {13: -3.5, "28": -5.0, 29: -4.0}}  # YAML/JSON may give string keys
+    result = fit(tiny_options(dataset, num_epochs=0, atomic_baseline=baseline), None, progress=False, log=quiet())
+    weights = result.params["composition_weights"]
+    assert weights.tolist() == [-3.5, -5.0, -4.0]
+    result = fit(tiny_options(dataset, num_epochs=0, atomic_baseline={"energy": -2.0}), None, progress=False, log=quiet())
+    assert result.params["composition_weights"].tolist() == [-2.0, -2.0, -2.0]
+    with pytest.raises(ValueError, match=r"no weight for atomic type\(s\) \[28\]"):
+        fit(tiny_options(dataset, num_epochs=0, atomic_baseline={"energy": {13: -3.5, 29: -4.0}}), None,
+            progress=False, log=quiet())
+    with pytest.raises(ValueError, match="not supported"):
+        resolve_options({"training_set": "x.xyz", "architecture": {"training": {"atomic_baseline": "comp.ckpt"}}})
+
+
 def test_checkpoint_contents(dataset, tmp_path):
     result = fit(tiny_options(dataset, num_epochs=1), tmp_path, progress=False, log=quiet())
     # Plain data only: loads with weights_only=True.
