@@ -328,3 +328,62 @@ def test_random_architecture_on_random_structures(seed):
     assert_close(pa - comp_atoms, per_atom - comp_atoms, "per-atom energy")
     assert_close(f, forces, "forces")
     assert_close(w, strain, "dE/dstrain")
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("autodiff", ["func", "autograd"])
+def test_random_architecture_training_gradients(seed, autodiff):
+    """Parameter gradients of the energy + forces + strain-derivative loss equal
+    metatrain's training-mode gradients (its evaluate_model, create_graph=True,
+    loss.backward) for random architectures on random labelled batches."""
+    import random
+
+    from metatomic.torch import systems_to_torch
+    from metatrain.utils.data.target_info import get_energy_target_info
+    from metatrain.utils.evaluate_model import evaluate_model
+    from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
+
+    from petfunc.data import make_batch, sample_from_atoms
+
+    rng = random.Random(100 + seed)
+    config = _random_config(rng)
+    params = random_params(config, seed=seed)
+    frames = [_random_structure(rng, config.atomic_types) for _ in range(rng.randint(2, 4))]
+    labels = np.random.default_rng(seed)
+    samples = []
+    for atoms in frames:
+        s = sample_from_atoms(atoms, config, energy_key=None, forces_key=None, stress_key=None)
+        s.energy = float(10 * labels.normal())
+        s.forces = labels.normal(size=(len(atoms), 3))
+        s.virial = labels.normal(size=(3, 3))
+        samples.append(s)
+    flat = petfunc.tree.flatten(params)
+    batch = make_batch(samples, config, flat["composition_weights"].numpy(), float(flat["energy_scale"]),
+                       dtype=torch.float64, pad=False)
+    weights = petfunc.LossWeights.make(energy=1.0, forces=2.0, stress=0.5)
+    grads, metrics = petfunc.make_grad_step(petfunc.PET(config), weights, autodiff)(params, batch)
+
+    model = ref.make_model(config)
+    ref.load_params(model, params)
+    model.train()
+    systems = [
+        get_system_with_neighbor_lists(s, model.requested_neighbor_lists())
+        for s in systems_to_torch(frames, dtype=torch.float64)
+    ]
+    info = get_energy_target_info("energy", {"quantity": "energy", "unit": "eV"},
+                                  add_position_gradients=True, add_strain_gradients=True)
+    out = evaluate_model(model, systems, {"energy": info}, is_training=True)["energy"].block()
+    n = torch.tensor([len(a) for a in frames], dtype=torch.float64)
+    loss = (
+        ((out.values[:, 0] - batch.energy) / n).pow(2).mean()
+        + 2.0 * (out.gradient("positions").values[:, :, 0] + batch.forces).pow(2).mean()
+        + 0.5 * ((out.gradient("strain").values[:, :, :, 0] - batch.strain_derivative) / n[:, None, None]).pow(2).mean()
+    )
+    loss.backward()
+    assert abs(loss.item() - metrics["loss"].item()) <= 1e-12 * loss.item()
+    ours = petfunc.tree.flatten(grads)
+    for name, parameter in model.named_parameters():
+        key = name.removeprefix("backend.")
+        if key in ours:
+            reference = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+            assert_close(ours[key], reference, key, rtol=1e-10)
