@@ -19,7 +19,8 @@ it is returned as is, like metatrain does.
   ``make_fx``: this is what :func:`petfunc.compile`, ``petfunc export``, ensembles
   and Hessians use.
 * ``"autograd"``: ``torch.autograd.grad`` on the same function, for eager calls only
-  (it raises inside ``torch.func`` transforms, ``make_fx`` and ``torch.compile``).
+  (it raises inside ``torch.func`` transforms, ``make_fx`` and ``torch.compile``;
+  under ``torch.inference_mode`` it falls back to ``"func"``).
   The graph is built with ``create_graph=True`` exactly when something upstream
   needs it: grad mode is on and a parameter, the positions or the cell require
   grad (training: the loss is then differentiated again by autograd). Eagerly it
@@ -94,6 +95,10 @@ def _identity_strain(cell: torch.Tensor) -> torch.Tensor:
 
 def _autograd_energy_and_gradient(energy_fn, params, positions, cell, neighbors):
     _assert_eager("energy_and_forces")
+    if torch.is_inference_mode_enabled():
+        # autograd records nothing in inference mode; torch.func still differentiates
+        energies, forces_ = energy_and_forces(energy_fn)(params, positions, cell, neighbors)
+        return energies, -forces_
     create = _requires_graph(params, positions, cell)
     with torch.enable_grad():
         x = _variable(positions)
@@ -134,6 +139,8 @@ def energy_and_forces(energy_fn, autodiff: str = "func"):
 def _position_and_strain_grad(terms_fn, params, positions, cell, neighbors, autodiff: str = "func"):
     """``(terms, dE/dx, dE/d eps)`` at the identity strain, where ``terms = terms_fn(params,
     x, cell, neighbors)`` is a tuple whose first item is the energy [n_structures]."""
+    if autodiff == "autograd" and torch.is_inference_mode_enabled():
+        autodiff = "func"  # autograd records nothing in inference mode
     if autodiff == "autograd":
         _assert_eager("the strain derivative")
         create = _requires_graph(params, positions, cell)

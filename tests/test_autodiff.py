@@ -66,6 +66,19 @@ def test_inference_derivatives_agree():
         _close(y, x)
 
 
+def test_autograd_path_under_no_grad_and_inference_mode():
+    model = petfunc.PET(CONFIG)
+    params = _params()
+    inputs = petfunc.from_atoms(_frames(), CONFIG, dtype=F64)
+    expected = energy_forces_stress(model.energy)(params, *inputs)
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            for make in (energy_forces_stress, energy_and_forces):
+                out = make(model.energy, "autograd")(params, *inputs)
+                for x, y in zip(expected, out):
+                    torch.testing.assert_close(y, x, rtol=1e-12, atol=1e-14, equal_nan=True)
+
+
 def test_autograd_derivatives_are_differentiable_when_needed():
     """With positions requiring grad the autograd forces carry a graph: their
     derivative is the Hessian-vector product of the torch.func path."""
