@@ -8,9 +8,10 @@ the atoms of structure s, and targets from :class:`~petfunc.data.Batch`:
 * stress:  ``L_S = mean_{s,a,b} l(dE/d eps_sab / N_s, Sigma_sab / (c N_s))``
 
 ``L = w_E L_E + w_F L_F + w_S L_S`` where each ``l`` is ``mse``, ``mae`` or ``huber``
-(torch's ``HuberLoss`` with threshold ``delta``, 1 by default as in metatrain) and means run over non-NaN targets only. Derivatives come from
-``torch.func.grad`` inside the loss, so the parameter gradient of the loss is a
-grad of a grad.
+(torch's ``HuberLoss`` with threshold ``delta``, 1 by default as in metatrain) and
+means run over non-NaN targets only. Derivatives come from
+``torch.func.grad`` inside the loss (or, eagerly, ``torch.autograd.grad`` with
+``autodiff="autograd"``), so the parameter gradient of the loss is a grad of a grad.
 """
 
 from __future__ import annotations
