@@ -95,10 +95,6 @@ def _identity_strain(cell: torch.Tensor) -> torch.Tensor:
 
 def _autograd_energy_and_gradient(energy_fn, params, positions, cell, neighbors):
     _assert_eager("energy_and_forces")
-    if torch.is_inference_mode_enabled():
-        # autograd records nothing in inference mode; torch.func still differentiates
-        energies, forces_ = energy_and_forces(energy_fn)(params, positions, cell, neighbors)
-        return energies, -forces_
     create = _requires_graph(params, positions, cell)
     with torch.enable_grad():
         x = _variable(positions)
@@ -122,7 +118,8 @@ def energy_and_forces(energy_fn, autodiff: str = "func"):
     _check_autodiff(autodiff)
 
     def fn(params, positions, cell, neighbors):
-        if autodiff == "autograd":
+        # autograd records nothing in inference mode: torch.func differentiates there
+        if autodiff == "autograd" and not torch.is_inference_mode_enabled():
             energies, de_dx = _autograd_energy_and_gradient(energy_fn, params, positions, cell, neighbors)
             return energies, -de_dx
 
@@ -139,9 +136,8 @@ def energy_and_forces(energy_fn, autodiff: str = "func"):
 def _position_and_strain_grad(terms_fn, params, positions, cell, neighbors, autodiff: str = "func"):
     """``(terms, dE/dx, dE/d eps)`` at the identity strain, where ``terms = terms_fn(params,
     x, cell, neighbors)`` is a tuple whose first item is the energy [n_structures]."""
-    if autodiff == "autograd" and torch.is_inference_mode_enabled():
-        autodiff = "func"  # autograd records nothing in inference mode
-    if autodiff == "autograd":
+    # autograd records nothing in inference mode: torch.func differentiates there
+    if autodiff == "autograd" and not torch.is_inference_mode_enabled():
         _assert_eager("the strain derivative")
         create = _requires_graph(params, positions, cell)
         with torch.enable_grad():

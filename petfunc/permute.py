@@ -12,8 +12,8 @@ is itself a gather: for ``y[r] = x[index[r]]`` (rows with ``mask[r]`` False set 
 :func:`permute_rows` is that gather as an ``autograd.Function`` whose backward is
 :func:`permute_rows` with the roles of the two maps swapped and whose forward-mode
 derivative is the same gather of the tangent, so derivatives of any order (force
-training, Hessians, Hessian matching) stay gathers. It works under ``torch.func`` transforms (``grad``, ``jvp``, ``vmap``)
-and ``make_fx``.
+training, Hessians, Hessian matching) stay gathers. It works under ``torch.func``
+transforms (``grad``, ``jvp``, ``vmap``) and ``make_fx``.
 
 The function is used only while ``make_fx`` traces (``petfunc.compile``,
 ``petfunc export``), where it changes the compiled code. Eager calls use a plain
