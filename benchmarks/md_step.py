@@ -159,12 +159,19 @@ def main(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="skip petfunc compiled (inductor)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--export", action="store_true", help="add petfunc's AOTInductor artifact (petfunc export)")
+    parser.add_argument("--malloc", choices=["keep", "default"], default="keep",
+                        help="keep: glibc keeps freed memory for the next step, as the petfunc "
+                        "command does (petfunc.allocator); it applies to every variant of the run")
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.warmup = 3, 1
     warnings.filterwarnings("ignore")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.malloc == "keep":
+        from petfunc.allocator import keep_freed_memory
+
+        keep_freed_memory()
     dtype = getattr(torch, args.dtype)
 
     config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8))
@@ -180,7 +187,7 @@ def main(argv=None):
 
     print(
         f"PET default architecture ({petfunc.tree.count(params)} parameters), {args.dtype}, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, malloc {args.malloc}, "
         f"{args.repeats} timed steps per system after {args.warmup} warm-up"
     )
     if compiled is not None:

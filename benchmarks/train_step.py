@@ -281,14 +281,22 @@ def main(argv=None):
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (all three variants run there)")
+    parser.add_argument("--malloc", choices=["keep", "default"], default="keep",
+                        help="keep: glibc keeps freed memory for the next step, as the petfunc "
+                        "command does (petfunc.allocator); it applies to every variant of the run")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.malloc == "keep":
+        from petfunc.allocator import keep_freed_memory
+
+        keep_freed_memory()
     dtype = getattr(torch, args.dtype)
     if torch.device(args.device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # same arithmetic for every variant
     names = ["qm9", "carbon"] if args.dataset == "both" else [args.dataset]
-    print(f"# torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} CPU threads; "
+    print(f"# torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} CPU threads, "
+          f"malloc {args.malloc}; "
           f"measured matmul peak {peak_matmul_gflops(dtype, args.device):.0f} GFLOP/s ({args.dtype})")
     for name in names:
         run(name, args.steps, dtype, args.backend, device=args.device)

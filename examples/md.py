@@ -88,6 +88,7 @@ def main(argv=None):
         args.steps, args.relax_steps, args.interval, args.repeat = 20, 20, 5, 1
     if args.threads:
         torch.set_num_threads(args.threads)
+    petfunc.allocator.keep_freed_memory()  # every MD step reuses the last step's memory
     warnings.filterwarnings("ignore", category=DeprecationWarning)
 
     calc = load_calculator(args.model, args, getattr(torch, args.dtype))

@@ -1,6 +1,6 @@
 """petfunc: the PET interatomic potential as pure functions in PyTorch (torch.func)."""
 
-from . import tree
+from . import allocator, tree
 from .config import LongRangeConfig, PETConfig
 from .derivatives import (
     cell_volume,

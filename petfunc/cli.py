@@ -461,10 +461,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     Errors in options or data print ``petfunc: error: ...`` and return 2; a diverged
     training (NaN/inf loss) returns 1.
     """
+    from .allocator import keep_freed_memory
     from .trainer import TrainingError
 
     parser = _parser()
     args = parser.parse_args(argv)
+    # a step frees and reallocates the same memory every call: keep it mapped
+    keep_freed_memory()
     if args.threads is not None:
         import torch
 
