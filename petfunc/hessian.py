@@ -14,6 +14,13 @@ For an energy function ``energy_fn(params, positions, cell, neighbors) ->
   memory of the derivative pass is that of k HVPs whatever the system size
   (the result itself is 9 n_atoms^2 numbers).
 
+**Cost.** A row costs about two force evaluations plus a share of the gradient
+graph, which is built once per call. On the 2-core CPU of this project (64-atom
+diamond cell, d_pet 64, float64, compiled) small chunks ran fastest per row:
+2.3 force evaluations per row with k = 2, 2.5 with 4, 2.9 with 8, 3.3 with 16.
+Larger vmaps push each layer's tensors out of the cache. A central finite
+difference costs 2 force evaluations per row but is 1e-6 off, not 1e-15.
+
 **Two modes.** ``mode="reverse"`` (default) is reverse-over-reverse: the gradient
 g(x) = dE/dx and its backward graph are built once, then ``vjp`` of g with each
 direction (``jacrev(grad)``). ``mode="forward"`` is forward-over-reverse: a ``jvp``
@@ -154,8 +161,9 @@ def hessian(energy_fn: Callable, chunk_size: Optional[int] = None, mode: str = "
 
     Args:
         energy_fn: ``energy_fn(params, positions, cell, neighbors) -> [n_structures]``.
-        chunk_size: ``None``: all 3 n_atoms rows in one vmap (fastest, memory of
-            3 n_atoms HVPs). An integer k: k rows at a time (memory of k HVPs).
+        chunk_size: ``None``: all 3 n_atoms rows in one vmap (memory of 3 n_atoms
+            HVPs). An integer k: k rows at a time (memory of k HVPs). On CPU,
+            small k (2-4) is fastest (see the module docstring).
         mode: ``"reverse"`` or ``"forward"`` (see the module docstring).
     """
     rows_fn = hessian_rows(energy_fn, mode)
