@@ -16,10 +16,11 @@ For an energy function ``energy_fn(params, positions, cell, neighbors) ->
 
 **Cost.** A row costs about two force evaluations plus a share of the gradient
 graph, which is built once per call. On the 2-core CPU of this project (64-atom
-diamond cell, d_pet 64, float64, compiled) small chunks ran fastest per row:
-2.3 force evaluations per row with k = 2, 2.5 with 4, 2.9 with 8, 3.3 with 16.
-Larger vmaps push each layer's tensors out of the cache. A central finite
-difference costs 2 force evaluations per row but is 1e-6 off, not 1e-15.
+diamond cell, d_pet 64, float64, compiled) small chunks ran fastest per row, in
+force evaluations: 2.3 with k = 2, 2.5 with 4, 2.9 with 8, 3.3 with 16 (one run;
+2.7 with k = 2 in the full benchmark). Larger vmaps push each layer's tensors out of
+the cache. A central finite difference costs 2 force evaluations per row but was
+1e-6 off there; fourth-order differences (4 per row) came to 2e-11.
 
 **Two modes.** ``mode="reverse"`` (default) is reverse-over-reverse: the gradient
 g(x) = dE/dx and its backward graph are built once, then ``vjp`` of g with each
