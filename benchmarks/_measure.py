@@ -25,6 +25,21 @@ def reset_peak_memory() -> None:
         pass
 
 
+def add_malloc_option(parser) -> None:
+    """``--malloc keep|default`` on a benchmark's argument parser (see :func:`apply_malloc`)."""
+    parser.add_argument("--malloc", choices=["keep", "default"], default="keep",
+                        help="keep: glibc keeps freed memory for the next step, as the petfunc "
+                        "command does (petfunc.allocator); it applies to every variant of the run")
+
+
+def apply_malloc(args) -> None:
+    """Apply ``--malloc keep`` (process-wide, so to every variant alike)."""
+    if args.malloc == "keep":
+        from petfunc.allocator import keep_freed_memory
+
+        keep_freed_memory()
+
+
 def measure(fn: Callable[[], object], repeats: int, warmup: int = 1) -> Tuple[float, float, object]:
     """``(median seconds, peak extra resident memory in MiB, last result)`` of ``fn()``.
 

@@ -47,12 +47,14 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ase.build  # noqa: E402
 
 import petfunc  # noqa: E402
 from petfunc.ase import PETCalculator  # noqa: E402
 from petfunc.structures import prepare_atoms  # noqa: E402
+from _measure import add_malloc_option, apply_malloc  # noqa: E402
 
 
 PROPERTIES_MOLECULE = ["energy", "forces"]
@@ -159,19 +161,14 @@ def main(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="skip petfunc compiled (inductor)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--export", action="store_true", help="add petfunc's AOTInductor artifact (petfunc export)")
-    parser.add_argument("--malloc", choices=["keep", "default"], default="keep",
-                        help="keep: glibc keeps freed memory for the next step, as the petfunc "
-                        "command does (petfunc.allocator); it applies to every variant of the run")
+    add_malloc_option(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.warmup = 3, 1
     warnings.filterwarnings("ignore")
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.malloc == "keep":
-        from petfunc.allocator import keep_freed_memory
-
-        keep_freed_memory()
+    apply_malloc(args)
     dtype = getattr(torch, args.dtype)
 
     config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8))

@@ -39,7 +39,7 @@ import petfunc
 from petfunc.data import Dataset, make_batch, sample_from_atoms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import peak_tensor_memory  # noqa: E402
+from _measure import add_malloc_option, apply_malloc, peak_tensor_memory  # noqa: E402
 
 
 HERE = Path(__file__).resolve().parent
@@ -281,16 +281,11 @@ def main(argv=None):
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (all three variants run there)")
-    parser.add_argument("--malloc", choices=["keep", "default"], default="keep",
-                        help="keep: glibc keeps freed memory for the next step, as the petfunc "
-                        "command does (petfunc.allocator); it applies to every variant of the run")
+    add_malloc_option(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.malloc == "keep":
-        from petfunc.allocator import keep_freed_memory
-
-        keep_freed_memory()
+    apply_malloc(args)
     dtype = getattr(torch, args.dtype)
     if torch.device(args.device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # same arithmetic for every variant
