@@ -23,7 +23,7 @@ import sys
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
-_applied: int | None = None
+_applied = False
 
 
 def keep_freed_memory(threshold: int = 1 << 30) -> bool:
@@ -38,7 +38,7 @@ def keep_freed_memory(threshold: int = 1 << 30) -> bool:
         where nothing is changed.
     """
     global _applied
-    if _applied is not None:
+    if _applied:
         return True
     if not sys.platform.startswith("linux"):
         return False
@@ -49,10 +49,10 @@ def keep_freed_memory(threshold: int = 1 << 30) -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
+    threshold = min(int(threshold), 1 << 30)  # twice it must fit a C int
     for value in (threshold, 32 << 20):
-        value = min(value, (1 << 30))  # twice it must fit a C int
         if mallopt(_M_MMAP_THRESHOLD, value) == 1:
             mallopt(_M_TRIM_THRESHOLD, 2 * value - 1)
-            _applied = value
+            _applied = True
             return True
     return False

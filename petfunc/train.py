@@ -104,9 +104,10 @@ def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None
         factors = {}
 
         def scalars(dtype):
-            # (-lr / bias1, bias2_sqrt, lr * weight_decay) in the parameters' dtype
+            # (-lr / bias1, bias2_sqrt, lr * weight_decay or None) in the parameters' dtype
             if dtype not in factors:
-                factors[dtype] = ((-lr / bias1).to(dtype), bias2_sqrt.to(dtype), (lr * (weight_decay or 0.0)).to(dtype))
+                decay = None if weight_decay is None else (lr * weight_decay).to(dtype)
+                factors[dtype] = ((-lr / bias1).to(dtype), bias2_sqrt.to(dtype), decay)
             return factors[dtype]
 
         mu = tree_map(lambda m, g: torch.lerp(m, g, 1.0 - b1), state.mu, grads)
@@ -115,7 +116,7 @@ def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None
         def step(m, v, p):
             step_size, b2_sqrt, decay = scalars(m.dtype)
             out = step_size * m / (v.sqrt() / b2_sqrt + eps)
-            if weight_decay is not None:
+            if decay is not None:
                 out = out - decay * p
             return out
 
