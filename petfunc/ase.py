@@ -29,7 +29,11 @@ for the same model:
   :class:`~ase.calculators.calculator.PropertyNotImplementedError` (metatomic
   returns ``inf`` there); a partly periodic structure whose ASE cell has a volume
   gets metatomic's number, with the same warning;
-* ``energies`` are per-atom energies, summing to ``energy``.
+* ``energies`` are per-atom energies, summing to ``energy``;
+* a model with ``system_conditioning`` reads the total charge from
+  ``atoms.info["charge"]`` and the spin multiplicity 2S+1 from
+  ``atoms.info["spin_multiplicity"]`` (or ``atoms.info["spin"]``, OMol25's name),
+  0 and 1 when absent; changing them invalidates the results.
 
 With ``ensemble_params`` (a parameter tree whose leaves have a leading committee
 axis, see :func:`petfunc.tree.stack`), every calculation also evaluates the
@@ -59,7 +63,7 @@ from .data import padding_sample
 from .derivatives import energy_terms_forces_strain_derivative
 from .io import EXTRA_KEYS, cast_params, load_params
 from .model import PET
-from .structures import collate, prepare_atoms
+from .structures import CHARGE_KEYS, SPIN_MULTIPLICITY_KEYS, collate, prepare_atoms
 
 
 __all__ = ["PETCalculator"]
@@ -291,6 +295,16 @@ class PETCalculator(Calculator):
         return fn(self.ensemble_params, positions, cell, neighbors)
 
     # -- ASE -------------------------------------------------------------------------
+    def check_state(self, atoms, tol=1e-15):
+        """ASE's changes, plus ``"info"`` when a conditioned model's charge or spin
+        multiplicity in ``atoms.info`` changed (ASE does not compare ``info``)."""
+        changes = super().check_state(atoms, tol)
+        if self.config.system_conditioning and self.atoms is not None:
+            keys = CHARGE_KEYS + SPIN_MULTIPLICITY_KEYS
+            if [self.atoms.info.get(k) for k in keys] != [atoms.info.get(k) for k in keys]:
+                changes.append("info")
+        return changes
+
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
         super().calculate(atoms, properties, system_changes)
         atoms = self.atoms

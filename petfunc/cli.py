@@ -49,7 +49,8 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
         # ... d_head, d_node, d_feedforward, num_heads, num_attention_layers,
         #     num_gnn_layers, cutoff_width, cutoff_function, normalization,
         #     activation, transformer_type, featurizer_type, zbl,
-        #     num_neighbors_adaptive, ...
+        #     num_neighbors_adaptive, system_conditioning (charge/spin,
+        #     with max_charge and max_spin_multiplicity), ...
       training:
         batch_size: 16
         num_epochs: 1000
@@ -89,6 +90,9 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
                                   # true: required; false: not used
           stress: auto            # same, key "stress" (eV/Å^3, ASE sign convention)
           virial: false           # {key: K}: virial W = -dE/d strain instead of stress
+      extra_data:                 # system_conditioning only. Without it the info keys
+        charge: {key: q}          # "charge" (else 0) and "spin_multiplicity" (else
+        spin_multiplicity: {key: mult}  # "spin", else 1) are read; mult = 2S+1
     validation_set: 0.1           # fraction of training_set, or a dataset like training_set
 
 metatrain trainer keys that only concern its logging or data loading
@@ -254,6 +258,11 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--energy-key", default="energy")
     ev.add_argument("--forces-key", default="forces")
     ev.add_argument("--stress-key", default="stress")
+    ev.add_argument("--charge-key", default=None,
+                    help="atoms.info key of the total charge (conditioned models; default: charge)")
+    ev.add_argument("--spin-key", default=None,
+                    help="atoms.info key of the spin multiplicity (conditioned models; "
+                         "default: spin_multiplicity, else spin)")
     ev.add_argument("--energy-unit", default="eV")
     ev.add_argument("--length-unit", default="angstrom")
     ev.add_argument("--json", metavar="FILE", help="also write the metrics as JSON")
@@ -420,6 +429,7 @@ def _eval(args) -> int:
         args.model, args.dataset, batch_size=args.batch_size, dtype=dtype, device=args.device,
         which=args.which, energy_key=args.energy_key, forces_key=args.forces_key, stress_key=args.stress_key,
         energy_unit=args.energy_unit, length_unit=args.length_unit,
+        charge_key=args.charge_key, spin_multiplicity_key=args.spin_key,
     )
     print(f"{args.dataset}: {metrics['n_structures']} structures, {metrics['n_atoms']} atoms")
     print(f"{'':16s}{'RMSE':>12s}{'MAE':>12s}  unit      labels")

@@ -74,8 +74,12 @@ class PETConfig:
         featurizer_type: ``"feedforward"`` (modern) or ``"residual"`` (original PET).
         zbl: add the ZBL short-range repulsion to the energy.
         long_range: long-range part (not supported: must stay disabled).
-        system_conditioning: charge/spin conditioning (not supported).
-        max_charge, max_spin_multiplicity: sizes of the conditioning tables.
+        system_conditioning: condition the node features on each structure's total
+            charge and spin multiplicity (metatrain's charge/spin embeddings).
+        max_charge: the conditioning supports total charges in
+            ``[-max_charge, max_charge]`` (elementary charges).
+        max_spin_multiplicity: it supports spin multiplicities 2S+1 in
+            ``[1, max_spin_multiplicity]``.
     """
 
     atomic_types: Tuple[int, ...] = (1, 6, 7, 8)
@@ -158,10 +162,12 @@ class PETConfig:
                 "long_range.enable=True (torch-pme long-range features) is not "
                 "implemented in petfunc"
             )
-        if self.system_conditioning:
-            raise NotImplementedError(
-                "system_conditioning=True (charge/spin embeddings) is not implemented in petfunc"
-            )
+        if not isinstance(self.system_conditioning, bool):
+            raise ValueError(f"system_conditioning must be true or false, got {self.system_conditioning!r}")
+        for name, low in (("max_charge", 0), ("max_spin_multiplicity", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
     # derived quantities ------------------------------------------------------------
     @property

@@ -33,7 +33,7 @@ import torch
 
 from .config import PETConfig
 from .neighbors import Neighbors
-from .structures import Structure, collate, prepare
+from .structures import Structure, collate, prepare, state_from_info
 
 
 class Batch(NamedTuple):
@@ -98,11 +98,16 @@ def sample_from_atoms(
     energy_unit: float = 1.0,
     length_unit: float = 1.0,
     label: str = "structure",
+    charge_key: Optional[str] = None,
+    spin_multiplicity_key: Optional[str] = None,
 ) -> Sample:
     """Read labels from an ``ase.Atoms`` (``info``/``arrays`` or an attached calculator).
 
     ``energy_unit``/``length_unit`` convert the file's units to eV and Å
-    (multiplicative factors). Keys set to ``None`` are not read.
+    (multiplicative factors). Keys set to ``None`` are not read. For a model with
+    ``system_conditioning``, the total charge and spin multiplicity come from
+    ``atoms.info[charge_key]`` and ``atoms.info[spin_multiplicity_key]`` (by default
+    ``"charge"``, and ``"spin_multiplicity"`` or else ``"spin"``; 0 and 1 if absent).
     """
     def lookup(key):
         if key is None:
@@ -123,6 +128,7 @@ def sample_from_atoms(
         atoms.pbc,
         config,
         label,
+        *state_from_info(atoms.info, config, label, charge_key, spin_multiplicity_key),
     )
     energy = lookup(energy_key)
     forces = lookup(forces_key)

@@ -60,7 +60,7 @@ from .neighbors import Neighbors
 
 
 FORMAT = "petfunc.exported"
-VERSION = 1
+VERSION = 2  # 2: Neighbors gained charge and spin_multiplicity
 METADATA = "petfunc.json"
 INPUTS = ("positions", "cell") + Neighbors._fields
 OUTPUTS = ("energy", "energies", "forces", "strain_derivative")

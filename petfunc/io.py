@@ -292,11 +292,6 @@ def _network_params(state: Mapping[str, torch.Tensor], target: str) -> Dict[str,
         name = key[len(prefix):]
         if name == "species_to_species_index":
             continue
-        if name.startswith("system_conditioning."):
-            raise NotImplementedError(
-                "this checkpoint uses system conditioning (charge/spin embeddings), "
-                "which petfunc does not implement"
-            )
         if name.startswith(heads):
             group, rest = name.split(".", 1)
             if not rest.startswith(f"{target}."):
@@ -365,11 +360,6 @@ def _assemble(config, network, weights, scale, dtype, source):
 
 def _config_from_hypers(hypers: Mapping, atomic_types, source: str) -> PETConfig:
     hypers = dict(hypers)
-    if hypers.get("system_conditioning"):
-        raise NotImplementedError(
-            f"{source} uses system conditioning (charge/spin embeddings), which petfunc "
-            "does not implement"
-        )
     if dict(hypers.get("long_range") or {}).get("enable"):
         raise NotImplementedError(
             f"{source} uses PET's long-range (torch-pme) features, which petfunc does "
@@ -404,7 +394,7 @@ def from_metatrain(
 
     Raises:
         ImportError: metatrain is not installed (``pip install 'petfunc[metatrain]'``).
-        NotImplementedError: system conditioning or long-range checkpoints.
+        NotImplementedError: long-range checkpoints.
         ValueError: not a PET checkpoint, or weights that do not fit the hypers.
     """
     metatrain_pet = _require_metatrain()
@@ -480,7 +470,11 @@ def _from_exported(data: bytes, dtype, target, label):
         atomic_types = list(pet.atomic_types)
     except AttributeError as error:
         raise ValueError(f"{label}: not an exported PET of a known version ({error})") from None
-    hypers["system_conditioning"] = getattr(backend, "system_conditioning", None) is not None
+    conditioning = getattr(backend, "system_conditioning", None)
+    hypers["system_conditioning"] = conditioning is not None
+    if conditioning is not None:
+        hypers["max_charge"] = int(conditioning.max_charge)
+        hypers["max_spin_multiplicity"] = int(conditioning.max_spin_multiplicity)
     hypers["long_range"] = {"enable": bool(getattr(pet, "long_range", False))}
     state = {k[len("module."):] if k.startswith("module.") else k: v for k, v in module.state_dict().items()}
     # PET's additive models are [composition] or [composition, ZBL]
@@ -511,8 +505,10 @@ def to_metatrain_state_dict(params, config: Optional[PETConfig] = None) -> Dict[
     """metatrain's ``backend.*`` state-dict entries for ``params`` (network weights only).
 
     With ``config`` the ``backend.species_to_species_index`` buffer is included too.
-    The composition weights and energy scale live in metatensor buffers
-    (``additive_models.0.*``, ``scaler.*``); they are not part of this dict.
+    The conditioning weights appear twice, as ``backend.system_conditioning.*`` and
+    ``system_conditioning.*``: metatrain's PET aliases that module. The composition
+    weights and energy scale live in metatensor buffers (``additive_models.0.*``,
+    ``scaler.*``); they are not part of this dict.
     """
     flat = tree.flatten(params)
     out: Dict[str, torch.Tensor] = {}
@@ -522,4 +518,5 @@ def to_metatrain_state_dict(params, config: Optional[PETConfig] = None) -> Dict[
             index[t] = i
         out["backend.species_to_species_index"] = index
     out.update({f"backend.{k}": v for k, v in flat.items() if k not in EXTRA_KEYS})
+    out.update({k: v for k, v in flat.items() if k.startswith("system_conditioning.")})
     return out

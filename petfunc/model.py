@@ -87,6 +87,8 @@ def init(
     r = config.num_readout_layers
     params["node_embedders"] = [nn.init_embedding(ns, dn, g, dt, dev) for _ in range(r)]
     params["edge_embedder"] = nn.init_embedding(ns, d, g, dt, dev)
+    if config.system_conditioning:
+        params["system_conditioning"] = init_conditioning(config, g, dt, dev)
     params["node_heads"] = {TARGET: [nn.init_mlp2(dn, dh, dh, g, dt, dev) for _ in range(r)]}
     params["edge_heads"] = {TARGET: [nn.init_mlp2(d, dh, dh, g, dt, dev) for _ in range(r)]}
     params["node_last_layers"] = {
@@ -98,6 +100,20 @@ def init(
     params["composition_weights"] = torch.zeros(ns, dtype=dt, device=device)
     params["energy_scale"] = torch.ones((), dtype=dt, device=device)
     return params
+
+
+def init_conditioning(config: PETConfig, generator, dtype, device):
+    """Charge and spin embeddings (N(0, 1)) and their projection ``[q || s] -> d_node``:
+    Linear(2 d_node, d_node), SiLU, Linear(d_node, d_node), whose last layer (the
+    gate) starts at zero, so a fresh model ignores charge and spin until training
+    moves the gate (metatrain's initialisation)."""
+    dn = config.d_node
+    g, dt, dev = generator, dtype, device
+    charge = nn.init_embedding(2 * config.max_charge + 1, dn, g, dt, dev)
+    spin = nn.init_embedding(config.max_spin_multiplicity, dn, g, dt, dev)
+    project = nn.init_mlp2(2 * dn, dn, dn, g, dt, dev)
+    project["2"] = {name: torch.zeros_like(value) for name, value in project["2"].items()}
+    return {"charge_embedding": charge, "spin_multiplicity_embedding": spin, "project": project}
 
 
 # ---------------------------------------------------------------------------------------
@@ -124,6 +140,17 @@ def cutoff_factors(config: PETConfig, distances: torch.Tensor, neighbors: Neighb
 
 # ---------------------------------------------------------------------------------------
 # the network
+
+
+def conditioning(params, config: PETConfig, neighbors: Neighbors):
+    """Per-atom conditioning features ``[n_atoms, d_node]`` of each structure's charge
+    q and spin multiplicity 2S+1: gate(SiLU(Lin([Q[q + max_charge] || S[2S+1 - 1]]))),
+    added to the node features after every GNN layer."""
+    p = params["system_conditioning"]
+    charge = nn.embedding(p["charge_embedding"], neighbors.charge + config.max_charge)
+    spin = nn.embedding(p["spin_multiplicity_embedding"], neighbors.spin_multiplicity - 1)
+    per_structure = nn.mlp2(p["project"], torch.cat([charge, spin], dim=1))  # [n_structures, d_node]
+    return per_structure[neighbors.structure_index]
 
 
 def _readout(params, config, layer: int, nodes, edges, factors, centers):
@@ -183,6 +210,7 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
     grid = transformer.token_grid(neighbors.nef_index, neighbors.nef_mask, neighbors.nef_slot, centers, token_factors)
 
     messages = nn.embedding(params["edge_embedder"], species_nbr)
+    condition = conditioning(params, config, neighbors) if config.system_conditioning else None
     reverse = neighbors.reverse_index
     layers = params["gnn_layers"]
     readout_features = []
@@ -192,6 +220,8 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
             nodes, edges = _gnn_layer(
                 layers[index], config, index, nodes, messages, geometry, species_nbr, grid
             )
+            if condition is not None:
+                nodes = nodes + condition
             # reverse is an involution of the tokens: its adjoint is itself
             reversed_edges = permute_rows(edges, reverse, reverse)
             mixed = nn.layer_norm(params["combination_norms"][index], torch.cat([edges, reversed_edges], dim=1))
@@ -203,6 +233,8 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
             nodes, edges = _gnn_layer(
                 layers[index], config, index, nodes, messages, geometry, species_nbr, grid
             )
+            if condition is not None:
+                nodes = nodes + condition
             readout_features.append((nodes, edges))
             messages = 0.5 * (messages + permute_rows(edges, reverse, reverse))
 

@@ -48,6 +48,12 @@ class Neighbors(NamedTuple):
         nef_mask: ``[n_atoms, max_neighbors]`` True for real slots.
         nef_slot: ``[n_kept]`` flat NEF slot ``i * max_neighbors + k`` of each token.
         reverse_index: ``[n_kept]`` token of the reversed edge.
+        charge: ``[n_structures]`` total charge of each structure (elementary
+            charges; 0 unless given). Read only by models with
+            ``system_conditioning``.
+        spin_multiplicity: ``[n_structures]`` spin multiplicity 2S+1 of each
+            structure (1 unless given). Read only by models with
+            ``system_conditioning``.
     """
 
     species: torch.Tensor
@@ -60,6 +66,8 @@ class Neighbors(NamedTuple):
     nef_mask: torch.Tensor
     nef_slot: torch.Tensor
     reverse_index: torch.Tensor
+    charge: torch.Tensor
+    spin_multiplicity: torch.Tensor
 
     @property
     def n_atoms(self) -> int:
@@ -205,9 +213,24 @@ def build(
     shifts: np.ndarray,
     kept: Optional[np.ndarray] = None,
     device=None,
+    charge: Optional[np.ndarray] = None,
+    spin_multiplicity: Optional[np.ndarray] = None,
 ) -> Neighbors:
-    """Assemble :class:`Neighbors` from batch-level (already offset) numpy arrays."""
+    """Assemble :class:`Neighbors` from batch-level (already offset) numpy arrays.
+
+    ``charge`` and ``spin_multiplicity`` are per structure (default 0 and 1).
+    """
     n_atoms = len(species)
+    n_structures = int(np.max(structure_index)) + 1 if n_atoms else 0
+    if charge is None:
+        charge = np.zeros(n_structures, dtype=np.int64)
+    if spin_multiplicity is None:
+        spin_multiplicity = np.ones(n_structures, dtype=np.int64)
+    if len(charge) != n_structures or len(spin_multiplicity) != n_structures:
+        raise ValueError(
+            f"{n_structures} structures but {len(charge)} charges and "
+            f"{len(spin_multiplicity)} spin multiplicities"
+        )
     if kept is None:
         kept = np.arange(len(centers), dtype=np.int64)
     kept, nef_index, nef_mask, nef_slot, reverse_index = nef_layout(centers, neighbors, shifts, kept, n_atoms)
@@ -226,4 +249,6 @@ def build(
         nef_mask=t(nef_mask, torch.bool),
         nef_slot=t(nef_slot),
         reverse_index=t(reverse_index),
+        charge=t(charge),
+        spin_multiplicity=t(spin_multiplicity),
     )

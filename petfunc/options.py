@@ -189,14 +189,16 @@ def resolve_dataset(section, where: str) -> dict:
 
     ``forces``/``stress`` default to ``"auto"`` (use the key ``forces``/``stress``
     when the file has it); an explicit entry makes the labels required.
+    ``extra_data`` (metatrain's section) may name the ``atoms.info`` keys of the
+    total ``charge`` and the ``spin_multiplicity`` that a model with
+    ``system_conditioning`` reads; it resolves to ``{"charge": key or None,
+    "spin_multiplicity": key or None}`` (``None``: the default keys).
     """
     if isinstance(section, (str, Path)):
         section = {"systems": str(section)}
     if not isinstance(section, Mapping):
         raise ValueError(f"option '{where}' must be a file name or a mapping, got {section!r}")
     _check_keys(section, ("systems", "targets", "extra_data"), where)
-    if section.get("extra_data"):
-        raise ValueError(f"option '{where}.extra_data' is not supported by petfunc")
     systems = section.get("systems")
     if isinstance(systems, (str, Path)):
         systems = {"read_from": str(systems)}
@@ -251,7 +253,30 @@ def resolve_dataset(section, where: str) -> dict:
     return {
         "systems": {"read_from": read_from, "length_unit": length_unit},
         "targets": {"energy": resolved},
+        "extra_data": _extra_data(section.get("extra_data") or {}, f"{where}.extra_data", read_from),
     }
+
+
+def _extra_data(section, where: str, read_from: str) -> dict:
+    """``{"charge": key | None, "spin_multiplicity": key | None}`` from metatrain's
+    ``extra_data: {charge: {key: K}, spin_multiplicity: {key: K}}`` (or ``charge: K``;
+    ``None`` keeps the default keys, so a resolved section resolves to itself)."""
+    _check_keys(section, ("charge", "spin_multiplicity"), where)
+    out = {"charge": None, "spin_multiplicity": None}
+    for name, entry in section.items():
+        if entry is None:  # resolved form: the default keys
+            continue
+        if isinstance(entry, str):
+            entry = {"key": entry}
+        _check_keys(entry, ("key", "read_from", "reader", "quantity", "unit", "type", "per_atom", "num_subtargets", "description"), f"{where}.{name}")
+        if entry.get("per_atom"):
+            raise ValueError(f"option '{where}.{name}.per_atom': the {name} is one number per structure")
+        if entry.get("reader") not in (None, "ase"):
+            raise ValueError(f"option '{where}.{name}.reader': only the 'ase' reader is supported")
+        if entry.get("read_from") not in (None, read_from):
+            raise ValueError(f"option '{where}.{name}.read_from': it must come from the systems file {read_from!r}")
+        out[name] = str(entry.get("key") or name)
+    return out
 
 
 # ---------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ class Structure:
     centers: np.ndarray  # [n_edges]
     neighbors: np.ndarray  # [n_edges]
     shifts: np.ndarray  # [n_edges, 3]
+    charge: int = 0  # total charge (elementary charges), for system conditioning
+    spin_multiplicity: int = 1  # 2S + 1, for system conditioning
 
     def __len__(self) -> int:
         return len(self.numbers)
@@ -44,6 +46,69 @@ def list_cutoff(config: PETConfig) -> float:
     return config.cutoff
 
 
+def _integer(value, name: str, label: str) -> int:
+    array = np.asarray(value)
+    if array.size != 1 or array.dtype.kind not in "biuf":
+        raise ValueError(f"{label}: {name} must be one integer, got {value!r}")
+    number = array.reshape(()).item()
+    if not np.isfinite(number) or float(number) != round(float(number)):
+        raise ValueError(f"{label}: {name} must be an integer, got {number!r}")
+    return int(round(float(number)))
+
+
+def system_state(charge, spin_multiplicity, config: PETConfig, label: str = "structure"):
+    """Validated ``(charge, spin_multiplicity)`` of one structure for ``config``.
+
+    ``None`` means the default (0 and 1). Models without ``system_conditioning``
+    ignore both and get the defaults, as metatrain's do.
+
+    Raises:
+        ValueError: a non-integer value, or one outside the model's tables
+            (``[-max_charge, max_charge]``, ``[1, max_spin_multiplicity]``).
+    """
+    if not config.system_conditioning:
+        return 0, 1
+    charge = 0 if charge is None else _integer(charge, "charge", label)
+    spin = 1 if spin_multiplicity is None else _integer(spin_multiplicity, "spin multiplicity", label)
+    if abs(charge) > config.max_charge:
+        raise ValueError(
+            f"{label}: charge {charge} is outside the model's range "
+            f"[{-config.max_charge}, {config.max_charge}] (max_charge)"
+        )
+    if not 1 <= spin <= config.max_spin_multiplicity:
+        raise ValueError(
+            f"{label}: spin multiplicity {spin} is outside the model's range "
+            f"[1, {config.max_spin_multiplicity}] (max_spin_multiplicity; it is 2S + 1)"
+        )
+    return charge, spin
+
+
+#: ``atoms.info`` keys read for the charge and the spin multiplicity (in order), as
+#: metatomic's ASE calculator reads them ("spin" is the OMol25 name)
+CHARGE_KEYS = ("charge",)
+SPIN_MULTIPLICITY_KEYS = ("spin_multiplicity", "spin")
+
+
+def state_from_info(info, config: PETConfig, label: str = "structure", charge_key=None, spin_key=None):
+    """``(charge, spin_multiplicity)`` from an ``atoms.info`` dict (defaults 0 and 1).
+
+    ``charge_key``/``spin_key`` replace the default keys :data:`CHARGE_KEYS` and
+    :data:`SPIN_MULTIPLICITY_KEYS`.
+    """
+    if not config.system_conditioning:
+        return 0, 1
+
+    def first(keys):
+        for key in keys:
+            if key in info:
+                return info[key]
+        return None
+
+    charge = first([charge_key] if charge_key else CHARGE_KEYS)
+    spin = first([spin_key] if spin_key else SPIN_MULTIPLICITY_KEYS)
+    return system_state(charge, spin, config, label)
+
+
 def prepare(
     numbers,
     positions,
@@ -51,12 +116,18 @@ def prepare(
     pbc,
     config: PETConfig,
     label: str = "structure",
+    charge=None,
+    spin_multiplicity=None,
 ) -> Structure:
     """Validate one structure and compute its neighbour list.
 
+    ``charge`` and ``spin_multiplicity`` (2S+1) are the structure's total charge and
+    spin state, read only by models with ``system_conditioning`` (defaults 0, 1).
+
     Raises:
         ValueError: unknown species, NaN/inf positions, wrong shapes, a singular cell
-            along a periodic direction, or no atoms.
+            along a periodic direction, no atoms, or a charge or spin the model
+            cannot represent.
     """
     numbers = np.asarray(numbers, dtype=np.int64).reshape(-1)
     positions = np.asarray(positions, dtype=np.float64)
@@ -73,13 +144,18 @@ def prepare(
         species = nbl.species_index(numbers, config.atomic_types)
     except ValueError as error:
         raise ValueError(f"{label}: {error}") from None
+    charge, spin_multiplicity = system_state(charge, spin_multiplicity, config, label)
     cell[~pbc] = 0.0
     centers, neighbors, shifts = nbl.edge_list(positions, cell, pbc, list_cutoff(config))
-    return Structure(numbers, species, positions, cell, pbc, centers, neighbors, shifts)
+    return Structure(
+        numbers, species, positions, cell, pbc, centers, neighbors, shifts, charge, spin_multiplicity
+    )
 
 
-def prepare_atoms(atoms, config: PETConfig, label: str = "structure") -> Structure:
-    """:func:`prepare` for one ``ase.Atoms``."""
+def prepare_atoms(atoms, config: PETConfig, label: str = "structure", charge_key=None, spin_key=None) -> Structure:
+    """:func:`prepare` for one ``ase.Atoms``; the charge and spin multiplicity of a
+    conditioned model come from ``atoms.info`` (see :func:`state_from_info`)."""
+    charge, spin = state_from_info(atoms.info, config, label, charge_key, spin_key)
     return prepare(
         atoms.get_atomic_numbers(),
         atoms.get_positions(),
@@ -87,6 +163,8 @@ def prepare_atoms(atoms, config: PETConfig, label: str = "structure") -> Structu
         atoms.pbc,
         config,
         label,
+        charge=charge,
+        spin_multiplicity=spin,
     )
 
 
@@ -143,7 +221,11 @@ def collate(
     all_positions = np.concatenate(pos_list).astype(np.float64)
     all_cells = np.stack(cell_list).astype(np.float64)
     kept = kept_edges(config, all_positions, all_cells, centers, neighbors, shifts, structure_index)
-    graph = nbl.build(species, structure_index, centers, neighbors, shifts, kept, device=device)
+    graph = nbl.build(
+        species, structure_index, centers, neighbors, shifts, kept, device=device,
+        charge=np.array([s.charge for s in structures], dtype=np.int64),
+        spin_multiplicity=np.array([s.spin_multiplicity for s in structures], dtype=np.int64),
+    )
     return (
         torch.as_tensor(all_positions, dtype=dtype, device=device),
         torch.as_tensor(all_cells, dtype=dtype, device=device),
@@ -153,6 +235,9 @@ def collate(
 
 def from_atoms(frames, config: PETConfig, dtype: Optional[torch.dtype] = None, device=None):
     """PET inputs for one ``ase.Atoms`` or a list of them.
+
+    A model with ``system_conditioning`` reads each structure's total charge and spin
+    multiplicity from ``atoms.info`` (see :func:`state_from_info`).
 
     Returns:
         ``positions [n_atoms, 3]``, ``cell [n_structures, 3, 3]`` (dtype ``dtype`` or

@@ -318,6 +318,8 @@ class _Labels:
     virial: Optional[str]
     energy_unit: float
     length_unit: float
+    charge: Optional[str] = None  # atoms.info keys for system conditioning (None: defaults)
+    spin_multiplicity: Optional[str] = None
 
 
 def _label_keys(frames, section: Mapping, weights: LossWeights, explicit: set, where: str) -> _Labels:
@@ -360,6 +362,14 @@ def _label_keys(frames, section: Mapping, weights: LossWeights, explicit: set, w
             raise missing(name, key, f"'{where}.targets.energy.{name}' asks for {name}")
         if loss_term in explicit and not (name == "stress" and target["virial"]):
             raise missing(name, key, f"the loss has a {loss_term} term (weight {term.weight})")
+    extra = section.get("extra_data") or {}
+    for name in ("charge", "spin_multiplicity"):
+        key = extra.get(name)
+        if key is not None and not any(key in a.info for a in frames):
+            raise ValueError(
+                f"{where}.extra_data.{name}: no structure in {path!r} has the info key {key!r} "
+                f"(keys in the file: {_available_keys(frames)})"
+            )
     return _Labels(
         energy,
         keys["forces"],
@@ -367,16 +377,21 @@ def _label_keys(frames, section: Mapping, weights: LossWeights, explicit: set, w
         keys["virial"],
         energy_unit_factor(target["unit"]),
         length_unit_factor(section["systems"]["length_unit"]),
+        extra.get("charge"),
+        extra.get("spin_multiplicity"),
     )
 
 
-def _to_samples(frames, config: PETConfig, labels: _Labels, path) -> List[Sample]:
+def _to_samples(frames, config: PETConfig, labels: _Labels, path, indices=None) -> List[Sample]:
+    """Samples of ``frames``; errors name ``indices[i]``, the frame's index in the file."""
     samples = []
-    for i, atoms in enumerate(frames):
+    indices = range(len(frames)) if indices is None else indices
+    for i, atoms in zip(indices, frames):
         label = f"{path}: structure {i}"
         sample = sample_from_atoms(
             atoms, config, labels.energy, labels.forces, labels.stress, labels.virial,
             labels.energy_unit, labels.length_unit, label=label,
+            charge_key=labels.charge, spin_multiplicity_key=labels.spin_multiplicity,
         )
         for name in ("energy", "forces", "stress", "virial"):
             value = getattr(sample, name)
@@ -649,8 +664,10 @@ def parity_plot(pred: dict, path, title: str = "") -> None:
 
 
 def read_labelled(path, config: PETConfig, energy_key="energy", forces_key="forces", stress_key="stress",
-                  virial_key=None, energy_unit="eV", length_unit="angstrom") -> List[Sample]:
-    """Read an extxyz file into samples for ``config`` (missing label keys are skipped)."""
+                  virial_key=None, energy_unit="eV", length_unit="angstrom",
+                  charge_key=None, spin_multiplicity_key=None) -> List[Sample]:
+    """Read an extxyz file into samples for ``config`` (missing label keys are skipped;
+    ``charge_key``/``spin_multiplicity_key``: see :func:`petfunc.data.sample_from_atoms`)."""
     frames = _read_frames(path, "dataset")
 
     def key_or_none(key):
@@ -658,7 +675,7 @@ def read_labelled(path, config: PETConfig, energy_key="energy", forces_key="forc
 
     labels = _Labels(
         key_or_none(energy_key), key_or_none(forces_key), key_or_none(stress_key), key_or_none(virial_key),
-        energy_unit_factor(energy_unit), length_unit_factor(length_unit),
+        energy_unit_factor(energy_unit), length_unit_factor(length_unit), charge_key, spin_multiplicity_key,
     )
     if labels.energy is None and labels.forces is None and labels.stress is None and labels.virial is None:
         raise ValueError(
@@ -832,8 +849,12 @@ def fit(
     else:
         config, params = _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log)
 
-    train_samples = _to_samples(train_frames, config, train_labels, train_path)
-    val_samples = _to_samples(val_frames, config, val_labels, val_section["systems"]["read_from"]) if val_frames else []
+    # error messages name each structure by its index in its file
+    train_samples = _to_samples(train_frames, config, train_labels, train_path, train_idx)
+    val_samples = (
+        _to_samples(val_frames, config, val_labels, val_section["systems"]["read_from"], val_idx)
+        if val_frames else []
+    )
     train_set = Dataset(train_samples, config)
 
     # --- composition and scale -----------------------------------------------------------

@@ -76,6 +76,28 @@ def load_params(model, params):
     set_composition_and_scale(model, weights.double(), float(scale))
 
 
+def add_system_data(model, system, atoms):
+    """Attach the per-system inputs the model requests (charge, spin multiplicity)
+    from ``atoms.info``, as metatomic's ASE calculator reads them."""
+    from metatensor.torch import Labels, TensorBlock, TensorMap
+
+    for name in model.requested_inputs():
+        if name == "charge":
+            value = float(atoms.info.get("charge", 0))
+        elif name == "spin_multiplicity":
+            value = float(atoms.info.get("spin_multiplicity", atoms.info.get("spin", 1)))
+        else:
+            raise ValueError(f"unknown requested input {name!r}")
+        block = TensorBlock(
+            values=torch.tensor([[value]], dtype=system.positions.dtype),
+            samples=Labels(["system"], torch.zeros((1, 1), dtype=torch.int32)),
+            components=[],
+            properties=Labels([name], torch.zeros((1, 1), dtype=torch.int32)),
+        )
+        system.add_data(name, TensorMap(Labels.single(), [block]))
+    return system
+
+
 def evaluate(model, frames, stress: bool = True):
     """Energies [S], per-atom energies [N], forces [N, 3], strain derivative [S, 3, 3]."""
     systems = systems_to_torch(frames, dtype=torch.float64)
@@ -89,6 +111,7 @@ def evaluate(model, frames, stress: bool = True):
         pos = system.positions.clone().requires_grad_(True)
         s = System(types=system.types, positions=pos @ strain, cell=system.cell @ strain, pbc=system.pbc)
         s = get_system_with_neighbor_lists(s, requested)
+        add_system_data(model, s, frames[len(new_systems)])
         strains.append(strain)
         positions.append(pos)
         new_systems.append(s)

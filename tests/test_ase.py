@@ -133,6 +133,35 @@ def compare_with_metatomic(reference, calc, atoms, stress=True):
     return errors
 
 
+def test_charge_and_spin_conditioning_matches_metatomic():
+    """A model with charge/spin conditioning (random, non-zero gate) reads
+    ``atoms.info`` as metatomic's calculator does, and changing the charge or spin
+    invalidates the cached results."""
+    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), system_conditioning=True, **SMALL)
+    params = make_params(config, seed=2)
+    generator = torch.Generator().manual_seed(0)
+    gate = params["system_conditioning"]["project"]["2"]
+    for name in gate:
+        gate[name] = torch.randn(gate[name].shape, generator=generator, dtype=torch.float64) / 4
+    reference = metatomic_calculator(config, params)
+    atoms = carbon_cell()
+    atoms.calc = PETCalculator(config, params)  # stays attached while info changes
+    energies = []
+    for info in ({}, {"charge": 1}, {"charge": -2, "spin_multiplicity": 3}, {"charge": -2, "spin": 2}):
+        atoms.info.clear()
+        atoms.info.update(info)
+        errors = compare_with_metatomic(reference, PETCalculator(config, params), atoms)
+        assert max(errors.values()) < PARITY_RTOL, (info, errors)
+        fresh = atoms.copy()
+        fresh.calc = PETCalculator(config, params)
+        energies.append(atoms.get_potential_energy())  # recomputed: info changed
+        assert energies[-1] == fresh.get_potential_energy()
+    assert len(set(energies)) == 4
+    atoms.info["charge"] = 11
+    with pytest.raises(ValueError, match=r"charge 11 is outside the model's range \[-10, 10\]"):
+        atoms.get_potential_energy()
+
+
 @pytest.mark.parametrize("structure", [ethanol, carbon_cell, triclinic_cell, slab])
 def test_matches_metatomic_calculator(structure, params, metatomic):
     atoms = structure()

@@ -109,8 +109,16 @@ def test_other_errors_name_fields_and_values():
 def test_unsupported_modules_raise_not_implemented():
     with pytest.raises(NotImplementedError, match="long_range"):
         PETConfig(long_range={"enable": True})
-    with pytest.raises(NotImplementedError, match="system_conditioning"):
-        PETConfig(system_conditioning=True)
+
+
+def test_conditioning_table_sizes_are_checked():
+    assert PETConfig(system_conditioning=True, max_charge=0, max_spin_multiplicity=1).system_conditioning
+    with pytest.raises(ValueError, match="max_charge must be an integer >= 0, got -1"):
+        PETConfig(system_conditioning=True, max_charge=-1)
+    with pytest.raises(ValueError, match="max_spin_multiplicity must be an integer >= 1, got 0"):
+        PETConfig(system_conditioning=True, max_spin_multiplicity=0)
+    with pytest.raises(ValueError, match="system_conditioning must be true or false"):
+        PETConfig(system_conditioning="yes")
 
 
 def test_model_needs_a_config():

@@ -94,6 +94,9 @@ def random_params(config, seed=0):
         if "norm" in key:  # weights 1 and biases 0 would hide a missing norm affine
             noise = torch.randn(value.shape, generator=generator, dtype=torch.float64)
             flat[key] = value + 0.2 * noise
+    for key, value in flat.items():
+        if key.startswith("system_conditioning.project.2."):  # the gate starts at zero
+            flat[key] = torch.randn(value.shape, generator=generator, dtype=torch.float64) / 4
     n = config.num_species
     flat["composition_weights"] = 20.0 * torch.randn(n, generator=generator, dtype=torch.float64) - 50.0
     flat["energy_scale"] = torch.tensor(0.37, dtype=torch.float64)
@@ -193,6 +196,64 @@ def test_switch(name):
 
 
 # ---------------------------------------------------------------------------------------
+# charge and spin conditioning
+
+
+def _charged(frames_, charges, spins):
+    for atoms, q, m in zip(frames_, charges, spins):
+        atoms.info.update(charge=q, spin_multiplicity=m)
+    return frames_
+
+
+@pytest.mark.parametrize("variant", ["feedforward", "residual", "d_node_equals_d_pet"])
+def test_system_conditioning(variant):
+    """Charge/spin embeddings (a random, non-zero gate) for both featurizers: the
+    same numbers as metatrain for a batch of structures with different charges and
+    spin multiplicities, which do change the energy."""
+    switches = {"feedforward": {}, "residual": dict(featurizer_type="residual"),
+                "d_node_equals_d_pet": dict(d_node=16)}[variant]
+    config = petfunc.PETConfig(
+        atomic_types=(1, 6, 7, 8), system_conditioning=True, max_charge=3, max_spin_multiplicity=4,
+        **{**SMALL, **switches},
+    )
+    params = random_params(config, seed=11)
+    mtt = ref.make_model(config)
+    ref.load_params(mtt, params)
+    charged = _charged(frames(), [0, -3, 1, 3, -1], [1, 2, 4, 3, 2])
+    compare(config, params, mtt, charged)
+
+    model = petfunc.PET(config)
+    neutral = model.energy(params, *petfunc.from_atoms(frames(), config, dtype=torch.float64))
+    energy = model.energy(params, *petfunc.from_atoms(charged, config, dtype=torch.float64))
+    assert neutral[0] == energy[0]  # charge 0, multiplicity 1: the defaults
+    assert (neutral[1:] - energy[1:]).abs().min() > 1e-3
+
+
+def test_system_conditioning_input_errors():
+    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), system_conditioning=True, max_charge=2,
+                               max_spin_multiplicity=3, **SMALL)
+    cases = [
+        ({"charge": 3}, r"structure 0: charge 3 is outside the model's range \[-2, 2\] \(max_charge\)"),
+        ({"charge": 0.5}, "structure 0: charge must be an integer, got 0.5"),
+        ({"spin_multiplicity": 0}, r"spin multiplicity 0 is outside the model's range \[1, 3\]"),
+        ({"spin": 4}, r"spin multiplicity 4 is outside the model's range \[1, 3\]"),
+        ({"charge": "one"}, "charge must be one integer, got 'one'"),
+    ]
+    for info, message in cases:
+        atoms = _molecules()[0]
+        atoms.info.update(info)
+        with pytest.raises(ValueError, match=message):
+            petfunc.from_atoms([atoms], config)
+    # a float that is an integer is fine, as in metatrain; an unconditioned model ignores both
+    atoms = _molecules()[0]
+    atoms.info.update(charge=-2.0, spin=3.0)
+    assert petfunc.from_atoms([atoms], config)[2].charge.tolist() == [-2]
+    atoms.info.update(charge=0.5)
+    plain = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), **SMALL)
+    assert petfunc.from_atoms([atoms], plain)[2].charge.tolist() == [0]
+
+
+# ---------------------------------------------------------------------------------------
 # metatrain checkpoints
 
 
@@ -208,16 +269,16 @@ def test_all_checkpoints_found():
 
 @pytest.mark.parametrize("path", CHECKPOINTS, ids=[_checkpoint_id(p) for p in CHECKPOINTS])
 def test_checkpoint(path):
-    if "conditioning" in os.path.basename(path):
-        with pytest.raises(NotImplementedError, match="conditioning"):
-            petfunc.from_metatrain(path)
-        pytest.skip("system conditioning (charge/spin) is not implemented in petfunc")
     config, params = petfunc.from_metatrain(path, dtype=torch.float64)
     with gzip.open(path, "rb") as handle:
         checkpoint = torch.load(handle, weights_only=False, map_location="cpu")
     mtt = model_from_checkpoint(checkpoint, context="export").to(torch.float64).eval()
     assert list(mtt.atomic_types) == list(config.atomic_types)
     compare_checkpoint = [_molecules()[0], _cubic_cell()]
+    assert config.system_conditioning == ("conditioning" in os.path.basename(path))
+    if config.system_conditioning:
+        compare_checkpoint[0].info.update(charge=-1, spin_multiplicity=2)
+        compare_checkpoint[1].info.update(charge=2, spin=3)
     energy, per_atom, forces, strain = ref.evaluate(mtt, compare_checkpoint)
 
     model = petfunc.PET(config)
@@ -312,11 +373,26 @@ def test_random_architecture_on_random_structures(seed):
 
     rng = random.Random(seed)
     config = _random_config(rng)
+    batch = [_random_structure(rng, config.atomic_types) for _ in range(rng.randint(1, 4))]
+    if seed % 3 == 0:
+        config, batch = _conditioned(config, batch, random.Random(1000 + seed))
     params = random_params(config, seed=seed)
     mtt = ref.make_model(config)
     ref.load_params(mtt, params)
-    batch = [_random_structure(rng, config.atomic_types) for _ in range(rng.randint(1, 4))]
     compare_energies_forces_strain(config, params, mtt, batch, what=f"{config}: ")
+
+
+def _conditioned(config, batch, rng):
+    """``config`` with charge/spin conditioning, and random charges and spins on ``batch``."""
+    import dataclasses
+
+    max_charge, max_spin = rng.choice([0, 1, 4]), rng.choice([1, 2, 5])
+    config = dataclasses.replace(config, system_conditioning=True, max_charge=max_charge,
+                                 max_spin_multiplicity=max_spin)
+    for atoms in batch:
+        atoms.info["charge"] = rng.randint(-max_charge, max_charge)
+        atoms.info["spin_multiplicity" if rng.random() < 0.5 else "spin"] = rng.randint(1, max_spin)
+    return config, batch
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -336,8 +412,10 @@ def test_random_architecture_training_gradients(seed, autodiff):
 
     rng = random.Random(100 + seed)
     config = _random_config(rng)
-    params = random_params(config, seed=seed)
     frames = [_random_structure(rng, config.atomic_types) for _ in range(rng.randint(2, 4))]
+    if seed % 2 == 1:
+        config, frames = _conditioned(config, frames, random.Random(2000 + seed))
+    params = random_params(config, seed=seed)
     labels = np.random.default_rng(seed)
     samples = []
     for atoms in frames:
@@ -356,8 +434,8 @@ def test_random_architecture_training_gradients(seed, autodiff):
     ref.load_params(model, params)
     model.train()
     systems = [
-        get_system_with_neighbor_lists(s, model.requested_neighbor_lists())
-        for s in systems_to_torch(frames, dtype=torch.float64)
+        ref.add_system_data(model, get_system_with_neighbor_lists(s, model.requested_neighbor_lists()), atoms)
+        for s, atoms in zip(systems_to_torch(frames, dtype=torch.float64), frames)
     ]
     info = get_energy_target_info("energy", {"quantity": "energy", "unit": "eV"},
                                   add_position_gradients=True, add_strain_gradients=True)
@@ -371,8 +449,11 @@ def test_random_architecture_training_gradients(seed, autodiff):
     loss.backward()
     assert abs(loss.item() - metrics["loss"].item()) <= 1e-12 * loss.item()
     ours = petfunc.tree.flatten(grads)
+    compared = set()
     for name, parameter in model.named_parameters():
         key = name.removeprefix("backend.")
         if key in ours:
             reference = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
             assert_close(ours[key], reference, key, rtol=1e-10)
+            compared.add(key)
+    assert set(ours) == compared, set(ours) ^ compared  # every trained weight compared

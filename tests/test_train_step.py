@@ -203,6 +203,48 @@ def test_compiled_energy_forces_stress_and_gradients_equal_eager(dataset, fitted
     assert compiled.num_graphs == 1
 
 
+def test_compiled_conditioned_model_equals_eager(dataset, fitted):
+    """Charge/spin conditioning in the compiled graph: gradients, energies, forces
+    and stress equal eager for batches of other sizes and charges; one graph."""
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, system_conditioning=True, max_charge=2, max_spin_multiplicity=3)
+    samples = _emt_samples(8, 3, config)
+    for k, sample in enumerate(samples):
+        sample.structure.charge, sample.structure.spin_multiplicity = k % 5 - 2, 1 + k % 3
+    w, c = fitted
+    params = petfunc.PET(config).init(seed=2, dtype=torch.float64)
+    gate = params["system_conditioning"]["project"]["2"]
+    gate["weight"] = torch.randn(gate["weight"].shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    params["composition_weights"] = torch.tensor(w, dtype=torch.float64)
+    params["energy_scale"] = torch.tensor(c, dtype=torch.float64)
+    model = petfunc.PET(config)
+    grad_step = petfunc.make_grad_step(model, petfunc.LossWeights())
+    efs = petfunc.energy_forces_stress(model.energy)
+
+    def fn(params, batch):
+        return grad_step(params, batch), efs(params, batch.positions, batch.cell, batch.neighbors)
+
+    def batch(index):
+        return make_batch([samples[i] for i in index], config, w, c, dtype=torch.float64)
+
+    compiled = petfunc.compile(fn, params, batch([0, 1]), backend="aot_eager")
+    for index in ([2, 3, 4], [5], [6, 7, 0, 1]):
+        expected = fn(params, batch(index))
+        got = compiled(params, batch(index))
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)):
+            finite = torch.isfinite(b)
+            assert torch.equal(finite, torch.isfinite(a))
+            assert _relative(a[finite], b[finite]) < 1e-9
+    assert compiled.num_graphs == 1
+    # the charge changes the energy (the gate is not zero)
+    one = [samples[0]]
+    neutral = model.energy(params, *make_batch(one, config, w, c, dtype=torch.float64)[:3])
+    samples[0].structure.charge = 2
+    charged = model.energy(params, *make_batch(one, config, w, c, dtype=torch.float64)[:3])
+    assert abs(float(neutral[0] - charged[0])) > 1e-3
+
+
 def test_one_structure_batch_is_padded(dataset, fitted):
     batch = _batch(dataset, fitted, [0])
     # the padding structure has no labels, so the loss only sees the real one

@@ -422,3 +422,36 @@ def test_finetune_from_metatrain_checkpoint(tmp_path):
     options["architecture"]["model"] = {"d_pet": 16}
     with pytest.raises(ValueError, match="architecture.model' must be empty when fine-tuning"):
         fit(options, None, progress=False, log=quiet())
+
+
+def test_charge_and_spin_conditioned_training(dataset, tmp_path):
+    """metatrain's ``extra_data`` section names the info keys of the charge and spin
+    multiplicity; the conditioning gate (zero at init) learns from them."""
+    import ase.io
+
+    frames = ase.io.read(dataset, ":")
+    for i, atoms in enumerate(frames):
+        atoms.info["q"] = i % 3 - 1
+        atoms.info["mult"] = 1 + i % 2
+    path = tmp_path / "charged.xyz"
+    ase.io.write(path, frames)
+    options = tiny_options(path)
+    options["architecture"]["model"].update(system_conditioning=True, max_charge=2, max_spin_multiplicity=3)
+    options["training_set"] = {
+        "systems": str(path),
+        "extra_data": {"charge": {"key": "q"}, "spin_multiplicity": {"key": "mult"}},
+    }
+    fit(options, tmp_path / "run", progress=False, log=quiet())
+    config, params = load_model(tmp_path / "run" / "best.ckpt")
+    assert config.system_conditioning and config.max_charge == 2
+    gate = tree.flatten(params)["system_conditioning.project.2.weight"]
+    assert gate.abs().max() > 0
+
+    options["training_set"]["extra_data"]["charge"]["key"] = "total_charge"
+    with pytest.raises(ValueError, match=r"training_set.extra_data.charge: no structure .* has the info key 'total_charge'"):
+        fit(options, None, progress=False, log=quiet())
+    frames[3].info["q"] = 5
+    ase.io.write(path, frames)
+    options["training_set"]["extra_data"]["charge"]["key"] = "q"
+    with pytest.raises(ValueError, match=r"structure 3: charge 5 is outside the model's range \[-2, 2\]"):
+        fit(options, None, progress=False, log=quiet())
