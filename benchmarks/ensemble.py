@@ -15,6 +15,7 @@ the rise of peak resident memory during the timed calls.
     python benchmarks/ensemble.py                     # K=8, d_pet=64, 4 x 64 atoms, inductor
     python benchmarks/ensemble.py --quick             # seconds of runtime, aot_eager
     python benchmarks/ensemble.py --d-pet 128 --threads 2 --repeats 20
+    python benchmarks/ensemble.py --cutoff 2.0        # 4 neighbours per atom: per-call overhead matters
 
 Run on a quiet machine: compile times and medians are sensitive to other load.
 """
@@ -48,6 +49,8 @@ def arguments():
     parser.add_argument("--structures", type=int, default=4, help="structures per batch")
     parser.add_argument("--repeat", type=int, default=2, help="supercell repeat of the 8-atom diamond cell")
     parser.add_argument("--d-pet", type=int, default=64)
+    parser.add_argument("--cutoff", type=float, default=4.5,
+                        help="PET cutoff (A); 2.0 leaves the 4 bonded neighbours: a sparse, molecule-like graph")
     parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor; quick: aot_eager)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--repeats", type=int, default=10)
@@ -92,7 +95,7 @@ def main():
     dtype = getattr(torch, args.dtype)
     k = args.members
     w = args.d_pet
-    config = petfunc.PETConfig(atomic_types=(6,), cutoff=4.5, d_pet=w, d_head=w, d_node=2 * w,
+    config = petfunc.PETConfig(atomic_types=(6,), cutoff=args.cutoff, cutoff_width=min(0.5, args.cutoff / 4), d_pet=w, d_head=w, d_node=2 * w,
                                d_feedforward=2 * w, num_heads=max(1, min(8, w // 8)))
     model = petfunc.PET(config)
     params = ensemble.init(model, range(k), dtype=dtype)

@@ -96,6 +96,13 @@ def _voigt(stress: np.ndarray) -> np.ndarray:
     )
 
 
+def _charge_and_spin_info(info) -> list:
+    """The ``atoms.info`` entries a conditioned model reads, as plain values (numpy
+    arrays do not compare to one bool)."""
+    keys = CHARGE_KEYS + SPIN_MULTIPLICITY_KEYS
+    return [np.asarray(info[k]).tolist() if k in info else None for k in keys]
+
+
 class PETCalculator(Calculator):
     """ASE calculator evaluating a petfunc PET (see the module docstring).
 
@@ -300,8 +307,7 @@ class PETCalculator(Calculator):
         multiplicity in ``atoms.info`` changed (ASE does not compare ``info``)."""
         changes = super().check_state(atoms, tol)
         if self.config.system_conditioning and self.atoms is not None:
-            keys = CHARGE_KEYS + SPIN_MULTIPLICITY_KEYS
-            if [self.atoms.info.get(k) for k in keys] != [atoms.info.get(k) for k in keys]:
+            if _charge_and_spin_info(self.atoms.info) != _charge_and_spin_info(atoms.info):
                 changes.append("info")
         return changes
 

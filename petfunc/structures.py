@@ -48,7 +48,7 @@ def list_cutoff(config: PETConfig) -> float:
 
 def _integer(value, name: str, label: str) -> int:
     array = np.asarray(value)
-    if array.size != 1 or array.dtype.kind not in "biuf":
+    if array.size != 1 or array.dtype.kind not in "iuf":  # bools are not charges
         raise ValueError(f"{label}: {name} must be one integer, got {value!r}")
     number = array.reshape(()).item()
     if not np.isfinite(number) or float(number) != round(float(number)):
