@@ -10,8 +10,9 @@ derivative in one call of
 ``energy_terms_forces_strain_derivative(model.energy_terms)``: eagerly (by
 ``torch.autograd``, the faster eager path, :mod:`petfunc.derivatives`), or, with
 ``compile=True``, through :func:`petfunc.compile` (one ``make_fx`` trace of the
-``torch.func`` derivative, compiled for symbolic sizes), or in a ``petfunc export`` artifact
-(:meth:`PETCalculator.from_exported`). The structure is batched together with
+``torch.func`` derivative, compiled for symbolic sizes; the trace is cached on disk,
+so a later process with the same config skips it), or in a ``petfunc export``
+artifact (:meth:`PETCalculator.from_exported`). The structure is batched together with
 :func:`petfunc.data.padding_sample` (a 3-atom dummy molecule), so that no size the
 compiled graph sees (structures, atoms, edges, neighbours per atom) is 0 or 1: those
 are the sizes torch specialises on, and a single structure, or one atom, would
@@ -286,9 +287,12 @@ class PETCalculator(Calculator):
             if self._compiled is None:
                 from .compile import compile as petfunc_compile
 
+                # the traced function is fixed by the config: later processes
+                # load the trace instead of tracing again (petfunc.compile)
                 self._compiled = petfunc_compile(
                     self._efs, params, positions, cell, neighbors,
                     backend=self.backend, static_argnums=(0,),
+                    cache_key=f"PETCalculator energy_terms_forces_strain_derivative {self.config!r}",
                 )
             return self._compiled(params, positions, cell, neighbors)
         return self._efs_eager(params, positions, cell, neighbors)

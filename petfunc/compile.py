@@ -31,12 +31,28 @@ take and return any pytree of tensors (dicts, lists, NamedTuples such as
 
 ``compiled.num_graphs`` counts the graphs compiled for this function: 1 after the
 first call, and it must stay 1.
+
+**Trace cache.** ``make_fx`` takes 10-30 s for PET's derivatives, in every new
+process. With ``cache_key`` the traced graph is kept in a file
+(:func:`trace_cache_dir`) and a later process with the same key, the same
+petfunc source, the same torch and the same input signature loads it instead of
+tracing (about 1 s). The key must name everything the traced function bakes in
+that is not an input (the architecture, loss weights, schedule constants...);
+:class:`petfunc.ase.PETCalculator` uses it, keyed by its config. The file is a
+pickle, trusted like inductor's own cache of generated code next to it.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
+import hashlib
+import os
+import pickle
+import tempfile
+import warnings
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -84,11 +100,93 @@ def _fake_inputs(tensors, static):
     return mode, fakes
 
 
+# ---------------------------------------------------------------------------------------
+# trace cache
+
+
+def trace_cache_dir() -> Optional[Path]:
+    """Folder of cached traces: ``$PETFUNC_TRACE_CACHE_DIR``, else ``petfunc_traces``
+    in inductor's cache folder (``$TORCHINDUCTOR_CACHE_DIR`` or
+    ``/tmp/torchinductor_$USER``). ``PETFUNC_TRACE_CACHE=0`` turns caching off
+    (``None``)."""
+    if os.environ.get("PETFUNC_TRACE_CACHE", "1") == "0":
+        return None
+    folder = os.environ.get("PETFUNC_TRACE_CACHE_DIR")
+    if folder:
+        return Path(folder)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "petfunc_traces"
+
+
+@functools.lru_cache(maxsize=1)
+def _source_hash() -> str:
+    """Hash of petfunc's own source: a trace is only reused by the code that made it."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cache_file(key: str, signature) -> Optional[Path]:
+    folder = trace_cache_dir()
+    if folder is None:
+        return None
+    text = repr((key, _source_hash(), torch.__version__, signature))
+    return folder / (hashlib.sha256(text.encode()).hexdigest()[:32] + ".fx.pkl")
+
+
+def _load_trace(path: Path):
+    """``(graph, output spec)`` from a cache file, or ``None`` (missing or unreadable)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        # a graph's code is re-run by torch.fx on load; it may name this lazily
+        # imported module (torch 2.13)
+        import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401
+    except ImportError:
+        pass
+    try:
+        with warnings.catch_warnings():
+            # unpickling a TreeSpec warns about its own deprecated LeafSpec check (torch 2.13)
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            graph, out_spec = pickle.loads(data)
+        if not isinstance(graph, torch.fx.GraphModule):
+            raise TypeError(f"holds a {type(graph).__name__}")
+        return graph, out_spec
+    except Exception as error:  # a damaged or foreign file: trace again
+        warnings.warn(f"petfunc.compile: ignoring the unreadable trace cache file {path} ({error})", stacklevel=3)
+        return None
+
+
+def _save_trace(path: Path, graph, out_spec) -> None:
+    """Write atomically; a failure to write only costs the next process a trace."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = pickle.dumps((graph, out_spec))
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except Exception as error:
+        warnings.warn(f"petfunc.compile: could not write the trace cache file {path} ({error})", stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------
+# compiled functions
+
+
 class Compiled:
-    """A traced and compiled function with the signature of the original."""
+    """A traced and compiled function with the signature of the original.
+
+    ``from_cache`` tells whether the graph came from the trace cache.
+    """
 
     def __init__(self, fn: Callable, example_args: tuple, backend: Any = "inductor",
-                 options: Optional[dict] = None, static_argnums=(0,)):
+                 options: Optional[dict] = None, static_argnums=(0,), cache_key: Optional[str] = None):
         self.fn = fn
         self.backend = backend
         tensors, self._constants, self._is_tensor, self._spec = _split(example_args)
@@ -112,13 +210,33 @@ class Compiled:
             return tuple(out_leaves)
 
         inputs = self._graph_inputs(tensors)
-        mode, fakes = _fake_inputs(inputs, self._static)
-        with mode, torch.no_grad():
-            self.graph = make_fx(flat_fn, tracing_mode="real")(*fakes)
-        # forward-mode AD (jvp) leaves unused checks such as aten.is_same_size, which
-        # return Python bools that Dynamo cannot put in a graph: drop dead nodes
-        self.graph.graph.eliminate_dead_code()
-        self.graph.recompile()
+        cache = None
+        if cache_key is not None:
+            signature = (
+                [(t.dtype, str(t.device), tuple(t.shape) if s else t.dim()) for t, s in zip(inputs, self._static)],
+                repr(self._spec), repr(self._constants),
+            )
+            cache = _cache_file(str(cache_key), signature)
+        loaded = _load_trace(cache) if cache is not None and cache.exists() else None
+        self.from_cache = loaded is not None
+        if loaded is not None:
+            self.graph, self._out_spec = loaded
+        else:
+            mode, fakes = _fake_inputs(inputs, self._static)
+            with mode, torch.no_grad():
+                self.graph = make_fx(flat_fn, tracing_mode="real")(*fakes)
+            # forward-mode AD (jvp) leaves unused checks such as aten.is_same_size, which
+            # return Python bools that Dynamo cannot put in a graph: drop dead nodes
+            self.graph.graph.eliminate_dead_code()
+            self.graph.recompile()
+            if cache is not None:
+                _save_trace(cache, self.graph, self._out_spec)
+                # compile the graph as later processes will load it: its inductor
+                # cache entry then serves them (a freshly traced graph hashes
+                # differently from its reloaded copy)
+                reloaded = _load_trace(cache)
+                if reloaded is not None:
+                    self.graph = reloaded[0]
         self.num_graphs = 0
         self.options = dict(options or {})
         self._entries = []  # (guard code or None, fixed data sizes, compiled callable)
@@ -214,6 +332,7 @@ def compile(
     backend: Any = "inductor",
     options: Optional[dict] = None,
     static_argnums=(0,),
+    cache_key: Optional[str] = None,
 ) -> Compiled:
     """Trace ``fn(*example_args)`` with ``make_fx`` and compile it (see module doc).
 
@@ -228,8 +347,11 @@ def compile(
         static_argnums: arguments whose tensor sizes never change (parameters,
             optimizer state): they are traced with static sizes, which makes tracing
             and compiling much faster. All other tensors get symbolic sizes.
+        cache_key: keep the trace in the trace cache under this key (see the module
+            docstring); it must identify everything ``fn`` bakes into the trace.
 
     Returns:
         a callable with ``fn``'s signature; ``.num_graphs`` counts compilations.
     """
-    return Compiled(fn, example_args, backend=backend, options=options, static_argnums=static_argnums)
+    return Compiled(fn, example_args, backend=backend, options=options, static_argnums=static_argnums,
+                    cache_key=cache_key)

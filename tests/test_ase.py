@@ -320,6 +320,20 @@ def test_compiled_md_compiles_once(relaxed, params, compiled):
     assert compiled.num_compilations == 1
 
 
+def test_compiled_calculator_reuses_its_trace(tmp_path, monkeypatch, params):
+    """A second compiled calculator of the same config (as in a new process) loads
+    the cached trace, with the same numbers (other keys: tests/test_compile.py)."""
+    monkeypatch.setenv("PETFUNC_TRACE_CACHE_DIR", str(tmp_path))
+    atoms = carbon_cell()
+    energies = []
+    for expect_cached in (False, True):
+        atoms.calc = PETCalculator(CONFIG, params, compile=True, backend="aot_eager")
+        energies.append(atoms.get_potential_energy())
+        assert atoms.calc._compiled.from_cache == expect_cached
+    assert energies[0] == energies[1]
+    assert len(list(tmp_path.glob("*.fx.pkl"))) == 1
+
+
 def committee(n=3):
     return [make_params(seed=seed) for seed in range(2, 2 + n)]
 

@@ -62,3 +62,35 @@ def test_views_and_strides_reuse_the_graph():
     transposed = positions.t().contiguous().t()  # same values, other strides
     torch.testing.assert_close(compiled(members[0], transposed, index), scatter_energy(members[0], positions, index))
     assert compiled.num_graphs == 1
+
+
+def test_trace_cache(tmp_path, monkeypatch):
+    """A second Compiled with the same key loads the trace instead of tracing; other
+    keys, signatures or a damaged file trace again; the results are the same."""
+    monkeypatch.setenv("PETFUNC_TRACE_CACHE_DIR", str(tmp_path))
+    params = {"w": torch.randn(3, 5, dtype=torch.float64)}
+    x = example(4, 7)
+    first = petfunc.compile(scatter_energy, params, *x, backend="aot_eager", cache_key="toy")
+    assert not first.from_cache and len(list(tmp_path.glob("*.fx.pkl"))) == 1
+    second = petfunc.compile(scatter_energy, params, *x, backend="aot_eager", cache_key="toy")
+    assert second.from_cache
+    for n_atoms, n_edges in ((4, 7), (9, 30)):
+        y = example(n_atoms, n_edges, seed=n_atoms)
+        torch.testing.assert_close(second(params, *y), scatter_energy(params, *y), rtol=1e-12, atol=1e-12)
+    assert second.num_graphs == 1
+    # another key, another parameter shape or dtype: a new trace
+    assert not petfunc.compile(scatter_energy, params, *x, backend="aot_eager", cache_key="other").from_cache
+    wide = {"w": torch.randn(3, 6, dtype=torch.float64)}
+    assert not petfunc.compile(scatter_energy, wide, *x, backend="aot_eager", cache_key="toy").from_cache
+    assert len(list(tmp_path.glob("*.fx.pkl"))) == 3
+    # a damaged file: a warning, a fresh trace, the file rewritten
+    for damaged in tmp_path.glob("*.fx.pkl"):
+        damaged.write_bytes(b"garbage")
+    with pytest.warns(UserWarning, match="unreadable trace cache"):
+        third = petfunc.compile(scatter_energy, params, *x, backend="aot_eager", cache_key="toy")
+    assert not third.from_cache
+    assert petfunc.compile(scatter_energy, params, *x, backend="aot_eager", cache_key="toy").from_cache
+    # no key, or caching turned off: never cached
+    assert not petfunc.compile(scatter_energy, params, *x, backend="aot_eager").from_cache
+    monkeypatch.setenv("PETFUNC_TRACE_CACHE", "0")
+    assert not petfunc.compile(scatter_energy, params, *x, backend="aot_eager", cache_key="toy").from_cache
