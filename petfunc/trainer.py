@@ -922,6 +922,11 @@ def fit(
     # <<< petfunc.distributed
     step_fn = None
     eval_fn = None
+    # the trace cache key (petfunc.compile) must name everything the traced step bakes
+    # in: every option, the architecture, the loss weights and the schedule length
+    # (which depends on the data). Any change traces afresh; an identical restart
+    # loads the trace.
+    trace_key = repr((json.dumps(options, sort_keys=True, default=str), config, weights, total_steps, split))
 
     def build_step(example):
         if not compile_on or exact_dp:  # exact_dp: petfunc.distributed
@@ -931,8 +936,8 @@ def fit(
         log(f"compiling the training step ({backend}); the first call takes a while ...")
         t0 = time.perf_counter()
         args = (state.params, example) if split else (state, example)
-        compiled = compile_fn(raw_step, *args, backend=backend)
-        log(f"traced in {time.perf_counter() - t0:.1f} s")
+        compiled = compile_fn(raw_step, *args, backend=backend, cache_key=f"fit step {trace_key}")
+        log(f"{'loaded the cached trace' if compiled.from_cache else 'traced'} in {time.perf_counter() - t0:.1f} s")
         return compiled
 
     def build_eval(example):
@@ -940,7 +945,7 @@ def fit(
             return loss_fn
         from .compile import compile as compile_fn
 
-        return compile_fn(loss_fn, state.params, example, backend=backend)
+        return compile_fn(loss_fn, state.params, example, backend=backend, cache_key=f"fit loss {trace_key}")
 
     # --- files --------------------------------------------------------------------------
     files: Dict[str, Path] = {}

@@ -5,6 +5,7 @@ All runs use a tiny PET (d_pet=8, one GNN layer, cutoff 3 Å: nearest neighbours
 fcc) on a few EMT structures, so each fit takes seconds.
 """
 
+import copy
 import hashlib
 import json
 import math
@@ -383,6 +384,23 @@ def test_compiled_fit_matches_eager(dataset):
         torch.testing.assert_close(b[key], a[key], rtol=1e-9, atol=1e-12, msg=key)
     for row_e, row_c in zip(eager.history, compiled.history):
         assert math.isclose(row_e["val_loss"], row_c["val_loss"], rel_tol=1e-9)
+
+
+@pytest.mark.slow
+def test_compiled_fit_reuses_its_trace(dataset, tmp_path, monkeypatch):
+    # a second identical run loads the trace (petfunc.compile's cache) and trains
+    # bit for bit the same; another learning rate traces afresh
+    monkeypatch.setenv("PETFUNC_TRACE_CACHE_DIR", str(tmp_path))
+    options = tiny_options(dataset, num_epochs=1, compile=True, compile_backend="aot_eager")
+    runs = []
+    for learning_rate in (1e-2, 1e-2, 2e-2):
+        options["architecture"]["training"]["learning_rate"] = learning_rate
+        lines = []
+        runs.append((fit(copy.deepcopy(options), None, progress=False, log=quiet(lines)), lines))
+    cached = [any("loaded the cached trace" in line for line in lines) for _, lines in runs]
+    assert cached == [False, True, False]
+    assert params_equal(runs[0][0].last_params, runs[1][0].last_params)
+    assert not params_equal(runs[0][0].last_params, runs[2][0].last_params)
 
 
 def test_finetune_from_metatrain_checkpoint(tmp_path):
