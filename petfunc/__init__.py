@@ -27,6 +27,8 @@ from .train import (
     warmup_cosine,
 )
 from .trainer import fit
+from . import hessian  # callable: petfunc.hessian(energy_fn) (see petfunc.hessian)
+from .hessian import hvp
 
 
 __version__ = "0.1.0"

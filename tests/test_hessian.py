@@ -181,3 +181,14 @@ def test_compiled_pet_hessian(backend):
     model = petfunc.PET(config)
     worst = _check_compiled_hessian(model.energy, model.init(seed=0, dtype=F64), config, backend)
     print(f"PET Hessian {backend}: max relative error {worst:.1e}")
+
+
+def test_top_level_spelling():
+    """``petfunc.hessian(energy_fn)`` (the module is callable) and ``petfunc.hvp``."""
+    energy_fn, params, inputs = _setup([_molecule("H2O")])
+    assert torch.equal(petfunc.hessian(energy_fn)(params, *inputs), hessian(energy_fn)(params, *inputs))
+    chunked = hessian(energy_fn, chunk_size=2)(params, *inputs)
+    assert torch.equal(petfunc.hessian(energy_fn, chunk_size=2)(params, *inputs), chunked)
+    v = torch.ones_like(inputs[0])
+    assert torch.equal(petfunc.hvp(energy_fn)(params, *inputs, v), hvp(energy_fn)(params, *inputs, v))
+    assert petfunc.hessian.mass_weighted is mass_weighted
