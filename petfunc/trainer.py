@@ -363,13 +363,6 @@ def _label_keys(frames, section: Mapping, weights: LossWeights, explicit: set, w
         if loss_term in explicit and not (name == "stress" and target["virial"]):
             raise missing(name, key, f"the loss has a {loss_term} term (weight {term.weight})")
     extra = section.get("extra_data") or {}
-    for name in ("charge", "spin_multiplicity"):
-        key = extra.get(name)
-        if key is not None and not any(key in a.info for a in frames):
-            raise ValueError(
-                f"{where}.extra_data.{name}: no structure in {path!r} has the info key {key!r} "
-                f"(keys in the file: {_available_keys(frames)})"
-            )
     return _Labels(
         energy,
         keys["forces"],
@@ -380,6 +373,17 @@ def _label_keys(frames, section: Mapping, weights: LossWeights, explicit: set, w
         extra.get("charge"),
         extra.get("spin_multiplicity"),
     )
+
+
+def _check_info_keys(frames, keys: Mapping, path, where: str) -> None:
+    """Raise when a named ``atoms.info`` key (charge, spin multiplicity) is in no
+    structure of the file: a misspelt key would otherwise give silent defaults."""
+    for name, key in keys.items():
+        if key is not None and not any(key in a.info for a in frames):
+            raise ValueError(
+                f"{where}{name}: no structure in {str(path)!r} has the info key {key!r} "
+                f"(keys in the file: {_available_keys(frames)})"
+            )
 
 
 def _to_samples(frames, config: PETConfig, labels: _Labels, path, indices=None) -> List[Sample]:
@@ -669,6 +673,7 @@ def read_labelled(path, config: PETConfig, energy_key="energy", forces_key="forc
     """Read an extxyz file into samples for ``config`` (missing label keys are skipped;
     ``charge_key``/``spin_multiplicity_key``: see :func:`petfunc.data.sample_from_atoms`)."""
     frames = _read_frames(path, "dataset")
+    _check_info_keys(frames, {"charge_key": charge_key, "spin_multiplicity_key": spin_multiplicity_key}, path, "")
 
     def key_or_none(key):
         return key if key and any(_has_key(a, key) for a in frames) else None
@@ -812,9 +817,13 @@ def fit(
     train_section = options["training_set"]
     train_path = train_section["systems"]["read_from"]
     train_frames = _read_frames(train_path, "training_set")
+    # the whole file, before any validation split takes some of its structures
+    _check_info_keys(train_frames, train_section.get("extra_data") or {}, train_path, "training_set.extra_data.")
     val_section = options["validation_set"]
     if isinstance(val_section, dict):
         val_frames = _read_frames(val_section["systems"]["read_from"], "validation_set")
+        _check_info_keys(val_frames, val_section.get("extra_data") or {}, val_section["systems"]["read_from"],
+                         "validation_set.extra_data.")
         train_idx, val_idx = np.arange(len(train_frames)), None
     else:
         train_idx, val_idx = split_indices(len(train_frames), val_section, seed)

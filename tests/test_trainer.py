@@ -464,6 +464,13 @@ def test_charge_and_spin_conditioned_training(dataset, tmp_path):
     assert config.system_conditioning and config.max_charge == 2
     gate = tree.flatten(params)["system_conditioning.project.2.weight"]
     assert gate.abs().max() > 0
+    from petfunc.trainer import read_labelled
+
+    samples = read_labelled(path, config, charge_key="q", spin_multiplicity_key="mult")
+    assert [s.structure.charge for s in samples[:4]] == [-1, 0, 1, -1]
+    assert [s.structure.spin_multiplicity for s in samples[:3]] == [1, 2, 1]
+    with pytest.raises(ValueError, match="charge_key: no structure .* has the info key 'Q'"):
+        read_labelled(path, config, charge_key="Q")
 
     options["training_set"]["extra_data"]["charge"]["key"] = "total_charge"
     with pytest.raises(ValueError, match=r"training_set.extra_data.charge: no structure .* has the info key 'total_charge'"):
