@@ -64,7 +64,7 @@ from .data import padding_sample
 from .derivatives import energy_terms_forces_strain_derivative
 from .io import EXTRA_KEYS, cast_params, load_params
 from .model import PET
-from .structures import CHARGE_KEYS, SPIN_MULTIPLICITY_KEYS, collate, prepare_atoms
+from .structures import collate, prepare_atoms, state_from_info
 
 
 __all__ = ["PETCalculator"]
@@ -98,10 +98,9 @@ def _voigt(stress: np.ndarray) -> np.ndarray:
 
 
 def _charge_and_spin_info(info) -> list:
-    """The ``atoms.info`` entries a conditioned model reads, as plain values (numpy
-    arrays do not compare to one bool)."""
-    keys = CHARGE_KEYS + SPIN_MULTIPLICITY_KEYS
-    return [np.asarray(info[k]).tolist() if k in info else None for k in keys]
+    """The charge and spin multiplicity a conditioned model reads from ``atoms.info``,
+    as plain values (numpy arrays do not compare to one bool)."""
+    return [None if v is None else np.asarray(v).tolist() for v in state_from_info(info)]
 
 
 class PETCalculator(Calculator):

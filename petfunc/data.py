@@ -128,7 +128,7 @@ def sample_from_atoms(
         atoms.pbc,
         config,
         label,
-        *state_from_info(atoms.info, config, label, charge_key, spin_multiplicity_key),
+        *state_from_info(atoms.info, charge_key, spin_multiplicity_key),
     )
     energy = lookup(energy_key)
     forces = lookup(forces_key)

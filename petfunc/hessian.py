@@ -207,8 +207,7 @@ class _CallableModule(types.ModuleType):
     (the spelling of the issue that asked for it), while ``petfunc.hessian.hvp`` and
     ``from petfunc.hessian import ...`` keep working."""
 
-    def __call__(self, energy_fn: Callable, chunk_size: Optional[int] = None, mode: str = "reverse") -> Callable:
-        return hessian(energy_fn, chunk_size=chunk_size, mode=mode)
+    __call__ = staticmethod(hessian)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -89,24 +89,20 @@ CHARGE_KEYS = ("charge",)
 SPIN_MULTIPLICITY_KEYS = ("spin_multiplicity", "spin")
 
 
-def state_from_info(info, config: PETConfig, label: str = "structure", charge_key=None, spin_key=None):
-    """``(charge, spin_multiplicity)`` from an ``atoms.info`` dict (defaults 0 and 1).
+def state_from_info(info, charge_key=None, spin_key=None):
+    """``(charge, spin_multiplicity)`` as found in an ``atoms.info`` dict, ``None``
+    where absent; :func:`prepare` validates them (and applies the defaults 0 and 1).
 
     ``charge_key``/``spin_key`` replace the default keys :data:`CHARGE_KEYS` and
     :data:`SPIN_MULTIPLICITY_KEYS`.
     """
-    if not config.system_conditioning:
-        return 0, 1
-
     def first(keys):
         for key in keys:
             if key in info:
                 return info[key]
         return None
 
-    charge = first([charge_key] if charge_key else CHARGE_KEYS)
-    spin = first([spin_key] if spin_key else SPIN_MULTIPLICITY_KEYS)
-    return system_state(charge, spin, config, label)
+    return first([charge_key] if charge_key else CHARGE_KEYS), first([spin_key] if spin_key else SPIN_MULTIPLICITY_KEYS)
 
 
 def prepare(
@@ -155,7 +151,7 @@ def prepare(
 def prepare_atoms(atoms, config: PETConfig, label: str = "structure", charge_key=None, spin_key=None) -> Structure:
     """:func:`prepare` for one ``ase.Atoms``; the charge and spin multiplicity of a
     conditioned model come from ``atoms.info`` (see :func:`state_from_info`)."""
-    charge, spin = state_from_info(atoms.info, config, label, charge_key, spin_key)
+    charge, spin = state_from_info(atoms.info, charge_key, spin_key)
     return prepare(
         atoms.get_atomic_numbers(),
         atoms.get_positions(),
