@@ -34,13 +34,37 @@ _POSITIVE_INT = (
 
 @dataclass(frozen=True)
 class LongRangeConfig:
-    """metatrain's ``long_range`` hypers. Only ``enable=False`` is supported."""
+    """metatrain's ``long_range`` hypers (torch-pme Coulomb features, lengths in Å).
+
+    Attributes:
+        enable: add the long-range features to the readout node features.
+        use_ewald: metatrain's switch; it only matters while metatrain trains (it
+            always uses Ewald then). petfunc trains with Ewald and evaluates with P3M,
+            as metatrain does, whatever this says.
+        smearing: Gaussian width sigma splitting 1/r into real and reciprocal space.
+        kspace_resolution: Ewald ``lr_wavelength`` (k-vectors with wavelength >= it)
+            and P3M ``mesh_spacing``.
+        interpolation_nodes: P3M charge-assignment order, 1 to 5.
+    """
 
     enable: bool = False
     use_ewald: bool = False
     smearing: float = 1.4
     kspace_resolution: float = 1.33
     interpolation_nodes: int = 5
+
+    def __post_init__(self) -> None:
+        for name in ("enable", "use_ewald"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"long_range.{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("smearing", "kspace_resolution"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"long_range.{name} must be a positive number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        nodes = self.interpolation_nodes
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= 5:
+            raise ValueError(f"long_range.interpolation_nodes must be an integer from 1 to 5, got {nodes!r}")
 
 
 @dataclass(frozen=True)
@@ -73,7 +97,7 @@ class PETConfig:
         transformer_type: ``"PreLN"`` or ``"PostLN"``.
         featurizer_type: ``"feedforward"`` (modern) or ``"residual"`` (original PET).
         zbl: add the ZBL short-range repulsion to the energy.
-        long_range: long-range part (not supported: must stay disabled).
+        long_range: long-range Coulomb features (:class:`LongRangeConfig`).
         system_conditioning: condition the node features on each structure's total
             charge and spin multiplicity (metatrain's charge/spin embeddings).
         max_charge: the conditioning supports total charges in
@@ -121,7 +145,13 @@ class PETConfig:
         object.__setattr__(self, "atomic_types", tuple(sorted(types)))
 
         if isinstance(self.long_range, Mapping):
+            known = {f.name for f in dataclasses.fields(LongRangeConfig)}
+            unknown = sorted(set(self.long_range) - known)
+            if unknown:
+                raise ValueError(f"unknown long_range hyperparameters: {unknown}")
             object.__setattr__(self, "long_range", LongRangeConfig(**self.long_range))
+        if not isinstance(self.long_range, LongRangeConfig):
+            raise ValueError(f"long_range must be a mapping of its hypers, got {self.long_range!r}")
 
         for name, choices in _CHOICES.items():
             value = getattr(self, name)
@@ -157,11 +187,6 @@ class PETConfig:
                     f"num_neighbors_adaptive must be a positive number or None, got {value!r}"
                 )
             object.__setattr__(self, "num_neighbors_adaptive", float(value))
-        if self.long_range.enable:
-            raise NotImplementedError(
-                "long_range.enable=True (torch-pme long-range features) is not "
-                "implemented in petfunc"
-            )
         if not isinstance(self.system_conditioning, bool):
             raise ValueError(f"system_conditioning must be true or false, got {self.system_conditioning!r}")
         for name, low in (("max_charge", 0), ("max_spin_multiplicity", 1)):

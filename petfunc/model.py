@@ -89,6 +89,10 @@ def init(
     params["edge_embedder"] = nn.init_embedding(ns, d, g, dt, dev)
     if config.system_conditioning:
         params["system_conditioning"] = init_conditioning(config, g, dt, dev)
+    if config.long_range.enable:
+        from . import long_range
+
+        params["long_range_featurizer"] = long_range.init(config, g, dt, dev)
     params["node_heads"] = {TARGET: [nn.init_mlp2(dn, dh, dh, g, dt, dev) for _ in range(r)]}
     params["edge_heads"] = {TARGET: [nn.init_mlp2(d, dh, dh, g, dt, dev) for _ in range(r)]}
     params["node_last_layers"] = {
@@ -237,6 +241,18 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
                 nodes = nodes + condition
             readout_features.append((nodes, edges))
             messages = 0.5 * (messages + permute_rows(edges, reverse, reverse))
+
+    if config.long_range.enable:
+        from . import long_range
+
+        # the real-space term runs over the whole list within the cutoff (the list
+        # metatrain hands torch-pme), not the adaptive-cutoff subset
+        extra = long_range.features(
+            params["long_range_featurizer"], config, [nodes for nodes, _ in readout_features],
+            positions, cell, neighbors, neighbors.centers, neighbors.neighbors,
+            torch.sqrt((vectors**2).sum(dim=1) + 1e-15),
+        )
+        readout_features = [((nodes + extra) * 0.5**0.5, edges) for nodes, edges in readout_features]
 
     energies = None
     for index, (nodes, edges) in enumerate(readout_features):

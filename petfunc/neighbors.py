@@ -26,7 +26,7 @@ edge within ``cutoff``, ZBL may need a longer list).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +54,8 @@ class Neighbors(NamedTuple):
         spin_multiplicity: ``[n_structures]`` spin multiplicity 2S+1 of each
             structure (1 unless given). Read only by models with
             ``system_conditioning``.
+        long_range: the integer inputs of the long-range features
+            (:class:`petfunc.long_range.LongRange`), or None for models without them.
     """
 
     species: torch.Tensor
@@ -68,6 +70,7 @@ class Neighbors(NamedTuple):
     reverse_index: torch.Tensor
     charge: torch.Tensor
     spin_multiplicity: torch.Tensor
+    long_range: Optional[Any] = None
 
     @property
     def n_atoms(self) -> int:
@@ -78,7 +81,7 @@ class Neighbors(NamedTuple):
         return self.nef_index.shape[1]
 
     def to(self, device) -> "Neighbors":
-        return Neighbors(*(t.to(device) for t in self))
+        return Neighbors(*(None if t is None else t.to(device) for t in self))
 
 
 # ---------------------------------------------------------------------------------------
@@ -215,10 +218,12 @@ def build(
     device=None,
     charge: Optional[np.ndarray] = None,
     spin_multiplicity: Optional[np.ndarray] = None,
+    long_range=None,
 ) -> Neighbors:
     """Assemble :class:`Neighbors` from batch-level (already offset) numpy arrays.
 
-    ``charge`` and ``spin_multiplicity`` are per structure (default 0 and 1).
+    ``charge`` and ``spin_multiplicity`` are per structure (default 0 and 1);
+    ``long_range`` is a ready :class:`petfunc.long_range.LongRange` (or None).
     """
     n_atoms = len(species)
     n_structures = int(np.max(structure_index)) + 1 if n_atoms else 0
@@ -251,4 +256,5 @@ def build(
         reverse_index=t(reverse_index),
         charge=t(charge),
         spin_multiplicity=t(spin_multiplicity),
+        long_range=long_range,
     )

@@ -196,12 +196,16 @@ def collate(
     device=None,
     positions: Optional[Sequence[np.ndarray]] = None,
     cells: Optional[Sequence[np.ndarray]] = None,
+    long_range: str = "p3m",
 ) -> Tuple[torch.Tensor, torch.Tensor, nbl.Neighbors]:
     """Concatenate structures into ``(positions [n_atoms, 3], cell [n_structures, 3, 3],
     neighbors)``.
 
     ``positions``/``cells`` optionally replace the stored geometry (e.g. rotated copies
     for augmentation); the edge list is reused, so they must be a rigid motion of it.
+    ``long_range`` picks the reciprocal-space method of a model with long-range
+    features: ``"p3m"`` (metatrain's evaluation mode) or ``"ewald"`` (its training
+    mode, and the one whose batches compile without recompiling).
     """
     if len(structures) == 0:
         raise ValueError("cannot build a batch from zero structures")
@@ -217,10 +221,19 @@ def collate(
     all_positions = np.concatenate(pos_list).astype(np.float64)
     all_cells = np.stack(cell_list).astype(np.float64)
     kept = kept_edges(config, all_positions, all_cells, centers, neighbors, shifts, structure_index)
+    lr_inputs = None
+    if config.long_range.enable:
+        from . import long_range as lr
+
+        lr_inputs = lr.build(
+            config, [len(s) for s in structures], all_cells, np.stack([s.pbc for s in structures]),
+            method=long_range, device=device,
+        )
     graph = nbl.build(
         species, structure_index, centers, neighbors, shifts, kept, device=device,
         charge=np.array([s.charge for s in structures], dtype=np.int64),
         spin_multiplicity=np.array([s.spin_multiplicity for s in structures], dtype=np.int64),
+        long_range=lr_inputs,
     )
     return (
         torch.as_tensor(all_positions, dtype=dtype, device=device),
@@ -229,11 +242,12 @@ def collate(
     )
 
 
-def from_atoms(frames, config: PETConfig, dtype: Optional[torch.dtype] = None, device=None):
+def from_atoms(frames, config: PETConfig, dtype: Optional[torch.dtype] = None, device=None, long_range: str = "p3m"):
     """PET inputs for one ``ase.Atoms`` or a list of them.
 
     A model with ``system_conditioning`` reads each structure's total charge and spin
-    multiplicity from ``atoms.info`` (see :func:`state_from_info`).
+    multiplicity from ``atoms.info`` (see :func:`state_from_info`). ``long_range``
+    is the reciprocal-space method of long-range models (see :func:`collate`).
 
     Returns:
         ``positions [n_atoms, 3]``, ``cell [n_structures, 3, 3]`` (dtype ``dtype`` or
@@ -244,4 +258,4 @@ def from_atoms(frames, config: PETConfig, dtype: Optional[torch.dtype] = None, d
     structures: List[Structure] = [
         prepare_atoms(atoms, config, label=f"structure {i}") for i, atoms in enumerate(frames)
     ]
-    return collate(structures, config, dtype=dtype, device=device)
+    return collate(structures, config, dtype=dtype, device=device, long_range=long_range)

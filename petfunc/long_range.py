@@ -1,0 +1,396 @@
+"""PET's long-range features: Coulomb potentials of learned charges (metatrain's
+``LongRangeFeaturizer`` on torch-pme), as pure functions.
+
+Each atom carries ``d_node`` learned "charges" q_i = Lin(h_bar_i). Their Coulomb
+potential, with the part inside the PET cutoff r_c smoothly removed, is
+
+    V_i = 1/2 sum_j q_j v(r_ij),
+
+computed per structure by one of three methods, exactly as torch-pme computes it:
+
+* **Ewald** (periodic; what metatrain trains with): a real-space sum over the PET
+  edges of ``-erf(r / (sigma sqrt 2)) / r * f_c(r)`` plus a reciprocal-space sum over
+  every k = 2 pi m @ cell^-T on the integer grid ``|m_a| <= ceil(|a| / lambda)``, minus
+  the self term and the neutralising background.
+* **P3M** (periodic; what metatrain evaluates with): the same, with the
+  reciprocal-space sum done by assigning charges to a mesh (``interpolation_nodes``
+  order), FFT, the P3M influence function, and interpolating back.
+* **direct** (non-periodic): ``1/r (1 - f_c(r))`` over all pairs of atoms.
+
+Here sigma is ``smearing``, lambda ``kspace_resolution``, and
+f_c(r) = (1 + cos(pi r / r_c)) / 2 for r < r_c (0 beyond) with r_c the PET cutoff.
+The features are ``out_projection(V)`` (Lin, SiLU, Lin); every readout node feature
+becomes ``(h + features) / sqrt 2``.
+
+The k-vector grids, meshes, pair lists and the per-structure atom layout depend on
+the data, so :func:`build` makes them eagerly (integers only). Everything that depends
+on positions or the cell (k-vectors, volume, mesh weights, distances) is computed in
+:func:`potentials`, so forces and stress from ``torch.func.grad`` are exact.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from . import nn
+from .config import PETConfig
+
+METHODS = ("ewald", "p3m")
+
+
+class LongRange(NamedTuple):
+    """Integer inputs of the long-range features of one batch.
+
+    Attributes:
+        structure_atoms: ``[n_structures, max_atoms]`` atom id in each slot of a
+            structure (0 in padding slots).
+        structure_mask: ``[n_structures, max_atoms]`` True for real slots.
+        atom_slot: ``[n_atoms]`` flat slot ``s * max_atoms + a`` of each atom.
+        periodic: ``[n_structures]`` True for periodic structures (Ewald or P3M),
+            False for molecules (direct sum).
+        kgrid: ``[n_structures, n_k, 3]`` integer coordinates m of each structure's
+            Ewald k-vectors (zero rows pad; the k = 0 term vanishes). ``n_k`` is 0
+            when the batch uses P3M.
+        mesh_sizes: ``[n_structures, 3]`` P3M mesh points along each cell vector.
+        meshes: per structure, a ``uint8`` tensor of the mesh's shape ``[n_a, n_b,
+            n_c]`` (its values are unused; its shape sizes the FFT) for P3M, else None.
+        pairs: ``[n_pairs, 2]`` atom pairs (i < j) of every non-periodic structure.
+    """
+
+    structure_atoms: torch.Tensor
+    structure_mask: torch.Tensor
+    atom_slot: torch.Tensor
+    periodic: torch.Tensor
+    kgrid: torch.Tensor
+    mesh_sizes: torch.Tensor
+    meshes: Tuple[Optional[torch.Tensor], ...]
+    pairs: torch.Tensor
+
+    def to(self, device) -> "LongRange":
+        fields = [t.to(device) for t in self[:6]]
+        meshes = tuple(None if m is None else m.to(device) for m in self.meshes)
+        return LongRange(*fields, meshes, self.pairs.to(device))
+
+
+# ---------------------------------------------------------------------------------------
+# eager inputs
+
+
+def _frequencies(n: int) -> np.ndarray:
+    """Integer FFT frequencies of an ``n``-point axis, in FFT order (0, 1, ..., -1)."""
+    m = np.arange(n)
+    return np.where(m < (n + 1) // 2, m, m - n)
+
+
+def ewald_kgrid(cell: np.ndarray, wavelength: float) -> np.ndarray:
+    """``[n_k, 3]`` integer grid of torch-pme's Ewald k-vectors for one cell: along each
+    cell vector a, ``ceil(|a| / wavelength)`` FFT frequencies (so the grid is a box,
+    not a sphere)."""
+    ns = np.ceil(np.linalg.norm(cell, axis=1) * (2 * math.pi / wavelength) / 2 / math.pi)
+    axes = [_frequencies(int(n)) for n in ns]
+    grid = np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1)
+    return grid.reshape(-1, 3)
+
+
+def p3m_mesh_sizes(cell: np.ndarray, spacing: float) -> np.ndarray:
+    """``[3]`` torch-pme's P3M mesh: the power of two at or above ``2 |a| / spacing + 1``
+    along each cell vector a."""
+    approx = 2 * np.linalg.norm(cell, axis=1) / spacing + 1
+    return (2 ** np.ceil(np.log2(approx))).astype(np.int64)
+
+
+def build(
+    config: PETConfig,
+    n_atoms: Sequence[int],
+    cells: np.ndarray,
+    pbcs: np.ndarray,
+    method: str = "p3m",
+    device=None,
+) -> LongRange:
+    """The integer long-range inputs of a batch.
+
+    Args:
+        config: a model with ``long_range.enable``.
+        n_atoms: atoms in each structure, in batch order.
+        cells: ``[n_structures, 3, 3]`` lattice vectors as rows (Å).
+        pbcs: ``[n_structures, 3]`` periodic directions.
+        method: ``"ewald"`` (metatrain's training mode) or ``"p3m"`` (its
+            evaluation mode) for the periodic structures.
+    Raises:
+        ValueError: an unknown method, or a structure periodic along one or two
+            directions only (metatrain cannot evaluate those either).
+    """
+    if method not in METHODS:
+        raise ValueError(f"long-range method must be one of {METHODS}, got {method!r}")
+    lr = config.long_range
+    n_atoms = [int(n) for n in n_atoms]
+    n_structures = len(n_atoms)
+    cells = np.asarray(cells, dtype=np.float64).reshape(n_structures, 3, 3)
+    pbcs = np.asarray(pbcs, dtype=bool).reshape(n_structures, 3)
+    for s, pbc in enumerate(pbcs):
+        if 0 < pbc.sum() < 3:
+            # metatomic zeroes the cell rows of open directions, so torch-pme's slab
+            # correction never sees a cell it can use; metatrain fails on these too
+            raise ValueError(
+                f"structure {s}: long-range features need a structure periodic along "
+                f"all three directions or none, got pbc={pbc.tolist()}"
+            )
+    offsets = np.cumsum([0] + n_atoms)
+    width = max(n_atoms) if n_atoms else 0
+    structure_atoms = np.zeros((n_structures, width), dtype=np.int64)
+    structure_mask = np.zeros((n_structures, width), dtype=bool)
+    atom_slot = np.zeros(offsets[-1], dtype=np.int64)
+    pairs = []
+    for s, n in enumerate(n_atoms):
+        atoms = offsets[s] + np.arange(n)
+        structure_atoms[s, :n] = atoms
+        structure_mask[s, :n] = True
+        atom_slot[atoms] = s * width + np.arange(n)
+        if not pbcs[s].any():
+            i, j = np.triu_indices(n, k=1)  # torch.combinations order
+            pairs.append(np.stack([i, j], axis=1) + offsets[s])
+
+    periodic = pbcs.any(axis=1)
+    grids = [
+        ewald_kgrid(cells[s], lr.kspace_resolution) if method == "ewald" and periodic[s] else np.zeros((0, 3), np.int64)
+        for s in range(n_structures)
+    ]
+    n_k = max((len(g) for g in grids), default=0)
+    kgrid = np.zeros((n_structures, n_k, 3), dtype=np.int64)
+    for s, g in enumerate(grids):
+        kgrid[s, : len(g)] = g
+    mesh_sizes = np.ones((n_structures, 3), dtype=np.int64)
+    meshes = []
+    for s in range(n_structures):
+        if method == "p3m" and periodic[s]:
+            mesh_sizes[s] = p3m_mesh_sizes(cells[s], lr.kspace_resolution)
+            meshes.append(torch.zeros(tuple(int(n) for n in mesh_sizes[s]), dtype=torch.uint8, device=device))
+        else:
+            meshes.append(None)
+    pairs = np.concatenate(pairs) if pairs else np.zeros((0, 2), dtype=np.int64)
+
+    def t(a, dtype=torch.long):
+        return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
+
+    return LongRange(
+        structure_atoms=t(structure_atoms),
+        structure_mask=t(structure_mask, torch.bool),
+        atom_slot=t(atom_slot),
+        periodic=t(pbcs.any(axis=1), torch.bool),
+        kgrid=t(kgrid),
+        mesh_sizes=t(mesh_sizes),
+        meshes=tuple(meshes),
+        pairs=t(pairs.reshape(-1, 2)),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# parameters
+
+
+def init(config: PETConfig, generator, dtype, device):
+    """``charges_map`` Linear(d_node, d_node) and ``out_projection`` (Lin, SiLU, Lin),
+    metatrain's ``long_range_featurizer`` weights."""
+    dn = config.d_node
+    return {
+        "charges_map": nn.init_linear(dn, dn, generator, dtype, device),
+        "out_projection": nn.init_mlp2(dn, dn, dn, generator, dtype, device),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# the potentials
+
+
+def _exclusion(r: torch.Tensor, r_c: float) -> torch.Tensor:
+    """torch-pme's cutoff f_c(r) = 1 - ((1 - cos(pi r / r_c)) / 2) below r_c, else 0."""
+    inside = 1 - (1 - torch.cos(math.pi * (r / r_c))) * 0.5
+    return torch.where(r < r_c, inside, torch.zeros_like(r))
+
+
+def _coulomb_kernel(k_sq: torch.Tensor, sigma: float) -> torch.Tensor:
+    """4 pi exp(-sigma^2 k^2 / 2) / k^2, and 0 at k = 0 (grad-safe)."""
+    zero = k_sq == 0
+    safe = torch.where(zero, torch.ones_like(k_sq), k_sq)
+    return torch.where(zero, torch.zeros_like(k_sq), 4 * math.pi * torch.exp(-0.5 * sigma**2 * safe) / safe)
+
+
+def _corrections(q, volume, sigma: float):
+    """Self term and neutralising background that torch-pme adds to the
+    reciprocal-space potential. ``q [S, A, C]`` (zero on padding), ``volume [S]``;
+    returns ``[S, A, C]``."""
+    total = q.sum(dim=1, keepdim=True)  # [S, 1, C]
+    out = -q * ((2 / math.pi) ** 0.5 / sigma)
+    return out - 2 * (math.pi * sigma**2) * total / volume[:, None, None]
+
+
+def _ewald(q, positions, cell, kgrid, volume, sigma: float):
+    """Reciprocal-space potential ``[S, A, C]`` (before the 1/2) of every structure."""
+    inverse_t = torch.linalg.inv(cell).transpose(1, 2)
+    k = 2 * math.pi * torch.einsum("ski,sib->skb", kgrid.to(cell.dtype), inverse_t)  # [S, K, 3]
+    kernel = _coulomb_kernel((k**2).sum(dim=2), sigma)  # [S, K]
+    phase = torch.einsum("skb,sab->ska", k, positions)  # [S, K, A]
+    cos, sin = torch.cos(phase), torch.sin(phase)
+    structure_cos = torch.einsum("ska,sac->skc", cos, q) * kernel[:, :, None]
+    structure_sin = torch.einsum("ska,sac->skc", sin, q) * kernel[:, :, None]
+    potential = torch.einsum("ska,skc->sac", cos, structure_cos) + torch.einsum("ska,skc->sac", sin, structure_sin)
+    return potential / volume[:, None, None] + _corrections(q, volume, sigma)
+
+
+def _assignment_weights(x: torch.Tensor, order: int) -> torch.Tensor:
+    """``[order, ...]`` P3M charge-assignment weights of offsets ``x`` in [-1/2, 1/2]
+    (Hockney-Eastwood B-splines, as torch-pme's ``MeshInterpolator``)."""
+    if order == 1:
+        return torch.ones_like(x)[None]
+    if order == 2:
+        return torch.stack([0.5 * (1 - 2 * x), 0.5 * (1 + 2 * x)])
+    x2 = x * x
+    if order == 3:
+        return torch.stack([1 / 8 * (1 - 4 * x + 4 * x2), 1 / 4 * (3 - 4 * x2), 1 / 8 * (1 + 4 * x + 4 * x2)])
+    x3 = x * x2
+    if order == 4:
+        return torch.stack([
+            1 / 48 * (1 - 6 * x + 12 * x2 - 8 * x3),
+            1 / 48 * (23 - 30 * x - 12 * x2 + 24 * x3),
+            1 / 48 * (23 + 30 * x - 12 * x2 - 24 * x3),
+            1 / 48 * (1 + 6 * x + 12 * x2 + 8 * x3),
+        ])
+    x4 = x * x3
+    return torch.stack([
+        1 / 384 * (1 - 8 * x + 24 * x2 - 32 * x3 + 16 * x4),
+        1 / 96 * (19 - 44 * x + 24 * x2 + 16 * x3 - 16 * x4),
+        1 / 192 * (115 - 120 * x2 + 48 * x4),
+        1 / 96 * (19 + 44 * x + 24 * x2 - 16 * x3 - 16 * x4),
+        1 / 384 * (1 + 8 * x + 24 * x2 + 32 * x3 + 16 * x4),
+    ])
+
+
+def _axis_frequencies(n, dtype, device) -> torch.Tensor:
+    m = torch.arange(n, dtype=dtype, device=device)
+    return torch.where(m < (n + 1) // 2, m, m - n)
+
+
+def _p3m(q, positions, cell, sizes, mesh, volume, sigma: float, order: int):
+    """Reciprocal-space potential ``[A, C]`` (before the 1/2) of one structure by P3M.
+
+    ``q [A, C]``, ``positions [A, 3]``, ``cell [3, 3]``, ``sizes [3]`` (integer mesh
+    sizes), ``mesh`` a tensor of the mesh's shape.
+    """
+    nx, ny, nz = mesh.shape
+    channels = q.shape[1]
+    dtype, device = positions.dtype, positions.device
+    # charge assignment: the ``order`` nearest mesh points along each axis
+    scaled = sizes.to(dtype) * (positions @ torch.linalg.inv(cell))  # [A, 3] in mesh units
+    if order % 2 == 0:
+        base = torch.floor(scaled).to(torch.long)
+        offset = scaled - (base + 0.5)
+    else:
+        base = torch.round(scaled).to(torch.long)
+        offset = scaled - base
+    weights = _assignment_weights(offset, order)  # [order, A, 3]
+    steps = torch.arange(1 - (order + 1) // 2, 1 + order // 2, device=device)
+    points = (base[None] + steps[:, None, None]) % sizes  # [order, A, 3]
+    ix = points[:, None, None, :, 0]
+    iy = points[None, :, None, :, 1]
+    iz = points[None, None, :, :, 2]
+    flat = ((ix * ny + iy) * nz + iz).reshape(-1)  # [order^3 * A]
+    w = (weights[:, None, None, :, 0] * weights[None, :, None, :, 1] * weights[None, None, :, :, 2]).reshape(-1, q.shape[0])
+    values = (w[None] * q.T[:, None, :]).reshape(channels, -1)  # [C, order^3 * A]
+    rho = torch.zeros(channels, nx * ny * nz, dtype=dtype, device=device)
+    rho = rho.scatter_add(1, flat[None].expand(channels, -1), values).reshape(channels, nx, ny, nz)
+
+    # the P3M filter: Coulomb kernel divided by the squared assignment transform
+    reciprocal = 2 * math.pi * torch.linalg.inv(cell).T  # rows b_a
+    fx = _axis_frequencies(nx, dtype, device)
+    fy = _axis_frequencies(ny, dtype, device)
+    fz = torch.arange(nz // 2 + 1, dtype=dtype, device=device)
+    k = (
+        fx[:, None, None, None] * reciprocal[0]
+        + fy[None, :, None, None] * reciprocal[1]
+        + fz[None, None, :, None] * reciprocal[2]
+    )  # [nx, ny, nz // 2 + 1, 3]
+    k_sq = torch.linalg.vector_norm(k, dim=3) ** 2
+    spacing = torch.linalg.vector_norm(cell, dim=1) / sizes.to(dtype)
+    u2 = torch.prod(torch.sinc(k * spacing / (2 * math.pi)), dim=-1) ** (2 * order)
+    zero = u2 == 0
+    influence = torch.where(zero, torch.zeros_like(u2), 1 / torch.where(zero, torch.ones_like(u2), u2))
+    kernel = influence * _coulomb_kernel(k_sq, sigma)
+    potential_mesh = torch.fft.irfftn(
+        torch.fft.rfftn(rho, norm="backward", dim=(1, 2, 3)) * kernel,
+        norm="forward", dim=(1, 2, 3), s=(nx, ny, nz),
+    )
+    at_atoms = (potential_mesh.reshape(channels, -1)[:, flat].reshape(channels, -1, q.shape[0]) * w[None]).sum(dim=1).T
+    return at_atoms / volume + _corrections(q[None], volume[None], sigma)[0]
+
+
+def potentials(config: PETConfig, charges, positions, cell, neighbors, edge_centers, edge_neighbors, edge_distances):
+    """Coulomb potentials ``[n_atoms, C]`` of the learned ``charges [n_atoms, C]``.
+
+    ``edge_*`` is the full neighbour list (edges beyond the PET cutoff add exactly
+    zero): the real-space Ewald/P3M term. ``neighbors.long_range`` chooses Ewald or
+    P3M (see :func:`build`).
+    """
+    inputs: LongRange = neighbors.long_range
+    lr = config.long_range
+    sigma, r_c = lr.smearing, config.cutoff
+    n_atoms, channels = charges.shape
+    dtype = charges.dtype
+    sidx = neighbors.structure_index
+    structure_periodic = inputs.periodic  # [S]
+    atom_periodic = structure_periodic[sidx]  # [n_atoms]
+    out = torch.zeros_like(charges)
+
+    # non-periodic structures: direct sum over all pairs
+    i, j = inputs.pairs[:, 0], inputs.pairs[:, 1]
+    r = torch.sqrt(((positions[j] - positions[i]) ** 2).sum(dim=1))
+    v = (1.0 / r.clamp(min=1e-15)) * (1 - _exclusion(r, r_c))
+    direct = out.index_add(0, i, charges[j] * v[:, None]).index_add(0, j, charges[i] * v[:, None])
+    out = out + 0.5 * direct
+
+    # periodic structures: real-space part over the PET edges ...
+    edge_periodic = atom_periodic[edge_centers]
+    lr_part = torch.erf(edge_distances / sigma / 2.0**0.5) / edge_distances.clamp(min=1e-12)
+    v_sr = -lr_part * _exclusion(edge_distances, r_c) * edge_periodic.to(dtype)
+    real = torch.zeros_like(charges).index_add(0, edge_centers, charges[edge_neighbors] * v_sr[:, None])
+
+    # ... and the reciprocal-space part, on the [S, max_atoms] structure layout
+    # (non-periodic structures get the identity cell so nothing is singular; their
+    # atoms are masked out below)
+    eye = torch.eye(3, dtype=cell.dtype, device=cell.device).expand_as(cell)
+    safe_cell = torch.where(structure_periodic[:, None, None], cell, eye)
+    volume = torch.abs(torch.linalg.det(safe_cell))
+    mask = inputs.structure_mask.to(dtype)[:, :, None]
+    q_slots = charges[inputs.structure_atoms] * mask  # [S, A, C]
+    x_slots = positions[inputs.structure_atoms]  # [S, A, 3]
+    if inputs.kgrid.shape[1] > 0 or all(m is None for m in inputs.meshes):
+        kspace = _ewald(q_slots, x_slots, safe_cell, inputs.kgrid, volume, sigma)
+    else:
+        per_structure = []
+        for s, mesh in enumerate(inputs.meshes):
+            if mesh is None:
+                per_structure.append(torch.zeros_like(q_slots[s]))
+            else:
+                per_structure.append(
+                    _p3m(q_slots[s], x_slots[s], safe_cell[s], inputs.mesh_sizes[s], mesh,
+                         volume[s], sigma, lr.interpolation_nodes)
+                )
+        kspace = torch.stack(per_structure)
+    kspace = kspace.reshape(-1, channels)[inputs.atom_slot]
+    periodic_part = (real + kspace) * atom_periodic.to(dtype)[:, None]
+    return out + 0.5 * periodic_part
+
+
+def features(params, config: PETConfig, readout_nodes, positions, cell, neighbors, edge_centers, edge_neighbors, edge_distances):
+    """Long-range features ``[n_atoms, d_node]`` from the readout node features.
+
+    ``h_bar = sum_r h_r / sqrt(R)`` over the R readout layers, charges
+    ``q = charges_map(h_bar)``, features ``out_projection(V(q))``.
+    """
+    h_bar = torch.stack(readout_nodes).sum(dim=0) * (1 / len(readout_nodes)) ** 0.5
+    charges = nn.linear(params["charges_map"], h_bar)
+    potential = potentials(config, charges, positions, cell, neighbors, edge_centers, edge_neighbors, edge_distances)
+    return nn.mlp2(params["out_projection"], potential)
