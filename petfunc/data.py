@@ -309,7 +309,11 @@ def make_batch(
     structures = [s.structure for s in samples]
     positions = [s.structure.positions @ r for s, r in zip(samples, rotations)]
     cells = [s.structure.cell @ r for s, r in zip(samples, rotations)]
-    pos, cell, graph = collate(structures, config, dtype=dtype, device=device, positions=positions, cells=cells)
+    # long-range models train with Ewald sums, as metatrain does (its batches are
+    # shaped alike for any cell, so one compiled graph serves every batch)
+    pos, cell, graph = collate(
+        structures, config, dtype=dtype, device=device, positions=positions, cells=cells, long_range="ewald"
+    )
 
     # the ZBL additive model's share of each label (zeros without ZBL); it is
     # rotation-equivariant, so it rotates with the labels

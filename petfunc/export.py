@@ -62,7 +62,9 @@ from .neighbors import Neighbors
 FORMAT = "petfunc.exported"
 VERSION = 2  # 2: Neighbors gained charge and spin_multiplicity
 METADATA = "petfunc.json"
-INPUTS = ("positions", "cell") + Neighbors._fields
+# long-range inputs (meshes, k-grids) are not part of the artifact's interface
+INPUTS = ("positions", "cell") + tuple(f for f in Neighbors._fields if f != "long_range")
+N_GRAPH_FIELDS = len(INPUTS) - 2
 OUTPUTS = ("energy", "energies", "forces", "strain_derivative")
 
 __all__ = ["export", "load", "ExportedPET"]
@@ -111,7 +113,7 @@ def trace(config: PETConfig, params, dtype=torch.float32, device="cpu"):
         return fn(params, positions, cell, Neighbors(*fields))
 
     positions, cell, neighbors = _example_inputs(config, dtype, device)
-    example = (positions, cell, *neighbors)
+    example = (positions, cell, *neighbors[:N_GRAPH_FIELDS])
     mode, fakes = _fake_inputs(list(example), [False] * len(example))
     with mode, torch.no_grad():
         graph = make_fx(flat, tracing_mode="real")(*fakes)
@@ -167,6 +169,11 @@ def export(
     """
     from torch.export.pt2_archive._package import package_pt2
 
+    if config.long_range.enable:
+        raise NotImplementedError(
+            "petfunc export does not support long-range models yet (their P3M meshes "
+            "and k-grids are not part of the artifact's inputs); use PETCalculator"
+        )
     path = Path(path)
     if path.suffix != ".pt2":
         raise ValueError(f"the exported model's file name must end in .pt2, got {str(path)!r}")
@@ -235,7 +242,7 @@ class ExportedPET:
         return f"ExportedPET({kind}, {self.dtype}, {self.device}, atomic_types={self.config.atomic_types})"
 
     def __call__(self, positions: torch.Tensor, cell: torch.Tensor, neighbors: Neighbors) -> Tuple[torch.Tensor, ...]:
-        inputs = (positions, cell, *neighbors)
+        inputs = (positions, cell, *neighbors[:N_GRAPH_FIELDS])
         for name, t in zip(INPUTS, inputs):
             if any(size < 2 for d, size in enumerate(t.shape) if not _is_xyz(name, d)):
                 raise ValueError(

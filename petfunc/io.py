@@ -40,6 +40,10 @@ FORMAT_VERSION = 1
 #: parameters that are not metatrain ``backend.*`` network weights
 EXTRA_KEYS = ("composition_weights", "energy_scale")
 
+#: the long-range weights, which metatrain's PET keeps outside ``backend.`` (its
+#: ``long_range_featurizer`` also holds torch-pme buffers, which are not weights)
+LONG_RANGE_WEIGHTS = ("long_range_featurizer.charges_map.", "long_range_featurizer.out_projection.")
+
 PathLike = Union[str, os.PathLike]
 
 
@@ -287,6 +291,9 @@ def _network_params(state: Mapping[str, torch.Tensor], target: str) -> Dict[str,
     prefix = "backend."
     out = {}
     for key, value in state.items():
+        if key.startswith(LONG_RANGE_WEIGHTS):
+            out[key] = value  # not under backend. in metatrain's PET
+            continue
         if not key.startswith(prefix):
             continue
         name = key[len(prefix):]
@@ -360,11 +367,6 @@ def _assemble(config, network, weights, scale, dtype, source):
 
 def _config_from_hypers(hypers: Mapping, atomic_types, source: str) -> PETConfig:
     hypers = dict(hypers)
-    if dict(hypers.get("long_range") or {}).get("enable"):
-        raise NotImplementedError(
-            f"{source} uses PET's long-range (torch-pme) features, which petfunc does "
-            "not implement"
-        )
     try:
         return PETConfig.from_hypers(hypers, atomic_types=[int(t) for t in atomic_types])
     except ValueError as error:
@@ -394,7 +396,6 @@ def from_metatrain(
 
     Raises:
         ImportError: metatrain is not installed (``pip install 'petfunc[metatrain]'``).
-        NotImplementedError: long-range checkpoints.
         ValueError: not a PET checkpoint, or weights that do not fit the hypers.
     """
     metatrain_pet = _require_metatrain()
@@ -476,6 +477,18 @@ def _from_exported(data: bytes, dtype, target, label):
         hypers["max_charge"] = int(conditioning.max_charge)
         hypers["max_spin_multiplicity"] = int(conditioning.max_spin_multiplicity)
     hypers["long_range"] = {"enable": bool(getattr(pet, "long_range", False))}
+    if hypers["long_range"]["enable"]:
+        try:
+            featurizer = pet.long_range_featurizer
+            p3m = featurizer.p3m_calculator
+            hypers["long_range"].update(
+                use_ewald=bool(featurizer.use_ewald),
+                smearing=float(p3m.potential.smearing),
+                kspace_resolution=float(p3m.mesh_spacing),
+                interpolation_nodes=int(p3m.interpolation_nodes),
+            )
+        except AttributeError as error:
+            raise ValueError(f"{label}: cannot read the long-range settings ({error})") from None
     state = {k[len("module."):] if k.startswith("module.") else k: v for k, v in module.state_dict().items()}
     # PET's additive models are [composition] or [composition, ZBL]
     hypers["zbl"] = any(k.startswith("additive_models.1.") for k in state)
@@ -506,7 +519,8 @@ def to_metatrain_state_dict(params, config: Optional[PETConfig] = None) -> Dict[
 
     With ``config`` the ``backend.species_to_species_index`` buffer is included too.
     The conditioning weights appear twice, as ``backend.system_conditioning.*`` and
-    ``system_conditioning.*``: metatrain's PET aliases that module. The composition
+    ``system_conditioning.*``: metatrain's PET aliases that module. The long-range
+    weights keep metatrain's names, ``long_range_featurizer.*``. The composition
     weights and energy scale live in metatensor buffers (``additive_models.0.*``,
     ``scaler.*``); they are not part of this dict.
     """
@@ -517,6 +531,9 @@ def to_metatrain_state_dict(params, config: Optional[PETConfig] = None) -> Dict[
         for i, t in enumerate(config.atomic_types):
             index[t] = i
         out["backend.species_to_species_index"] = index
-    out.update({f"backend.{k}": v for k, v in flat.items() if k not in EXTRA_KEYS})
+    out.update({
+        k if k.startswith(LONG_RANGE_WEIGHTS) else f"backend.{k}": v
+        for k, v in flat.items() if k not in EXTRA_KEYS
+    })
     out.update({k: v for k, v in flat.items() if k.startswith("system_conditioning.")})
     return out

@@ -53,12 +53,15 @@ class LongRange(NamedTuple):
         periodic: ``[n_structures]`` True for periodic structures (Ewald or P3M),
             False for molecules (direct sum).
         kgrid: ``[n_structures, n_k, 3]`` integer coordinates m of each structure's
-            Ewald k-vectors (zero rows pad; the k = 0 term vanishes). ``n_k`` is 0
-            when the batch uses P3M.
+            Ewald k-vectors (zero rows pad, at least two rows; the k = 0 term
+            vanishes). ``n_k`` is 0 when the batch uses P3M.
         mesh_sizes: ``[n_structures, 3]`` P3M mesh points along each cell vector.
-        meshes: per structure, a ``uint8`` tensor of the mesh's shape ``[n_a, n_b,
-            n_c]`` (its values are unused; its shape sizes the FFT) for P3M, else None.
-        pairs: ``[n_pairs, 2]`` atom pairs (i < j) of every non-periodic structure.
+        meshes: P3M batches: per structure, a ``uint8`` tensor of the mesh's shape
+            ``[n_a, n_b, n_c]`` (its values are unused; its shape sizes the FFT), or
+            None for a molecule. Ewald batches: empty.
+        pairs: ``[n_pairs, 2]`` atom pairs (i < j) of every non-periodic structure,
+            padded with (0, 0) to at least two.
+        pair_mask: ``[n_pairs]`` True for real pairs.
     """
 
     structure_atoms: torch.Tensor
@@ -69,11 +72,12 @@ class LongRange(NamedTuple):
     mesh_sizes: torch.Tensor
     meshes: Tuple[Optional[torch.Tensor], ...]
     pairs: torch.Tensor
+    pair_mask: torch.Tensor
 
     def to(self, device) -> "LongRange":
         fields = [t.to(device) for t in self[:6]]
         meshes = tuple(None if m is None else m.to(device) for m in self.meshes)
-        return LongRange(*fields, meshes, self.pairs.to(device))
+        return LongRange(*fields, meshes, self.pairs.to(device), self.pair_mask.to(device))
 
 
 # ---------------------------------------------------------------------------------------
@@ -140,7 +144,7 @@ def build(
                 f"all three directions or none, got pbc={pbc.tolist()}"
             )
     offsets = np.cumsum([0] + n_atoms)
-    width = max(n_atoms) if n_atoms else 0
+    width = max(n_atoms + [2])  # sizes 0 and 1 would be specialised when compiled
     structure_atoms = np.zeros((n_structures, width), dtype=np.int64)
     structure_mask = np.zeros((n_structures, width), dtype=bool)
     atom_slot = np.zeros(offsets[-1], dtype=np.int64)
@@ -159,19 +163,24 @@ def build(
         ewald_kgrid(cells[s], lr.kspace_resolution) if method == "ewald" and periodic[s] else np.zeros((0, 3), np.int64)
         for s in range(n_structures)
     ]
-    n_k = max((len(g) for g in grids), default=0)
+    n_k = max([len(g) for g in grids] + [2]) if method == "ewald" else 0
     kgrid = np.zeros((n_structures, n_k, 3), dtype=np.int64)
     for s, g in enumerate(grids):
         kgrid[s, : len(g)] = g
     mesh_sizes = np.ones((n_structures, 3), dtype=np.int64)
-    meshes = []
-    for s in range(n_structures):
-        if method == "p3m" and periodic[s]:
+    meshes = []  # Ewald batches have none, so their structure is the same for any size
+    for s in range(n_structures if method == "p3m" else 0):
+        if periodic[s]:
             mesh_sizes[s] = p3m_mesh_sizes(cells[s], lr.kspace_resolution)
             meshes.append(torch.zeros(tuple(int(n) for n in mesh_sizes[s]), dtype=torch.uint8, device=device))
         else:
             meshes.append(None)
     pairs = np.concatenate(pairs) if pairs else np.zeros((0, 2), dtype=np.int64)
+    # compiled graphs specialise sizes 0 and 1: keep at least two pairs and k-vectors
+    # (padding pairs are masked; padding k-vectors are k = 0, whose term is zero)
+    n_pad = max(0, 2 - len(pairs))
+    pair_mask = np.concatenate([np.ones(len(pairs), dtype=bool), np.zeros(n_pad, dtype=bool)])
+    pairs = np.concatenate([pairs, np.zeros((n_pad, 2), dtype=np.int64)])
 
     def t(a, dtype=torch.long):
         return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
@@ -185,6 +194,7 @@ def build(
         mesh_sizes=t(mesh_sizes),
         meshes=tuple(meshes),
         pairs=t(pairs.reshape(-1, 2)),
+        pair_mask=t(pair_mask, torch.bool),
     )
 
 
@@ -300,7 +310,9 @@ def _p3m(q, positions, cell, sizes, mesh, volume, sigma: float, order: int):
     flat = ((ix * ny + iy) * nz + iz).reshape(-1)  # [order^3 * A]
     w = (weights[:, None, None, :, 0] * weights[None, :, None, :, 1] * weights[None, None, :, :, 2]).reshape(-1, q.shape[0])
     values = (w[None] * q.T[:, None, :]).reshape(channels, -1)  # [C, order^3 * A]
-    rho = torch.zeros(channels, nx * ny * nz, dtype=dtype, device=device)
+    # zeros shaped from ``mesh`` rather than from its sizes: a factory call whose size
+    # is a product of symbolic sizes does not survive reloading a pickled trace
+    rho = torch.zeros_like(mesh, dtype=dtype).reshape(1, -1).repeat(channels, 1)
     rho = rho.scatter_add(1, flat[None].expand(channels, -1), values).reshape(channels, nx, ny, nz)
 
     # the P3M filter: Coulomb kernel divided by the squared assignment transform
@@ -346,8 +358,10 @@ def potentials(config: PETConfig, charges, positions, cell, neighbors, edge_cent
 
     # non-periodic structures: direct sum over all pairs
     i, j = inputs.pairs[:, 0], inputs.pairs[:, 1]
-    r = torch.sqrt(((positions[j] - positions[i]) ** 2).sum(dim=1))
-    v = (1.0 / r.clamp(min=1e-15)) * (1 - _exclusion(r, r_c))
+    pair_weight = inputs.pair_mask.to(dtype)
+    # padding pairs get r = 1 (a finite gradient) and weight 0; real pairs are exact
+    r = torch.sqrt(((positions[j] - positions[i]) ** 2).sum(dim=1) + (1 - pair_weight))
+    v = (1.0 / r.clamp(min=1e-15)) * (1 - _exclusion(r, r_c)) * pair_weight
     direct = out.index_add(0, i, charges[j] * v[:, None]).index_add(0, j, charges[i] * v[:, None])
     out = out + 0.5 * direct
 
@@ -366,7 +380,7 @@ def potentials(config: PETConfig, charges, positions, cell, neighbors, edge_cent
     mask = inputs.structure_mask.to(dtype)[:, :, None]
     q_slots = charges[inputs.structure_atoms] * mask  # [S, A, C]
     x_slots = positions[inputs.structure_atoms]  # [S, A, 3]
-    if inputs.kgrid.shape[1] > 0 or all(m is None for m in inputs.meshes):
+    if len(inputs.meshes) == 0:
         kspace = _ewald(q_slots, x_slots, safe_cell, inputs.kgrid, volume, sigma)
     else:
         per_structure = []

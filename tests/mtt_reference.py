@@ -69,7 +69,10 @@ def load_params(model, params):
     flat = petfunc.tree.flatten(params)
     weights = flat.pop("composition_weights")
     scale = flat.pop("energy_scale")
-    state = {f"backend.{k}": v.detach().to(torch.float64) for k, v in flat.items()}
+    state = {
+        k if k.startswith(petfunc.io.LONG_RANGE_WEIGHTS) else f"backend.{k}": v.detach().to(torch.float64)
+        for k, v in flat.items()
+    }
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k.startswith("backend.") and k != "backend.species_to_species_index"]
     assert not missing and not unexpected, (missing, unexpected)

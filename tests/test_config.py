@@ -106,9 +106,21 @@ def test_other_errors_name_fields_and_values():
         PETConfig.from_hypers({"d_pett": 16})
 
 
-def test_unsupported_modules_raise_not_implemented():
-    with pytest.raises(NotImplementedError, match="long_range"):
-        PETConfig(long_range={"enable": True})
+def test_long_range_settings_are_checked():
+    config = PETConfig(long_range={"enable": True, "smearing": 2, "interpolation_nodes": 3})
+    assert config.long_range.enable and config.long_range.smearing == 2.0
+    assert isinstance(config.long_range.smearing, float)
+    assert PETConfig.from_hypers(config.to_hypers()) == config
+    with pytest.raises(ValueError, match="long_range.smearing must be a positive number, got 0"):
+        PETConfig(long_range={"enable": True, "smearing": 0})
+    with pytest.raises(ValueError, match="long_range.kspace_resolution must be a positive number"):
+        PETConfig(long_range={"enable": True, "kspace_resolution": -1.0})
+    with pytest.raises(ValueError, match="interpolation_nodes must be an integer from 1 to 5, got 6"):
+        PETConfig(long_range={"enable": True, "interpolation_nodes": 6})
+    with pytest.raises(ValueError, match=r"unknown long_range hyperparameters: \['cutof'\]"):
+        PETConfig(long_range={"enable": True, "cutof": 1.0})
+    with pytest.raises(ValueError, match="long_range.enable must be true or false"):
+        PETConfig(long_range={"enable": "yes"})
 
 
 def test_conditioning_table_sizes_are_checked():

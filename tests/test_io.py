@@ -324,8 +324,8 @@ def test_from_metatrain_errors(tmp_path, monkeypatch):
 
     long_range = copy.deepcopy(checkpoint["model_data"])
     long_range["model_hypers"]["long_range"]["enable"] = True
-    with pytest.raises(NotImplementedError, match="long-range"):
-        petfunc.from_metatrain(dict(checkpoint, model_data=long_range))
+    with pytest.raises(ValueError, match="long_range_featurizer.charges_map.weight"):
+        petfunc.from_metatrain(dict(checkpoint, model_data=long_range))  # hypers without weights
 
     with pytest.raises(FileNotFoundError):
         petfunc.from_metatrain(tmp_path / "missing.ckpt")

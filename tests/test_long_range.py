@@ -1,0 +1,264 @@
+"""Long-range (Coulomb) features: parity with metatrain's torch-pme featurizer in its
+evaluation mode (P3M, direct sums) and training mode (Ewald), finite differences of
+forces and stress, the compiled calculator, and input errors."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import ase  # noqa: E402
+import ase.build  # noqa: E402
+
+import petfunc  # noqa: E402
+from petfunc import long_range  # noqa: E402
+
+SMALL = dict(d_pet=16, d_node=24, d_head=8, d_feedforward=16, num_heads=2)
+TYPES = (1, 6, 8)
+
+
+def _config(**lr):
+    extra = {k: lr.pop(k) for k in list(lr) if k not in ("smearing", "kspace_resolution", "interpolation_nodes")}
+    return petfunc.PETConfig(atomic_types=TYPES, long_range=dict(enable=True, **lr), **SMALL, **extra)
+
+
+def _params(config, seed=3):
+    """Random weights (float64) with a non-trivial composition and scale."""
+    params = petfunc.PET(config).init(seed=seed, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed + 1)
+    flat = petfunc.tree.flatten(params)
+    for k, v in flat.items():
+        if k not in ("composition_weights", "energy_scale"):
+            flat[k] = v + 0.3 * torch.randn(v.shape, generator=g, dtype=v.dtype)
+    flat["composition_weights"] = torch.tensor([-1.5, -4.0, -3.0], dtype=torch.float64)
+    flat["energy_scale"] = torch.tensor(0.7, dtype=torch.float64)
+    return petfunc.tree.unflatten(flat)
+
+
+def _molecule():
+    atoms = ase.build.molecule("CH3CH2OH")
+    atoms.rattle(0.05, seed=2)
+    return atoms
+
+
+def _diamond():
+    atoms = ase.build.bulk("C", "diamond", a=3.57, cubic=True)
+    atoms.rattle(0.1, seed=1)
+    return atoms
+
+
+def _triclinic():
+    cell = [[4.2, 0.1, 0.3], [0.8, 4.6, 0.0], [0.2, 0.5, 5.1]]
+    return ase.Atoms("CHO", positions=[[0, 0, 0], [1.1, 0.3, 0.2], [0.5, 1.4, 0.9]], cell=cell, pbc=True)
+
+
+def _relative(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
+
+
+# ---------------------------------------------------------------------------------------
+# parity with metatrain
+
+
+CONFIGS = {
+    "feedforward-p3m5": {},
+    "residual-p3m4": dict(featurizer_type="residual", smearing=1.1, kspace_resolution=0.9, interpolation_nodes=4, cutoff=4.0),
+    "cosine-p3m3": dict(cutoff_function="Cosine", smearing=1.7, kspace_resolution=1.6, interpolation_nodes=3),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_evaluation_matches_metatrain(name):
+    """P3M for cells and direct sums for molecules (metatrain's evaluation mode), alone
+    and in one mixed batch: energies, per-atom energies, forces, dE/dstrain."""
+    ref = pytest.importorskip("mtt_reference")
+    config = _config(**CONFIGS[name])
+    params = _params(config)
+    mtt = ref.make_model(config)
+    ref.load_params(mtt, params)
+    model = petfunc.PET(config)
+    efs = petfunc.energy_forces_strain_derivative(model.energy)
+    for frames in ([_molecule()], [_diamond()], [_triclinic()], [_molecule(), _diamond(), _triclinic()]):
+        energy, per_atom, forces, strain = ref.evaluate(mtt, frames)
+        positions, cell, neighbors = petfunc.from_atoms(frames, config, dtype=torch.float64)
+        e, f, w = efs(params, positions, cell, neighbors)
+        pa = model.per_atom_energies(params, positions, cell, neighbors)
+        assert _relative(e, energy) < 1e-12
+        assert _relative(pa, per_atom) < 1e-12
+        assert _relative(f, forces) < 1e-11
+        assert _relative(w, strain) < 1e-11
+
+
+def test_long_range_part_is_not_negligible():
+    """The comparison above would not notice a missing long-range part if it were
+    tiny: zeroing its output layer changes energies and forces at the percent level."""
+    config = _config()
+    params = _params(config)
+    positions, cell, neighbors = petfunc.from_atoms([_diamond()], config, dtype=torch.float64)
+    efs = petfunc.energy_forces_strain_derivative(petfunc.PET(config).energy)
+    e, f, _ = efs(params, positions, cell, neighbors)
+    last = params["long_range_featurizer"]["out_projection"]["2"]
+    off = {k: torch.zeros_like(v) for k, v in last.items()}
+    params_off = dict(params, long_range_featurizer=dict(params["long_range_featurizer"], out_projection={"0": params["long_range_featurizer"]["out_projection"]["0"], "2": off}))
+    e0, f0, _ = efs(params_off, positions, cell, neighbors)
+    assert _relative(e - e0, e) > 1e-3
+    assert _relative(f - f0, f) > 1e-2
+
+
+def test_training_mode_matches_metatrain():
+    """Ewald (metatrain's training mode): raw energies, forces and the parameter
+    gradient of an energy + force loss, against metatrain's training-mode autograd."""
+    ref = pytest.importorskip("mtt_reference")
+    from metatomic.torch import ModelOutput, System, systems_to_torch
+    from metatrain.utils.neighbor_lists import get_requested_neighbor_lists, get_system_with_neighbor_lists
+
+    config = _config(smearing=1.2, kspace_resolution=1.0)
+    params = _params(config)
+    mtt = ref.make_model(config)
+    ref.load_params(mtt, params)
+    mtt.train()
+    frames = [_diamond(), _molecule(), _triclinic()]
+    requested = get_requested_neighbor_lists(mtt)
+    systems, positions_list = [], []
+    for system in systems_to_torch(frames, dtype=torch.float64):
+        x = system.positions.clone().requires_grad_(True)
+        positions_list.append(x)
+        systems.append(get_system_with_neighbor_lists(System(types=system.types, positions=x, cell=system.cell, pbc=system.pbc), requested))
+    out = mtt(systems, {"energy": ModelOutput(quantity="energy", unit="eV", sample_kind="system")})
+    energy = out["energy"].block().values[:, 0]
+    forces = -torch.cat(torch.autograd.grad(energy.sum(), positions_list, create_graph=True))
+    loss = (energy**2).sum() + (forces**2).sum()
+    names = [n for n, p in mtt.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [p for n, p in mtt.named_parameters() if p.requires_grad], allow_unused=True)
+    expected = {n: g for n, g in zip(names, grads) if g is not None}
+
+    model = petfunc.PET(config)
+    positions, cell, neighbors = petfunc.from_atoms(frames, config, dtype=torch.float64, long_range="ewald")
+
+    def ours(p):
+        e, f = petfunc.energy_and_forces(model.raw_energy)(p, positions, cell, neighbors)
+        return (e**2).sum() + (f**2).sum(), (e, f)
+
+    got, (e, f) = torch.func.grad(ours, has_aux=True)(params)
+    assert _relative(e, energy.detach()) < 1e-12
+    assert _relative(f, forces.detach()) < 1e-11
+    flat = petfunc.io.to_metatrain_state_dict(got)
+    compared = 0
+    for name, value in expected.items():
+        if name.startswith("system_conditioning."):
+            continue
+        assert _relative(flat[name], value) < 1e-8, name
+        compared += 1
+    assert compared == len([k for k in flat if not k.startswith("backend.species")])
+    assert any(k.startswith("long_range_featurizer.") for k in expected)
+
+
+# ---------------------------------------------------------------------------------------
+# derivatives
+
+
+@pytest.mark.parametrize("method", long_range.METHODS)
+def test_forces_and_stress_are_finite_differences(method):
+    """Forces and dE/dstrain of a cell (Ewald or P3M) and forces of a molecule (direct)
+    against central differences, float64."""
+    config = _config(smearing=1.3, kspace_resolution=1.1)
+    params = _params(config)
+    model = petfunc.PET(config)
+    efs = petfunc.energy_forces_strain_derivative(model.energy)
+    for atoms in (_triclinic(), _molecule()):
+        positions, cell, neighbors = petfunc.from_atoms([atoms], config, dtype=torch.float64, long_range=method)
+        _, forces, strain = efs(params, positions, cell, neighbors)
+        h = 1e-5
+        for atom, axis in ((0, 0), (1, 2), (2, 1)):
+            plus, minus = positions.clone(), positions.clone()
+            plus[atom, axis] += h
+            minus[atom, axis] -= h
+            fd = -(model.energy(params, plus, cell, neighbors) - model.energy(params, minus, cell, neighbors)) / (2 * h)
+            assert abs(float(fd[0] - forces[atom, axis])) < 1e-6 * max(1.0, float(forces.abs().max()))
+        if atoms.pbc.any():
+            for a, b in ((0, 0), (0, 1), (2, 1)):
+                eps = torch.zeros(3, 3, dtype=torch.float64)
+                eps[a, b] = h
+                up = model.energy(params, positions @ (torch.eye(3, dtype=torch.float64) + eps), cell @ (torch.eye(3, dtype=torch.float64) + eps), neighbors)
+                down = model.energy(params, positions @ (torch.eye(3, dtype=torch.float64) - eps), cell @ (torch.eye(3, dtype=torch.float64) - eps), neighbors)
+                fd = (up - down) / (2 * h)
+                assert abs(float(fd[0] - strain[0, a, b])) < 1e-6 * max(1.0, float(strain.abs().max()))
+
+
+def test_ewald_converges_to_p3m():
+    """Two methods, one potential: Ewald and P3M agree to the P3M discretisation error,
+    and P3M comes closer on a finer mesh."""
+    config = _config()
+    fine = _config(kspace_resolution=0.5)
+    q = torch.randn(8, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    q = q - q.mean(dim=0)
+    atoms = _diamond()
+
+    def potentials(config, method):
+        positions, cell, neighbors = petfunc.from_atoms([atoms], config, dtype=torch.float64, long_range=method)
+        vectors = petfunc.model.edge_vectors(positions, cell, neighbors)
+        distances = torch.sqrt((vectors**2).sum(dim=1) + 1e-15)
+        return long_range.potentials(config, q, positions, cell, neighbors, neighbors.centers, neighbors.neighbors, distances)
+
+    ewald = potentials(fine, "ewald")
+    coarse_error = _relative(potentials(config, "p3m"), ewald)
+    fine_error = _relative(potentials(fine, "p3m"), ewald)
+    assert fine_error < coarse_error < 1e-2
+    assert fine_error < 1e-4
+
+
+# ---------------------------------------------------------------------------------------
+# calculator, errors
+
+
+def test_compiled_calculator_follows_md_without_recompiling():
+    """The compiled calculator (P3M) equals eager over steps whose neighbour counts
+    change, with one graph."""
+    pytest.importorskip("ase")
+    import petfunc.ase
+
+    config = _config()
+    params = _params(config)
+    atoms = _diamond()
+    compiled = petfunc.ase.PETCalculator(config, params, compile=True, backend="aot_eager")
+    eager = petfunc.ase.PETCalculator(config, params)
+    counts = set()
+    for step in range(4):
+        atoms.rattle(0.08, seed=10 + step)
+        for calc in (compiled, eager):
+            calc.calculate(atoms, ["energy", "forces", "stress"])
+        _, _, neighbors = petfunc.from_atoms([atoms], config)
+        counts.add(int(neighbors.centers.shape[0]))
+        for key in ("energy", "forces", "stress"):
+            a, b = np.asarray(compiled.results[key]), np.asarray(eager.results[key])
+            assert np.abs(a - b).max() <= 1e-9 * max(1.0, np.abs(b).max()), key
+    assert len(counts) > 1
+    assert compiled.num_compilations == 1
+
+
+def test_input_errors():
+    config = _config()
+    slab = _triclinic()
+    slab.pbc = [True, True, False]
+    with pytest.raises(ValueError, match=r"periodic along all three directions or none, got pbc=\[True, True, False\]"):
+        petfunc.from_atoms([slab], config)
+    with pytest.raises(ValueError, match="long-range method must be one of"):
+        petfunc.from_atoms([_triclinic()], config, long_range="pme")
+    with pytest.raises(NotImplementedError, match="long-range"):
+        from petfunc.export import export
+
+        export(config, _params(config), "model.pt2")
+
+
+def test_ewald_grid_and_p3m_mesh_follow_torch_pme():
+    """The k-grid and mesh sizes: ceil(|a| / lambda) FFT frequencies per axis, and the
+    power of two at or above 2 |a| / h + 1."""
+    cell = np.diag([4.0, 5.3, 2.5])
+    grid = long_range.ewald_kgrid(cell, 1.33)
+    assert grid.shape == (4 * 4 * 2, 3)
+    assert sorted(set(grid[:, 0])) == [-2, -1, 0, 1] and sorted(set(grid[:, 2])) == [-1, 0]
+    assert long_range.p3m_mesh_sizes(cell, 1.33).tolist() == [8, 16, 8]
