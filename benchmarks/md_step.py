@@ -28,6 +28,11 @@ Run from the repository root on a quiet machine:
     python benchmarks/md_step.py --quick               # 3 repeats (a smoke run)
     python benchmarks/md_step.py --no-compile          # skip the inductor compile
     python benchmarks/md_step.py --export              # add the AOTInductor artifact
+    python benchmarks/md_step.py --long-range          # PET with long-range features
+
+With ``--long-range`` the metatomic column's numbers differ from petfunc's by about
+1e-4 eV: metatrain pairs its sorted edge lengths with the unsorted pairs of
+metatomic's Verlet list in the real-space Coulomb term (see the README).
 
 Needs metatrain and metatomic-ase (``pip install 'petfunc[metatrain]'``).
 """
@@ -97,7 +102,9 @@ def metatomic_calculator(config, params, dtype, skin):
 
     hypers = copy.deepcopy(get_default_hypers("pet")["model"])
     for key, value in config.to_hypers().items():
-        if key not in ("atomic_types", "long_range"):
+        if key == "long_range":
+            hypers["long_range"].update(value)
+        elif key != "atomic_types":
             hypers[key] = value
     targets = {"energy": get_energy_target_info("energy", {"quantity": "energy", "unit": "eV"})}
     info = DatasetInfo(length_unit="angstrom", atomic_types=list(config.atomic_types), targets=targets)
@@ -161,6 +168,7 @@ def main(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="skip petfunc compiled (inductor)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--export", action="store_true", help="add petfunc's AOTInductor artifact (petfunc export)")
+    parser.add_argument("--long-range", action="store_true", help="PET with long-range features (P3M/direct, torch-pme's defaults)")
     add_malloc_option(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -171,7 +179,7 @@ def main(argv=None):
     apply_malloc(args)
     dtype = getattr(torch, args.dtype)
 
-    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8))
+    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), long_range={"enable": args.long_range})
     params = petfunc.init(config, seed=0, dtype=dtype)
     calculators = {
         "metatomic": metatomic_calculator(config, params, dtype, args.skin),

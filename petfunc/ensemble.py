@@ -177,8 +177,11 @@ def stack_batches(batches: Sequence[Batch]) -> Batch:
     """
     batches = list(batches)
     first = batches[0].neighbors
+    first_leaves, first_spec = torch.utils._pytree.tree_flatten(first)
     for i, b in enumerate(batches[1:], start=1):
-        if any(not torch.equal(a, c) for a, c in zip(first, b.neighbors)):
+        leaves, spec = torch.utils._pytree.tree_flatten(b.neighbors)
+        same = [a is c is None or (a is not None and c is not None and torch.equal(a, c)) for a, c in zip(first_leaves, leaves)]
+        if spec != first_spec or not all(same):
             raise ValueError(f"batch {i} has another neighbour graph than batch 0")
     fields = {
         name: torch.stack([getattr(b, name) for b in batches])

@@ -177,10 +177,14 @@ def _checkpoint_path(name):
     return os.path.join(os.path.dirname(metatrain.pet.__file__), "tests", "checkpoints", name)
 
 
-@pytest.mark.parametrize("conditioning", [False, True])
-def test_from_metatrain_reads_back_a_fresh_model(conditioning):
+@pytest.mark.parametrize("module", [None, "conditioning", "long_range"])
+def test_from_metatrain_reads_back_a_fresh_model(module):
     ref = _metatrain()
-    extra = dict(system_conditioning=True, max_charge=4, max_spin_multiplicity=6) if conditioning else {}
+    extra = {
+        None: {},
+        "conditioning": dict(system_conditioning=True, max_charge=4, max_spin_multiplicity=6),
+        "long_range": dict(long_range=dict(enable=True, smearing=1.2, kspace_resolution=0.8, interpolation_nodes=3)),
+    }[module]
     config = _config(num_neighbors_adaptive=9, transformer_type="PostLN", attention_temperature=2.0, **extra)
     params = _params(config)
     model = ref.make_model(config)
@@ -193,7 +197,10 @@ def test_from_metatrain_reads_back_a_fresh_model(conditioning):
     state = petfunc.io.to_metatrain_state_dict(loaded, loaded_config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected
-    assert all(k.startswith(("additive_models.", "scaler.")) for k in missing), missing
+    # torch-pme's buffers (smearing, prefactor, ...) are settings, not weights
+    buffers = ("additive_models.", "scaler.", "long_range_featurizer.ewald_calculator.",
+               "long_range_featurizer.p3m_calculator.", "long_range_featurizer.direct_calculator.")
+    assert all(k.startswith(buffers) for k in missing), missing
 
 
 def test_from_metatrain_keeps_the_zbl_flag():
@@ -249,6 +256,21 @@ def test_from_metatrain_exported_model(tmp_path):
     config_ck, params_ck = petfunc.from_metatrain(path)
     assert config == config_ck
     _assert_same(params, params_ck)
+
+
+def test_from_metatrain_exported_long_range_model(tmp_path):
+    """The long-range settings and weights of an exported model are read back."""
+    ref = _metatrain()
+    from metatrain.utils.io import model_from_checkpoint
+
+    config = _config(long_range=dict(enable=True, use_ewald=True, smearing=1.1, kspace_resolution=0.9, interpolation_nodes=4))
+    params = _params(config)
+    model = ref.make_model(config)
+    ref.load_params(model, params)
+    model_from_checkpoint(model.get_checkpoint(), "export").export().save(str(tmp_path / "model.pt"))
+    loaded_config, loaded = petfunc.from_metatrain(tmp_path / "model.pt")
+    assert loaded_config == config
+    _assert_same(loaded, params)
 
 
 def test_from_metatrain_merges_lora(tmp_path):

@@ -15,7 +15,7 @@ import ase  # noqa: E402
 import ase.build  # noqa: E402
 
 import petfunc  # noqa: E402
-from petfunc import long_range  # noqa: E402
+from petfunc import ensemble, long_range  # noqa: E402
 
 SMALL = dict(d_pet=16, d_node=24, d_head=8, d_feedforward=16, num_heads=2)
 TYPES = (1, 6, 8)
@@ -187,6 +187,35 @@ def test_forces_and_stress_are_finite_differences(method):
                 down = model.energy(params, positions @ (torch.eye(3, dtype=torch.float64) - eps), cell @ (torch.eye(3, dtype=torch.float64) - eps), neighbors)
                 fd = (up - down) / (2 * h)
                 assert abs(float(fd[0] - strain[0, a, b])) < 1e-6 * max(1.0, float(strain.abs().max()))
+
+
+@pytest.mark.parametrize("method", long_range.METHODS)
+def test_hessian_and_committee(method):
+    """Second derivatives and vmap go through the FFTs and Ewald sums: the Hessian of
+    a cell is symmetric and equals finite differences of the forces; a vmap'd
+    committee equals its members one by one."""
+    config = _config(smearing=1.3, kspace_resolution=1.1)
+    params = _params(config)
+    model = petfunc.PET(config)
+    positions, cell, neighbors = petfunc.from_atoms([_triclinic()], config, dtype=torch.float64, long_range=method)
+    hessian = petfunc.hessian(model.energy)(params, positions, cell, neighbors).reshape(9, 9)
+    assert float((hessian - hessian.T).abs().max()) < 1e-10 * float(hessian.abs().max())
+    forces = petfunc.forces(model.energy)
+    h = 1e-5
+    for k in (0, 4, 8):
+        step = torch.zeros(9, dtype=torch.float64)
+        step[k] = h
+        up = forces(params, positions + step.reshape(3, 3), cell, neighbors)
+        down = forces(params, positions - step.reshape(3, 3), cell, neighbors)
+        column = -(up - down).reshape(-1) / (2 * h)
+        assert _relative(hessian[:, k], column) < 1e-6
+
+    members = [_params(config, seed=s) for s in (1, 2, 3)]
+    stacked = ensemble.stack(members)
+    both = petfunc.from_atoms([_triclinic(), _molecule()], config, dtype=torch.float64, long_range=method)
+    committee = torch.func.vmap(model.energy, in_dims=(0, None, None, None))(stacked, *both)
+    one_by_one = torch.stack([model.energy(p, *both) for p in members])
+    assert _relative(committee, one_by_one) < 1e-12
 
 
 def test_ewald_converges_to_p3m():

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from petfunc import tree
+from petfunc import cli, tree
+from petfunc.model import PET
 from petfunc.cli import make_default_dataset
 from petfunc.options import parse_loss, resolve_options
 from petfunc.trainer import (
@@ -440,6 +441,21 @@ def test_finetune_from_metatrain_checkpoint(tmp_path):
     options["architecture"]["model"] = {"d_pet": 16}
     with pytest.raises(ValueError, match="architecture.model' must be empty when fine-tuning"):
         fit(options, None, progress=False, log=quiet())
+
+
+def test_long_range_training(dataset, tmp_path):
+    """A model with long-range features trains (Ewald batches), its weights move, and
+    the checkpoint evaluates (P3M) with the errors the trainer reported."""
+    options = tiny_options(dataset)
+    options["architecture"]["model"]["long_range"] = {"enable": True, "kspace_resolution": 1.0}
+    lines = []
+    fit(options, tmp_path / "run", progress=False, log=quiet(lines))
+    config, params = load_model(tmp_path / "run" / "best.ckpt")
+    assert config.long_range.enable and config.long_range.kspace_resolution == 1.0
+    fresh = PET(config).init(seed=options["seed"], dtype=torch.float32)
+    key = "long_range_featurizer.charges_map.weight"
+    assert not torch.allclose(tree.flatten(params)[key], tree.flatten(fresh)[key])
+    assert cli.main(["eval", str(tmp_path / "run" / "best.ckpt"), str(dataset)]) == 0
 
 
 def test_charge_and_spin_conditioned_training(dataset, tmp_path):
