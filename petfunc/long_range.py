@@ -339,6 +339,14 @@ def _p3m(q, positions, cell, sizes, mesh, volume, sigma: float, order: int):
     return at_atoms / volume + _corrections(q[None], volume[None], sigma)[0]
 
 
+def _row_sum(like: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out[index[e]] += rows[e]`` into zeros shaped like ``like [n, C]``.
+
+    scatter_add, not index_add: inductor miscompiles index_add in some batched and
+    size-1 cases (compile notes P5, P6)."""
+    return torch.zeros_like(like).scatter_add(0, index[:, None].expand_as(rows), rows)
+
+
 def potentials(config: PETConfig, charges, positions, cell, neighbors, edge_centers, edge_neighbors, edge_distances):
     """Coulomb potentials ``[n_atoms, C]`` of the learned ``charges [n_atoms, C]``.
 
@@ -362,14 +370,14 @@ def potentials(config: PETConfig, charges, positions, cell, neighbors, edge_cent
     # padding pairs get r = 1 (a finite gradient) and weight 0; real pairs are exact
     r = torch.sqrt(((positions[j] - positions[i]) ** 2).sum(dim=1) + (1 - pair_weight))
     v = (1.0 / r.clamp(min=1e-15)) * (1 - _exclusion(r, r_c)) * pair_weight
-    direct = out.index_add(0, i, charges[j] * v[:, None]).index_add(0, j, charges[i] * v[:, None])
+    direct = _row_sum(charges, i, charges[j] * v[:, None]) + _row_sum(charges, j, charges[i] * v[:, None])
     out = out + 0.5 * direct
 
     # periodic structures: real-space part over the PET edges ...
     edge_periodic = atom_periodic[edge_centers]
     lr_part = torch.erf(edge_distances / sigma / 2.0**0.5) / edge_distances.clamp(min=1e-12)
     v_sr = -lr_part * _exclusion(edge_distances, r_c) * edge_periodic.to(dtype)
-    real = torch.zeros_like(charges).index_add(0, edge_centers, charges[edge_neighbors] * v_sr[:, None])
+    real = _row_sum(charges, edge_centers, charges[edge_neighbors] * v_sr[:, None])
 
     # ... and the reciprocal-space part, on the [S, max_atoms] structure layout
     # (non-periodic structures get the identity cell so nothing is singular; their
