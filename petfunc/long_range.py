@@ -357,12 +357,11 @@ def potentials(config: PETConfig, charges, positions, cell, neighbors, edge_cent
     inputs: LongRange = neighbors.long_range
     lr = config.long_range
     sigma, r_c = lr.smearing, config.cutoff
-    n_atoms, channels = charges.shape
+    channels = charges.shape[1]
     dtype = charges.dtype
     sidx = neighbors.structure_index
     structure_periodic = inputs.periodic  # [S]
     atom_periodic = structure_periodic[sidx]  # [n_atoms]
-    out = torch.zeros_like(charges)
 
     # non-periodic structures: direct sum over all pairs
     i, j = inputs.pairs[:, 0], inputs.pairs[:, 1]
@@ -371,9 +370,8 @@ def potentials(config: PETConfig, charges, positions, cell, neighbors, edge_cent
     r = torch.sqrt(((positions[j] - positions[i]) ** 2).sum(dim=1) + (1 - pair_weight))
     v = (1.0 / r.clamp(min=1e-15)) * (1 - _exclusion(r, r_c)) * pair_weight
     direct = _row_sum(charges, i, charges[j] * v[:, None]) + _row_sum(charges, j, charges[i] * v[:, None])
-    out = out + 0.5 * direct
 
-    # periodic structures: real-space part over the PET edges ...
+    # periodic structures: real-space part over the neighbour list ...
     edge_periodic = atom_periodic[edge_centers]
     lr_part = torch.erf(edge_distances / sigma / 2.0**0.5) / edge_distances.clamp(min=1e-12)
     v_sr = -lr_part * _exclusion(edge_distances, r_c) * edge_periodic.to(dtype)
@@ -403,7 +401,7 @@ def potentials(config: PETConfig, charges, positions, cell, neighbors, edge_cent
         kspace = torch.stack(per_structure)
     kspace = kspace.reshape(-1, channels)[inputs.atom_slot]
     periodic_part = (real + kspace) * atom_periodic.to(dtype)[:, None]
-    return out + 0.5 * periodic_part
+    return 0.5 * (direct + periodic_part)
 
 
 def features(params, config: PETConfig, readout_nodes, positions, cell, neighbors, edge_centers, edge_neighbors, edge_distances):

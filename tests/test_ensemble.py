@@ -291,5 +291,16 @@ def test_compiled_pet_ensemble(backend):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_long_range_ensemble(backend):
+    """Long-range features (Ewald for the cells, direct sums for the molecules of
+    these batches) in the compiled vmap'd E/F/S and training step."""
+    config = dataclasses.replace(MINI, d_head=32, long_range=petfunc.config.LongRangeConfig(enable=True, kspace_resolution=1.0))
+    assert toy.labelled_batch(config, 3, 0).neighbors.long_range.periodic.tolist() == [True, False, True]
+    worst = _check_compiled_ensemble(config, backend)
+    print(f"long-range PET ensemble {backend}: max relative errors {worst}")
+
+
+@pytest.mark.slow
 def test_compiled_toy_ensemble_inductor():
     _check_compiled_ensemble("toy", "inductor")
