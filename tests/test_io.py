@@ -185,6 +185,8 @@ def test_from_metatrain_reads_back_a_fresh_model(module):
         "conditioning": dict(system_conditioning=True, max_charge=4, max_spin_multiplicity=6),
         "long_range": dict(long_range=dict(enable=True, smearing=1.2, kspace_resolution=0.8, interpolation_nodes=3)),
     }[module]
+    if module == "long_range":
+        pytest.importorskip("torchpme")
     config = _config(num_neighbors_adaptive=9, transformer_type="PostLN", attention_temperature=2.0, **extra)
     params = _params(config)
     model = ref.make_model(config)
@@ -261,6 +263,7 @@ def test_from_metatrain_exported_model(tmp_path):
 def test_from_metatrain_exported_long_range_model(tmp_path):
     """The long-range settings and weights of an exported model are read back."""
     ref = _metatrain()
+    pytest.importorskip("torchpme")
     from metatrain.utils.io import model_from_checkpoint
 
     config = _config(long_range=dict(enable=True, use_ewald=True, smearing=1.1, kspace_resolution=0.9, interpolation_nodes=4))
