@@ -355,6 +355,11 @@ def potentials(config: PETConfig, charges, positions, cell, neighbors, edge_cent
     P3M (see :func:`build`).
     """
     inputs: LongRange = neighbors.long_range
+    if inputs is None:
+        raise ValueError(
+            "this model has long-range features but its neighbors carry no long-range "
+            "inputs: build them with petfunc.from_atoms or collate for this config"
+        )
     lr = config.long_range
     sigma, r_c = lr.smearing, config.cutoff
     channels = charges.shape[1]

@@ -122,8 +122,8 @@ def prepare(
 
     Raises:
         ValueError: unknown species, NaN/inf positions, wrong shapes, a singular cell
-            along a periodic direction, no atoms, or a charge or spin the model
-            cannot represent.
+            along a periodic direction, no atoms, a charge or spin the model cannot
+            represent, or a partly periodic structure for a long-range model.
     """
     numbers = np.asarray(numbers, dtype=np.int64).reshape(-1)
     positions = np.asarray(positions, dtype=np.float64)
@@ -141,6 +141,11 @@ def prepare(
     except ValueError as error:
         raise ValueError(f"{label}: {error}") from None
     charge, spin_multiplicity = system_state(charge, spin_multiplicity, config, label)
+    if config.long_range.enable and 0 < pbc.sum() < 3:
+        raise ValueError(
+            f"{label}: long-range features need a structure periodic along all three "
+            f"directions or none, got pbc={pbc.tolist()}"
+        )
     cell[~pbc] = 0.0
     centers, neighbors, shifts = nbl.edge_list(positions, cell, pbc, list_cutoff(config))
     return Structure(

@@ -277,6 +277,13 @@ def test_input_errors():
     slab.pbc = [True, True, False]
     with pytest.raises(ValueError, match=r"periodic along all three directions or none, got pbc=\[True, True, False\]"):
         petfunc.from_atoms([slab], config)
+    with pytest.raises(ValueError, match=r"structure 1: long-range features need .* got pbc=\[True, False, False\]"):
+        wire = _triclinic()
+        wire.pbc = [True, False, False]
+        petfunc.from_atoms([_molecule(), wire], config)
+    plain = petfunc.from_atoms([_triclinic()], petfunc.PETConfig(atomic_types=TYPES, **SMALL), dtype=torch.float64)
+    with pytest.raises(ValueError, match="carry no long-range inputs"):
+        petfunc.PET(config).energy(_params(config), *plain)
     with pytest.raises(ValueError, match="long-range method must be one of"):
         petfunc.from_atoms([_triclinic()], config, long_range="pme")
     with pytest.raises(NotImplementedError, match="long-range"):
