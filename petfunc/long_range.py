@@ -107,6 +107,21 @@ def p3m_mesh_sizes(cell: np.ndarray, spacing: float) -> np.ndarray:
     return (2 ** np.ceil(np.log2(approx))).astype(np.int64)
 
 
+def check_periodicity(pbc, label: str) -> None:
+    """Raise a ``ValueError`` naming ``label`` unless the structure is periodic along
+    all three directions or none.
+
+    metatomic zeroes the cell rows of open directions, so torch-pme's slab correction
+    never sees a cell it can use; metatrain fails on these structures too.
+    """
+    pbc = np.asarray(pbc, dtype=bool).reshape(3)
+    if 0 < pbc.sum() < 3:
+        raise ValueError(
+            f"{label}: long-range features need a structure periodic along all three "
+            f"directions or none, got pbc={pbc.tolist()}"
+        )
+
+
 def build(
     config: PETConfig,
     n_atoms: Sequence[int],
@@ -136,13 +151,7 @@ def build(
     cells = np.asarray(cells, dtype=np.float64).reshape(n_structures, 3, 3)
     pbcs = np.asarray(pbcs, dtype=bool).reshape(n_structures, 3)
     for s, pbc in enumerate(pbcs):
-        if 0 < pbc.sum() < 3:
-            # metatomic zeroes the cell rows of open directions, so torch-pme's slab
-            # correction never sees a cell it can use; metatrain fails on these too
-            raise ValueError(
-                f"structure {s}: long-range features need a structure periodic along "
-                f"all three directions or none, got pbc={pbc.tolist()}"
-            )
+        check_periodicity(pbc, f"structure {s}")
     offsets = np.cumsum([0] + n_atoms)
     width = max(n_atoms + [2])  # sizes 0 and 1 would be specialised when compiled
     structure_atoms = np.zeros((n_structures, width), dtype=np.int64)

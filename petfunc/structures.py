@@ -141,11 +141,10 @@ def prepare(
     except ValueError as error:
         raise ValueError(f"{label}: {error}") from None
     charge, spin_multiplicity = system_state(charge, spin_multiplicity, config, label)
-    if config.long_range.enable and 0 < pbc.sum() < 3:
-        raise ValueError(
-            f"{label}: long-range features need a structure periodic along all three "
-            f"directions or none, got pbc={pbc.tolist()}"
-        )
+    if config.long_range.enable:
+        from .long_range import check_periodicity
+
+        check_periodicity(pbc, label)
     cell[~pbc] = 0.0
     centers, neighbors, shifts = nbl.edge_list(positions, cell, pbc, list_cutoff(config))
     return Structure(

@@ -203,21 +203,10 @@ def test_compiled_energy_forces_stress_and_gradients_equal_eager(dataset, fitted
     assert compiled.num_graphs == 1
 
 
-def test_compiled_conditioned_model_equals_eager(dataset, fitted):
-    """Charge/spin conditioning in the compiled graph: gradients, energies, forces
-    and stress equal eager for batches of other sizes and charges; one graph."""
-    import dataclasses
-
-    config = dataclasses.replace(CONFIG, system_conditioning=True, max_charge=2, max_spin_multiplicity=3)
-    samples = _emt_samples(8, 3, config)
-    for k, sample in enumerate(samples):
-        sample.structure.charge, sample.structure.spin_multiplicity = k % 5 - 2, 1 + k % 3
+def _check_compiled_equals_eager(config, samples, params, fitted):
+    """Compile (aot_eager) a grad step plus E/F/S on one batch; compare gradients,
+    energies, forces and stress with eager on three other batches (1e-9); one graph."""
     w, c = fitted
-    params = petfunc.PET(config).init(seed=2, dtype=torch.float64)
-    gate = params["system_conditioning"]["project"]["2"]
-    gate["weight"] = torch.randn(gate["weight"].shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    params["composition_weights"] = torch.tensor(w, dtype=torch.float64)
-    params["energy_scale"] = torch.tensor(c, dtype=torch.float64)
     model = petfunc.PET(config)
     grad_step = petfunc.make_grad_step(model, petfunc.LossWeights())
     efs = petfunc.energy_forces_stress(model.energy)
@@ -237,7 +226,32 @@ def test_compiled_conditioned_model_equals_eager(dataset, fitted):
             assert torch.equal(finite, torch.isfinite(a))
             assert _relative(a[finite], b[finite]) < 1e-9
     assert compiled.num_graphs == 1
+
+
+def _fitted_params(config, fitted, seed=2):
+    w, c = fitted
+    params = petfunc.PET(config).init(seed=seed, dtype=torch.float64)
+    params["composition_weights"] = torch.tensor(w, dtype=torch.float64)
+    params["energy_scale"] = torch.tensor(c, dtype=torch.float64)
+    return params
+
+
+def test_compiled_conditioned_model_equals_eager(dataset, fitted):
+    """Charge/spin conditioning in the compiled graph: gradients, energies, forces
+    and stress equal eager for batches of other sizes and charges; one graph."""
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, system_conditioning=True, max_charge=2, max_spin_multiplicity=3)
+    samples = _emt_samples(8, 3, config)
+    for k, sample in enumerate(samples):
+        sample.structure.charge, sample.structure.spin_multiplicity = k % 5 - 2, 1 + k % 3
+    params = _fitted_params(config, fitted)
+    gate = params["system_conditioning"]["project"]["2"]
+    gate["weight"] = torch.randn(gate["weight"].shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    _check_compiled_equals_eager(config, samples, params, fitted)
     # the charge changes the energy (the gate is not zero)
+    w, c = fitted
+    model = petfunc.PET(config)
     one = [samples[0]]
     neutral = model.energy(params, *make_batch(one, config, w, c, dtype=torch.float64)[:3])
     samples[0].structure.charge = 2
@@ -255,30 +269,12 @@ def test_compiled_long_range_model_equals_eager(fitted):
     config = dataclasses.replace(CONFIG, long_range=petfunc.config.LongRangeConfig(enable=True, kspace_resolution=1.0))
     samples = _emt_samples(8, 4, config)
     w, c = fitted
-    params = petfunc.PET(config).init(seed=2, dtype=torch.float64)
-    params["composition_weights"] = torch.tensor(w, dtype=torch.float64)
-    params["energy_scale"] = torch.tensor(c, dtype=torch.float64)
-    model = petfunc.PET(config)
-    grad_step = petfunc.make_grad_step(model, petfunc.LossWeights())
-    efs = petfunc.energy_forces_stress(model.energy)
-
-    def fn(params, batch):
-        return grad_step(params, batch), efs(params, batch.positions, batch.cell, batch.neighbors)
-
-    def batch(index):
-        return make_batch([samples[i] for i in index], config, w, c, dtype=torch.float64)
-
-    shapes = {tuple(batch(i).neighbors.long_range.kgrid.shape) for i in ([0, 1], [2, 3, 4], [5], [6, 7, 0, 1])}
+    shapes = {
+        tuple(make_batch([samples[i] for i in index], config, w, c).neighbors.long_range.kgrid.shape)
+        for index in ([0, 1], [2, 3, 4], [5], [6, 7, 0, 1])
+    }
     assert len(shapes) >= 3
-    compiled = petfunc.compile(fn, params, batch([0, 1]), backend="aot_eager")
-    for index in ([2, 3, 4], [5], [6, 7, 0, 1]):
-        expected = fn(params, batch(index))
-        got = compiled(params, batch(index))
-        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)):
-            finite = torch.isfinite(b)
-            assert torch.equal(finite, torch.isfinite(a))
-            assert _relative(a[finite], b[finite]) < 1e-9
-    assert compiled.num_graphs == 1
+    _check_compiled_equals_eager(config, samples, _fitted_params(config, fitted), fitted)
 
 
 def test_one_structure_batch_is_padded(dataset, fitted):
