@@ -152,7 +152,8 @@ def median_ms(values):
     return 1e3 * statistics.median(values)
 
 
-def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "eager func", "compiled"), device="cpu"):
+def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "eager func", "compiled"), device="cpu",
+        peak_gflops=None):
     torch.manual_seed(0)
     config = petfunc.PETConfig(atomic_types=atomic_types(name))
     dataset = load(name, config)
@@ -230,12 +231,17 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
     if "compiled" in variants:
         results["num_graphs"] = compiled.num_graphs
 
-    # FLOPs of one step (petfunc eager; the compiled graph runs the same matmuls)
+    # FLOPs of every timed step (petfunc eager; the compiled graph runs the same
+    # matmuls). Batches differ by up to 2x in FLOPs, so the rate is total FLOPs over
+    # total compiled time, not the FLOPs of one batch over the median time.
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:
-        step(state, batches[warmup])
-    flops = counter.get_total_flops()
+    step_flops = []
+    for i in range(warmup, len(batches)):
+        with FlopCounterMode(display=False) as counter:
+            step(state, batches[i])
+        step_flops.append(counter.get_total_flops())
+    flops = float(np.mean(step_flops))
 
     med = {v: median_ms(t) for v, t in times.items()}
     base = med.get("metatrain")
@@ -247,11 +253,18 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
     if "compiled" in variants:
         gain = (med.get("eager", med["compiled"]) - med["compiled"]) / 1e3
         be = results["compile_s"] / gain if gain > 0 else float("inf")
-        rate = flops / (med["compiled"] / 1e3) / 1e9
-        print(f"# step FLOPs {flops / 1e9:.2f} GFLOP; compiled achieves {rate:.1f} GFLOP/s")
+        rate = sum(step_flops) / sum(times["compiled"]) / 1e9
+        print(f"# step FLOPs {flops / 1e9:.2f} GFLOP on average ({min(step_flops) / 1e9:.2f}-"
+              f"{max(step_flops) / 1e9:.2f}); compiled achieves {rate:.1f} GFLOP/s")
         print(f"# compile {results['compile_s']:.1f} s; break-even after {be:.0f} steps vs petfunc eager; "
               f"graphs compiled: {results['num_graphs']}")
         results["gflops_per_s"] = rate
+        if peak_gflops:
+            # nearly all of the step's FLOPs are matmuls: at the measured peak they alone
+            # would take this long, which bounds any speed-up from fusing the rest
+            floor = flops / peak_gflops / 1e6
+            bound = f"; at most {base / floor:.2f}x metatrain eager" if base else ""
+            print(f"# matmul floor at the measured peak: {floor:.1f} ms/step{bound}")
     results.update(median_ms=med, flops=flops, peak_step_memory_mib=memory)
     return results
 
@@ -290,11 +303,11 @@ def main(argv=None):
     if torch.device(args.device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # same arithmetic for every variant
     names = ["qm9", "carbon"] if args.dataset == "both" else [args.dataset]
+    peak = peak_matmul_gflops(dtype, args.device)
     print(f"# torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} CPU threads, "
-          f"malloc {args.malloc}; "
-          f"measured matmul peak {peak_matmul_gflops(dtype, args.device):.0f} GFLOP/s ({args.dtype})")
+          f"malloc {args.malloc}; measured matmul peak {peak:.0f} GFLOP/s ({args.dtype})")
     for name in names:
-        run(name, args.steps, dtype, args.backend, device=args.device)
+        run(name, args.steps, dtype, args.backend, device=args.device, peak_gflops=peak)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,27 @@
 
 Tests run with one torch thread: the tensors are small, and on a shared 2-core
 machine two threads fight the other process and make tests many times slower.
+
+Compiled traces are cached in a folder of this test session, not in the user's
+cache: a test run neither reads traces left by an earlier run (which would hide the
+cost and the failures of tracing) nor leaves its own behind.
 """
+
+import os
 
 import pytest
 import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_trace_cache(tmp_path_factory):
+    before = os.environ.get("PETFUNC_TRACE_CACHE_DIR")
+    os.environ["PETFUNC_TRACE_CACHE_DIR"] = str(tmp_path_factory.mktemp("petfunc_traces"))
+    yield
+    if before is None:
+        os.environ.pop("PETFUNC_TRACE_CACHE_DIR", None)
+    else:
+        os.environ["PETFUNC_TRACE_CACHE_DIR"] = before
 
 
 @pytest.fixture(autouse=True, scope="session")

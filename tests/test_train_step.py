@@ -236,6 +236,7 @@ def _fitted_params(config, fitted, seed=2):
     return params
 
 
+@pytest.mark.slow  # 70 s; eager conditioning is checked against metatrain in the default run
 def test_compiled_conditioned_model_equals_eager(dataset, fitted):
     """Charge/spin conditioning in the compiled graph: gradients, energies, forces
     and stress equal eager for batches of other sizes and charges; one graph."""
@@ -259,6 +260,7 @@ def test_compiled_conditioned_model_equals_eager(dataset, fitted):
     assert abs(float(neutral[0] - charged[0])) > 1e-3
 
 
+@pytest.mark.slow  # 115 s; the default run compiles the long-range calculator (test_long_range)
 def test_compiled_long_range_model_equals_eager(fitted):
     """Long-range features in the compiled training step (Ewald, as metatrain trains):
     gradients, energies, forces and stress equal eager on batches whose k-grids,
