@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from . import tree
 from .loss import LossWeights, make_loss
-from .train import FROZEN, TrainState, apply_gradients, trainable
+from .train import TrainState, apply_gradients, trainable, with_trained
 
 
 TERMS = ("energy", "forces", "stress")
@@ -208,7 +208,8 @@ def label_counts(batch) -> torch.Tensor:
     ).to(batch.positions.dtype)
 
 
-def make_scaled_grad_step(energy_fn, weights: LossWeights = LossWeights(), autodiff: str = "func"):
+def make_scaled_grad_step(energy_fn, weights: LossWeights = LossWeights(), autodiff: str = "func",
+                          train=None):
     """``grad_step(params, batch, factors) -> (grads, metrics)`` of
     ``sum_t w_t factors[t] mean_t``: with ``factors = n_local / N_global`` the sum of
     the ranks' gradients is the gradient of the union batch's loss.
@@ -224,10 +225,8 @@ def make_scaled_grad_step(energy_fn, weights: LossWeights = LossWeights(), autod
     term_weights = [getattr(weights, t).weight for t in TERMS]
 
     def grad_step(params, batch, factors):
-        frozen = {k: params[k] for k in FROZEN if k in params}
-
         def objective(train_params):
-            _, metrics = loss_fn({**train_params, **frozen}, batch)
+            _, metrics = loss_fn(with_trained(params, train_params, train), batch)
             share = torch.zeros((), dtype=factors.dtype, device=factors.device)
             out = {k: v for k, v in metrics.items() if k != "loss"}
             for i, (term, w) in enumerate(zip(TERMS, term_weights)):
@@ -238,7 +237,7 @@ def make_scaled_grad_step(energy_fn, weights: LossWeights = LossWeights(), autod
             out["loss"] = share
             return share, out
 
-        return value_and_grad(objective, trainable(params), autodiff)
+        return value_and_grad(objective, trainable(params, train), autodiff)
 
     return grad_step
 
@@ -262,6 +261,8 @@ class DataParallel:
             :func:`petfunc.trainer.fit`'s ``reduce_metrics`` hook.
         autodiff: ``"func"`` or ``"autograd"`` (see :func:`petfunc.train.make_grad_step`);
             by default ``"func"`` when compiling, ``"autograd"`` (faster eagerly) when not.
+        train: which parameters are trained (:func:`petfunc.train.trainable`); the
+            optimizer state must be ``optimizer.init(trainable(params, train))``.
 
     Calling the object, ``dp(params, batch)``, is :meth:`grad_step`: it is a drop-in
     replacement for :func:`petfunc.train.make_grad_step`'s function whose gradient is
@@ -270,7 +271,7 @@ class DataParallel:
 
     def __init__(self, energy_fn, optimizer, weights: LossWeights = LossWeights(), grad_clip_norm=1.0,
                  compile: bool = False, backend: str = "inductor", info: Optional[DistInfo] = None,
-                 metrics: str = "global", autodiff: Optional[str] = None):
+                 metrics: str = "global", autodiff: Optional[str] = None, train=None):
         if metrics not in ("global", "share"):
             raise ValueError(f"metrics must be 'global' or 'share', got {metrics!r}")
         self.metrics = metrics
@@ -280,7 +281,8 @@ class DataParallel:
         self.info = info or current()
         # compiled steps trace torch.func; eager ones run the faster autograd path
         self.autodiff = autodiff or ("func" if compile else "autograd")
-        self._raw = make_scaled_grad_step(energy_fn, weights, self.autodiff)
+        self.train = train
+        self._raw = make_scaled_grad_step(energy_fn, weights, self.autodiff, train)
         self._compile = compile
         self._backend = backend
         self._fn = None
@@ -323,27 +325,27 @@ class DataParallel:
         grads, metrics = self._fn(params, batch, factors)
 
         # one flat buffer: gradients then metrics, one collective
-        flat = tree.flatten(grads)
+        leaves, spec = torch.utils._pytree.tree_flatten(grads)
         keys = sorted(metrics)
-        parts = [g.reshape(-1) for g in flat.values()] + [metrics[k].reshape(1).to(local.dtype) for k in keys]
+        parts = [g.reshape(-1) for g in leaves] + [metrics[k].reshape(1).to(local.dtype) for k in keys]
         buffer = self._all_reduce(torch.cat(parts), "gradients")
-        out, offset = {}, 0
-        for name, g in flat.items():
-            out[name] = buffer[offset: offset + g.numel()].view_as(g)
+        out, offset = [], 0
+        for g in leaves:
+            out.append(buffer[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
         reduced = {k: buffer[offset + i] for i, k in enumerate(keys)}
         if self.metrics == "share" and self.info.distributed:
             for k in keys:
                 if _is_sum(k):
                     reduced[k] = reduced[k] / self.info.world_size
-        return tree.unflatten(out), reduced
+        return torch.utils._pytree.tree_unflatten(out, spec), reduced
 
     __call__ = grad_step
 
     def step(self, state: TrainState, batch):
         """``(new_state, metrics)``; metrics as :meth:`grad_step` plus ``grad_norm``."""
         grads, metrics = self.grad_step(state.params, batch)
-        state, norm = apply_gradients(self.optimizer, state, grads, self.grad_clip_norm)
+        state, norm = apply_gradients(self.optimizer, state, grads, self.grad_clip_norm, self.train)
         if norm is not None:
             metrics["grad_norm"] = norm
         self.steps += 1
@@ -419,8 +421,9 @@ def save_checkpoint(path, state: TrainState, step: int, extra: Optional[dict] = 
         dist.barrier()
 
 
-def load_checkpoint(path, optimizer, device=None):
-    """``(TrainState, step, extra)`` from :func:`save_checkpoint`'s file."""
+def load_checkpoint(path, optimizer, device=None, train=None):
+    """``(TrainState, step, extra)`` from :func:`save_checkpoint`'s file (``train``: the
+    selection of trained parameters the state was made with)."""
     from .trainer import state_from_plain
 
     payload = torch.load(path, map_location="cpu", weights_only=True)
@@ -429,5 +432,5 @@ def load_checkpoint(path, optimizer, device=None):
     params = tree.unflatten(dict(payload["params"]))
     if device is not None:
         params = tree.tree_map(lambda t: t.to(device), params)
-    template = optimizer.init(trainable(params))
+    template = optimizer.init(trainable(params, train))
     return TrainState(params, state_from_plain(payload["opt_state"], template)), int(payload["step"]), payload["extra"]

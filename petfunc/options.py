@@ -13,7 +13,7 @@ import copy
 import dataclasses
 import difflib
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -472,10 +472,26 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
         raise ValueError(f"option '{t}.compile_backend' must be 'inductor', 'aot_eager' or 'eager', got {training['compile_backend']!r}")
     finetune = training["finetune"]
     _check_keys(finetune, ("read_from", "method", "config", "inherit_heads"), f"{t}.finetune")
-    if finetune.get("method", "full") != "full":
-        raise ValueError(f"option '{t}.finetune.method': only 'full' fine-tuning is supported, got {finetune['method']!r}")
-    if finetune.get("config") or finetune.get("inherit_heads"):
-        raise ValueError(f"options '{t}.finetune.config'/'inherit_heads' are not supported by petfunc")
+    finetune.setdefault("method", "full")
+    if finetune["method"] not in ("full", "heads"):
+        hint = (" (LoRA-fine-tuned metatrain checkpoints load, with the adapters merged into the weights)"
+                if finetune["method"] == "lora" else "")
+        raise ValueError(f"option '{t}.finetune.method' must be 'full' or 'heads', got {finetune['method']!r}{hint}")
+    if finetune.get("inherit_heads"):
+        raise ValueError(f"option '{t}.finetune.inherit_heads' is not supported by petfunc (one energy target)")
+    if finetune["method"] == "full" and finetune.get("config"):
+        raise ValueError(f"option '{t}.finetune.config' is only used with method 'heads'")
+    if finetune["method"] == "heads":
+        if not finetune.get("read_from"):
+            raise ValueError(f"option '{t}.finetune.method: heads' needs '{t}.finetune.read_from' (the model to fine-tune)")
+        heads_config = finetune.get("config") or {}
+        _check_keys(heads_config, ("head_modules", "last_layer_modules"), f"{t}.finetune.config")
+        heads_config = dict(heads_config)
+        for key in heads_config:
+            value = heads_config[key]
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"option '{t}.finetune.config.{key}' must be a list of module names, got {value!r}")
+        finetune["config"] = heads_config
     parse_loss(training["loss"])  # validate now
     arch["training"] = training
 
@@ -516,3 +532,20 @@ def set_option(options: dict, dotted: str, value) -> None:
             node[part] = child
         node = child
     node[leaf] = value
+
+
+def trained_parameters(finetune: Mapping) -> Optional[Tuple[str, ...]]:
+    """The ``train`` selection (:func:`petfunc.train.trainable`) of a validated
+    ``finetune`` section: ``None`` (everything) unless ``method: heads``, whose
+    ``config.head_modules + config.last_layer_modules`` are path prefixes
+    (metatrain's module names, with or without ``backend.``). An empty ``config``
+    means metatrain's documented default, the node and edge heads and last layers."""
+    if finetune.get("method", "full") != "heads":
+        return None
+    from .train import HEADS
+
+    config = finetune.get("config") or {}
+    if not config:
+        return HEADS
+    names = list(config.get("head_modules", [])) + list(config.get("last_layer_modules", []))
+    return tuple(name[len("backend."):] if name.startswith("backend.") else name for name in names)

@@ -10,13 +10,14 @@ trained: they stay out of the gradient and the optimizer.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torchopt
 from torch.func import grad_and_value
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import tree
 from .derivatives import _assert_eager, _check_autodiff
 from .loss import LossWeights, make_loss
 
@@ -31,14 +32,46 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
-def trainable(params):
-    """The trained part of a PET parameter tree (everything but composition/scale)."""
-    return {k: v for k, v in params.items() if k not in FROZEN}
+# metatrain's default selection for ``finetune: {method: heads}``
+HEADS = ("node_heads", "edge_heads", "node_last_layers", "edge_last_layers")
 
 
-def init_state(params, optimizer) -> TrainState:
-    """``TrainState(params, optimizer.init(trainable(params)))``."""
-    return TrainState(params, optimizer.init(trainable(params)))
+def trainable(params, train: Optional[Sequence[str]] = None):
+    """The trained part of a PET parameter tree.
+
+    ``train=None``: everything but the composition weights and the energy scale, as a
+    tree of the same nesting. ``train``: a sequence of dotted-path prefixes (for
+    example :data:`HEADS`, metatrain's ``finetune: {method: heads}``); the trained
+    part is then a flat ``{dotted.path: tensor}`` dict of the parameters whose path
+    starts with one of them (string prefixes, as metatrain matches module names),
+    and everything else is held fixed. Raises ``ValueError`` when nothing matches.
+    """
+    if train is None:
+        return {k: v for k, v in params.items() if k not in FROZEN}
+    if isinstance(train, str):
+        raise TypeError("train must be a sequence of path prefixes, not one string")
+    selected = {
+        path: value
+        for path, value in tree.flatten(params).items()
+        if path.split(".")[0] not in FROZEN and any(path.startswith(prefix) for prefix in train)
+    }
+    if not selected:
+        raise ValueError(f"no parameter path starts with any of {list(train)} (trainable parameters: "
+                         f"{sorted({p.split('.')[0] for p in tree.flatten(params)} - set(FROZEN))} ...)")
+    return selected
+
+
+def with_trained(params, trained, train: Optional[Sequence[str]] = None):
+    """``params`` with its trained part (as :func:`trainable` cuts it) replaced by
+    ``trained``."""
+    if train is None:
+        return {**trained, **{k: params[k] for k in FROZEN if k in params}}
+    return tree.unflatten({**tree.flatten(params), **trained})
+
+
+def init_state(params, optimizer, train: Optional[Sequence[str]] = None) -> TrainState:
+    """``TrainState(params, optimizer.init(trainable(params, train)))``."""
+    return TrainState(params, optimizer.init(trainable(params, train)))
 
 
 def warmup_cosine(learning_rate: float, total_steps: int, warmup_fraction: float = 0.01) -> Callable:
@@ -145,7 +178,8 @@ def clip_by_global_norm(grads, max_norm: float):
     return torch.utils._pytree.tree_map(lambda g: g * factor.to(g.dtype), grads), norm
 
 
-def make_grad_step(energy_fn, weights: LossWeights = LossWeights(), autodiff: str = "func"):
+def make_grad_step(energy_fn, weights: LossWeights = LossWeights(), autodiff: str = "func",
+                   train: Optional[Sequence[str]] = None):
     """``grad_step(params, batch) -> (grads, metrics)`` of the trainable parameters.
 
     Gradients are plain outputs, so data-parallel training can all-reduce them
@@ -156,8 +190,9 @@ def make_grad_step(energy_fn, weights: LossWeights = LossWeights(), autodiff: st
     ``autodiff="autograd"``: the same gradient by ``torch.autograd.grad`` with
     ``create_graph=True`` for the forces, eagerly only; 20-30 % faster than eager
     ``"func"`` on CPU (see :mod:`petfunc.derivatives`).
+    ``train``: which parameters get gradients (:func:`trainable`).
     """
-    return grad_step_of(make_loss(energy_fn, weights, autodiff), autodiff)
+    return grad_step_of(make_loss(energy_fn, weights, autodiff), autodiff, train)
 
 
 def value_and_grad(objective, train_params, autodiff: str = "func"):
@@ -179,31 +214,30 @@ def value_and_grad(objective, train_params, autodiff: str = "func"):
     return tree_unflatten(grads, spec), aux
 
 
-def grad_step_of(loss_fn, autodiff: str = "func"):
+def grad_step_of(loss_fn, autodiff: str = "func", train: Optional[Sequence[str]] = None):
     """``grad_step(params, batch) -> (grads, metrics)`` of any ``loss_fn(params, batch)
-    -> (loss, metrics)``: the gradient of the trainable parameters (frozen
-    composition and scale held fixed), by :func:`value_and_grad`."""
+    -> (loss, metrics)``: the gradient of the trainable parameters (``trainable(params,
+    train)``; the rest, composition and scale included, held fixed), by
+    :func:`value_and_grad`."""
     _check_autodiff(autodiff)
 
     def grad_step(params, batch):
-        frozen = {k: params[k] for k in FROZEN if k in params}
-
         def objective(train_params):
-            return loss_fn({**train_params, **frozen}, batch)
+            return loss_fn(with_trained(params, train_params, train), batch)
 
-        return value_and_grad(objective, trainable(params), autodiff)
+        return value_and_grad(objective, trainable(params, train), autodiff)
 
     return grad_step
 
 
-def train_step_of(grad_step, optimizer, grad_clip_norm: float = 1.0):
+def train_step_of(grad_step, optimizer, grad_clip_norm: float = 1.0, train: Optional[Sequence[str]] = None):
     """``train_step(state, batch) -> (state, metrics)`` from a ``grad_step``: clipping
     and the optimizer update of :func:`apply_gradients`, with the gradient norm added
-    to the metrics when clipping."""
+    to the metrics when clipping. ``train`` must be the grad step's selection."""
 
     def train_step(state: TrainState, batch):
         grads, metrics = grad_step(state.params, batch)
-        state, norm = apply_gradients(optimizer, state, grads, grad_clip_norm)
+        state, norm = apply_gradients(optimizer, state, grads, grad_clip_norm, train)
         if norm is not None:
             metrics = {**metrics, "grad_norm": norm}
         return state, metrics
@@ -211,17 +245,19 @@ def train_step_of(grad_step, optimizer, grad_clip_norm: float = 1.0):
     return train_step
 
 
-def apply_gradients(optimizer, state: TrainState, grads, grad_clip_norm: float = 1.0):
-    """Clip ``grads`` and take one optimizer step: ``(new_state, grad_norm)``."""
+def apply_gradients(optimizer, state: TrainState, grads, grad_clip_norm: float = 1.0,
+                    train: Optional[Sequence[str]] = None):
+    """Clip ``grads`` (of ``trainable(params, train)``) and take one optimizer step:
+    ``(new_state, grad_norm)``. The norm is that of the trained parameters only, as
+    ``clip_grad_norm_`` skips metatrain's frozen ones."""
     norm = None
     if grad_clip_norm is not None and math.isfinite(grad_clip_norm):
         grads, norm = clip_by_global_norm(grads, grad_clip_norm)
     params = state.params
-    frozen = {k: params[k] for k in FROZEN if k in params}
-    train_params = trainable(params)
+    train_params = trainable(params, train)
     updates, opt_state = optimizer.update(grads, state.opt_state, params=train_params, inplace=False)
     new_params = torchopt.apply_updates(train_params, updates, inplace=False)
-    return TrainState({**new_params, **frozen}, opt_state), norm
+    return TrainState(with_trained(params, new_params, train), opt_state), norm
 
 
 def make_train_step(
@@ -230,6 +266,7 @@ def make_train_step(
     weights: LossWeights = LossWeights(),
     grad_clip_norm: float = 1.0,
     autodiff: str = "func",
+    train: Optional[Sequence[str]] = None,
 ):
     """``train_step(state, batch) -> (state, metrics)``, a pure function.
 
@@ -241,5 +278,9 @@ def make_train_step(
         grad_clip_norm: maximal global gradient norm (``None`` or ``inf``: no clipping).
         autodiff: ``"func"`` (traceable, for :func:`petfunc.compile`) or ``"autograd"``
             (eager only, faster eagerly); see :func:`make_grad_step`.
+        train: which parameters are trained (:func:`trainable`): ``None`` for all
+            but composition and scale, or path prefixes such as :data:`HEADS`
+            (fine-tuning the readout only); the others stay exactly as they are.
+            The state must come from ``init_state(params, optimizer, train)``.
     """
-    return train_step_of(make_grad_step(energy_fn, weights, autodiff), optimizer, grad_clip_norm)
+    return train_step_of(make_grad_step(energy_fn, weights, autodiff, train), optimizer, grad_clip_norm, train)

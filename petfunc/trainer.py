@@ -71,7 +71,7 @@ from .derivatives import energy_and_forces, energy_forces_stress
 from .io import atomic_save
 from .loss import LossTerm, LossWeights, make_loss
 from .model import PET
-from .options import energy_unit_factor, fixed_composition, length_unit_factor, parse_loss, resolve_options
+from .options import energy_unit_factor, fixed_composition, length_unit_factor, parse_loss, resolve_options, trained_parameters
 from .structures import collate
 from .train import (
     TrainState,
@@ -891,7 +891,9 @@ def fit(
     schedule = warmup_cosine(training["learning_rate"], total_steps, training["warmup_fraction"])
     optimizer = make_optimizer(schedule, training["weight_decay"])
     clip = training["grad_clip_norm"]
-    opt_state = optimizer.init(trainable(params))
+    # finetune method 'heads': only these parameter paths train, the rest stay as read
+    train = trained_parameters(training["finetune"])
+    opt_state = optimizer.init(trainable(params, train))
     start_epoch, step = 0, 0
     best_metric, best_epoch, best_params = math.inf, 0, None
     history: List[dict] = []
@@ -919,15 +921,15 @@ def fit(
     autodiff = "func" if compile_on else "autograd"
     loss_fn = make_loss(model, weights, autodiff)
     if split:
-        raw_step = make_grad_step(model, weights, autodiff)
+        raw_step = make_grad_step(model, weights, autodiff, train)
     else:
-        raw_step = make_train_step(model, optimizer, weights, clip, autodiff)
+        raw_step = make_train_step(model, optimizer, weights, clip, autodiff, train)
     # >>> petfunc.distributed
     if exact_dp:
         from .distributed import DataParallel
 
         raw_step = DataParallel(model, optimizer, weights, clip, compile=compile_on, backend=backend,
-                                metrics="share")  # compiles itself on the first batch
+                                metrics="share", train=train)  # compiles itself on the first batch
     # <<< petfunc.distributed
     step_fn = None
     eval_fn = None
@@ -1015,7 +1017,7 @@ def fit(
         _atomic_write_text(text.getvalue(), files["csv"])
 
     # --- report ---------------------------------------------------------------------------
-    n_params = tree.count(trainable(params))
+    n_params = tree.count(trainable(params, train))
     log(
         f"training set: {len(train_samples)} structures ({sum(len(s) for s in train_samples)} atoms), "
         f"validation set: {len(val_samples)} structures; atomic types {list(config.atomic_types)}"
@@ -1027,7 +1029,9 @@ def fit(
         + " eV"
     )
     log(
-        f"model: {n_params} trainable parameters ({dtype_name}, {device}); "
+        f"model: {n_params} trainable parameters"
+        + (f" (fine-tuning {', '.join(train)} only)" if train else "")
+        + f" ({dtype_name}, {device}); "
         f"{steps_per_epoch} steps per epoch, epochs {start_epoch + 1}..{num_epochs}"
         + (f", compile {backend}" if compile_on else "")
     )
@@ -1061,7 +1065,7 @@ def fit(
                     grads, metrics = step_fn(state.params, batch)
                     values = _floats(metrics)
                     _check_loss(values["loss"], epoch, step)
-                    new_state, norm = apply_gradients(optimizer, state, reduce_grads(grads), clip)
+                    new_state, norm = apply_gradients(optimizer, state, reduce_grads(grads), clip, train)
                 else:
                     new_state, metrics = step_fn(state, batch)
                     values = _floats(metrics)
