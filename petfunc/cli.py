@@ -73,10 +73,14 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
         finetune:
           read_from: null         # start from a checkpoint: petfunc .ckpt / params
                                   # file, or a metatrain .ckpt / model.pt
-          method: full            # full | heads (train the readout heads only)
-          # config:               # for heads; empty: metatrain's default below
+          method: full            # full | heads (readout only) | lora (adapters)
+          # config:               # heads; empty: metatrain's default below
           #   head_modules: [node_heads, edge_heads]
           #   last_layer_modules: [node_last_layers, edge_last_layers]
+          # config:               # lora (metatrain's defaults)
+          #   rank: 4
+          #   alpha: 8
+          #   target_modules: [input_linear, output_linear]
         # petfunc additions:
         augmentation: true        # random O(3) rotations of training structures
         compile: false            # trace + torch.compile the train and eval steps

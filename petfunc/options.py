@@ -473,17 +473,28 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     finetune = training["finetune"]
     _check_keys(finetune, ("read_from", "method", "config", "inherit_heads"), f"{t}.finetune")
     finetune.setdefault("method", "full")
-    if finetune["method"] not in ("full", "heads"):
-        hint = (" (LoRA-fine-tuned metatrain checkpoints load, with the adapters merged into the weights)"
-                if finetune["method"] == "lora" else "")
-        raise ValueError(f"option '{t}.finetune.method' must be 'full' or 'heads', got {finetune['method']!r}{hint}")
+    if finetune["method"] not in ("full", "heads", "lora"):
+        raise ValueError(f"option '{t}.finetune.method' must be 'full', 'heads' or 'lora', got {finetune['method']!r}")
     if finetune.get("inherit_heads"):
         raise ValueError(f"option '{t}.finetune.inherit_heads' is not supported by petfunc (one energy target)")
     if finetune["method"] == "full" and finetune.get("config"):
-        raise ValueError(f"option '{t}.finetune.config' is only used with method 'heads'")
+        raise ValueError(f"option '{t}.finetune.config' is only used with methods 'heads' and 'lora'")
+    if finetune["method"] != "full" and not finetune.get("read_from"):
+        raise ValueError(f"option '{t}.finetune.method: {finetune['method']}' needs '{t}.finetune.read_from' "
+                         "(the model to fine-tune)")
+    if finetune["method"] == "lora":
+        lora_config = finetune.get("config") or {}
+        _check_keys(lora_config, ("rank", "alpha", "target_modules"), f"{t}.finetune.config")
+        lora_config = dict(lora_config)
+        if "rank" in lora_config:
+            lora_config["rank"] = _number(lora_config["rank"], f"{t}.finetune.config.rank", positive=True, integer=True)
+        if "alpha" in lora_config:
+            lora_config["alpha"] = _number(lora_config["alpha"], f"{t}.finetune.config.alpha", positive=True)
+        targets = lora_config.get("target_modules", [])
+        if not isinstance(targets, (list, tuple)) or not all(isinstance(v, str) for v in targets):
+            raise ValueError(f"option '{t}.finetune.config.target_modules' must be a list of module names, got {targets!r}")
+        finetune["config"] = lora_config
     if finetune["method"] == "heads":
-        if not finetune.get("read_from"):
-            raise ValueError(f"option '{t}.finetune.method: heads' needs '{t}.finetune.read_from' (the model to fine-tune)")
         heads_config = finetune.get("config") or {}
         _check_keys(heads_config, ("head_modules", "last_layer_modules"), f"{t}.finetune.config")
         heads_config = dict(heads_config)
@@ -536,11 +547,17 @@ def set_option(options: dict, dotted: str, value) -> None:
 
 def trained_parameters(finetune: Mapping) -> Optional[Tuple[str, ...]]:
     """The ``train`` selection (:func:`petfunc.train.trainable`) of a validated
-    ``finetune`` section: ``None`` (everything) unless ``method: heads``, whose
+    ``finetune`` section: ``None`` (everything) for ``method: full``, the adapters
+    (:data:`petfunc.lora.TRAIN`) for ``lora``; for ``heads``,
     ``config.head_modules + config.last_layer_modules`` are path prefixes
     (metatrain's module names, with or without ``backend.``). An empty ``config``
     means metatrain's documented default, the node and edge heads and last layers."""
-    if finetune.get("method", "full") != "heads":
+    method = finetune.get("method", "full")
+    if method == "lora":
+        from .lora import TRAIN
+
+        return TRAIN
+    if method != "heads":
         return None
     from .train import HEADS
 

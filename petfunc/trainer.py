@@ -64,7 +64,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from . import tree
+from . import lora, tree
 from .config import PETConfig
 from .data import Dataset, Sample, fit_scale, make_batch, random_rotations, sample_from_atoms
 from .derivatives import energy_and_forces, energy_forces_stress
@@ -241,6 +241,9 @@ def load_model(path, dtype: Optional[torch.dtype] = None, which: str = "best", d
         config = PETConfig.from_hypers(json.loads(payload["config"]))
         flat = payload["best_params"] if which == "best" and payload.get("best_params") else payload["params"]
         params = tree.unflatten(dict(flat))
+        if lora.KEY in params:  # a LoRA fine-tuning run: merge its adapters
+            finetune = json.loads(payload["options"])["architecture"]["training"]["finetune"]
+            params = lora.merge(params, lora.scaling_of(lora.config_of(finetune)["alpha"], params))
     elif isinstance(payload, dict) and payload.get("format") == "petfunc.params":
         config, params = load_params(path)
     elif payload is not None:
@@ -880,7 +883,21 @@ def fit(
             scale = 1.0
         params["composition_weights"] = torch.as_tensor(composition, dtype=torch.float64, device=device)
         params["energy_scale"] = torch.tensor(scale, dtype=torch.float64, device=device)
-    model = PET(config)
+    # finetune method 'lora': adapters params["lora"] (a restart brings its own), a
+    # model that evaluates W + (alpha / rank) B A, and plain weights for the outputs
+    lora_config = lora.config_of(training["finetune"])
+    if lora_config is not None:
+        if lora.KEY not in params:
+            params = lora.attach(params, lora_config["rank"], lora_config["targets"], seed=seed)
+        model = lora.LoRAPET(config, lora.scaling_of(lora_config["alpha"], params))
+        log(f"LoRA adapters of rank {lora_config['rank']} (alpha {lora_config['alpha']:g}) on "
+            f"{len(lora.target_layers(params, lora_config['targets']))} layers")
+    else:
+        model = PET(config)
+
+    def plain(p):
+        """the model's parameters as a plain PET's (adapters merged)"""
+        return lora.merge(p, model.scaling) if lora_config is not None else p
 
     # --- optimizer -------------------------------------------------------------------------
     batch_size = training["batch_size"]
@@ -1140,14 +1157,14 @@ def fit(
     # --- the end ----------------------------------------------------------------------------
     if best_params is None:
         best_params = state.params
-    best_cpu = tree.tree_map(lambda t: t.detach().to("cpu"), best_params)
-    last_cpu = tree.tree_map(lambda t: t.detach().to("cpu"), state.params)
+    best_cpu = tree.tree_map(lambda t: t.detach().to("cpu"), plain(best_params))
+    last_cpu = tree.tree_map(lambda t: t.detach().to("cpu"), plain(state.params))
     if files:
         from .io import save_params
 
         save_params(files["params"], config, best_cpu)
         eval_samples = val_samples or train_samples
-        pred = predict(config, best_params, eval_samples, batch_size=batch_size)
+        pred = predict(config, plain(best_params), eval_samples, batch_size=batch_size)
         what = "validation" if val_samples else "training"
         parity_plot(pred, files["parity"], title=f"{what} set, best epoch {best_epoch}")
         errors = error_metrics(pred)

@@ -1,4 +1,5 @@
-"""Fine-tuning the readout only (metatrain's ``finetune: {method: heads}``).
+"""Fine-tuning the readout only or low-rank adapters (metatrain's ``finetune:
+{method: heads}`` and ``{method: lora}``).
 
 * One optimizer step with ``train=HEADS`` equals metatrain's: its
   ``apply_finetuning_strategy`` freezes everything but the heads and last layers,
@@ -6,6 +7,10 @@
   them (float64, 1e-10; clipping active).
 * ``petfunc train`` with ``method: heads`` leaves every other weight bit-identical to
   the model it read, moves the heads, and resumes exactly from a checkpoint.
+* LoRA: with metatrain's adapter weights copied in, one step equals metatrain's
+  (loss, clipped norm, adapter updates; the rest frozen); ``petfunc train`` with
+  ``method: lora`` changes only the adapted layers of the merged model, writes plain
+  parameters and resumes exactly.
 * Bad ``finetune`` sections get clear errors.
 """
 
@@ -15,7 +20,7 @@ import pytest
 import torch
 
 import petfunc
-from petfunc import tree
+from petfunc import lora, tree
 from petfunc.cli import make_default_dataset
 from petfunc.data import make_batch, sample_from_atoms
 
@@ -43,13 +48,7 @@ def _frames():
     return frames
 
 
-def test_heads_step_equals_metatrain():
-    from metatomic.torch import systems_to_torch
-    from metatrain.pet.modules.finetuning import apply_finetuning_strategy
-    from metatrain.utils.data.target_info import get_energy_target_info
-    from metatrain.utils.evaluate_model import evaluate_model
-    from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
-
+def _batch_and_labels():
     frames = _frames()
     params = petfunc.init(CONFIG, seed=4, dtype=torch.float64)
     params["composition_weights"] = torch.tensor([-1.0, -3.0, -5.0], dtype=torch.float64)
@@ -61,29 +60,23 @@ def test_heads_step_equals_metatrain():
         s.forces = labels.normal(size=(len(atoms), 3))
         samples.append(s)
     batch = make_batch(samples, CONFIG, params["composition_weights"].numpy(), 1.0, dtype=torch.float64, pad=False)
-    weights = petfunc.LossWeights.make(energy=1.0, forces=1.0, stress=0.0)
-    clip, lr = 0.05, 1e-3  # a small norm, so that clipping is active
+    return frames, params, batch
 
-    optimizer = petfunc.make_optimizer(lr)
-    state = petfunc.init_state(params, optimizer, HEADS)
-    step = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, weights, clip, train=HEADS)
-    new_state, metrics = step(state, batch)
-    assert float(metrics["grad_norm"]) > clip
-    assert set(state.opt_state.mu) == {k for k in tree.flatten(params) if k.startswith(HEADS)}
-    # the data-parallel step (one process here) takes the same selection
-    from petfunc.distributed import DataParallel
 
-    dp_state, _ = DataParallel(petfunc.PET(CONFIG), optimizer, weights, clip, train=HEADS).step(state, batch)
-    for key, value in tree.flatten(dp_state.params).items():
-        torch.testing.assert_close(value, tree.flatten(new_state.params)[key], rtol=1e-12, atol=1e-15, msg=key)
+WEIGHTS = petfunc.LossWeights.make(energy=1.0, forces=1.0, stress=0.0)
+CLIP, LR = 0.05, 1e-3  # a small norm, so that clipping is active
 
-    model = ref.make_model(CONFIG)
-    ref.load_params(model, params)
-    model = apply_finetuning_strategy(model, {"method": "heads", "read_from": "-", "inherit_heads": {}, "config": {
-        "head_modules": ["node_heads", "edge_heads"], "last_layer_modules": ["node_last_layers", "edge_last_layers"],
-    }})
+
+def _metatrain_step(model, frames, batch):
+    """metatrain's trainer step on ``model`` (frozen parameters already set): the
+    energy + forces loss, ``clip_grad_norm_`` and Adam. Returns (loss, norm)."""
+    from metatomic.torch import systems_to_torch
+    from metatrain.utils.data.target_info import get_energy_target_info
+    from metatrain.utils.evaluate_model import evaluate_model
+    from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
+
     model.train()
-    reference = torch.optim.Adam(model.parameters(), lr=lr)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     systems = [get_system_with_neighbor_lists(s, model.requested_neighbor_lists())
                for s in systems_to_torch(frames, dtype=torch.float64)]
     info = get_energy_target_info("energy", {"quantity": "energy", "unit": "eV"}, add_position_gradients=True)
@@ -92,22 +85,88 @@ def test_heads_step_equals_metatrain():
     loss = ((out.values[:, 0] - batch.energy) / n).pow(2).mean() + (
         out.gradient("positions").values[:, :, 0] + batch.forces).pow(2).mean()
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    reference.step()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    optimizer.step()
+    return loss, norm
 
+
+def _compare_updates(model, before, after, metrics, loss, norm):
+    """Trained parameters moved as metatrain's did, frozen ones did not move."""
     assert abs(loss.item() - metrics["loss"].item()) <= 1e-12 * loss.item()
     assert abs(norm.item() - metrics["grad_norm"].item()) <= 1e-10 * norm.item()
-    ours, before = tree.flatten(new_state.params), tree.flatten(params)
     moved = 0
     for name, parameter in model.named_parameters():
-        key = name.removeprefix("backend.")
+        key = name.removeprefix("backend.").replace(".linear.weight", ".weight").replace(".linear.bias", ".bias")
+        if ".lora_" in key:
+            key = "lora." + key
         if parameter.requires_grad:
             update = parameter.detach() - before[key]
-            torch.testing.assert_close(ours[key] - before[key], update, rtol=1e-10, atol=1e-14, msg=key)
+            torch.testing.assert_close(after[key] - before[key], update, rtol=1e-10, atol=1e-14, msg=key)
             moved += bool(update.abs().max() > 0)
         else:
-            assert torch.equal(ours[key], before[key]), key
+            assert torch.equal(after[key], before[key]), key
+    return moved
+
+
+def test_heads_step_equals_metatrain():
+    from metatrain.pet.modules.finetuning import apply_finetuning_strategy
+
+    frames, params, batch = _batch_and_labels()
+    optimizer = petfunc.make_optimizer(LR)
+    state = petfunc.init_state(params, optimizer, HEADS)
+    step = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, WEIGHTS, CLIP, train=HEADS)
+    new_state, metrics = step(state, batch)
+    assert float(metrics["grad_norm"]) > CLIP
+    assert set(state.opt_state.mu) == {k for k in tree.flatten(params) if k.startswith(HEADS)}
+    # the data-parallel step (one process here) takes the same selection
+    from petfunc.distributed import DataParallel
+
+    dp_state, _ = DataParallel(petfunc.PET(CONFIG), optimizer, WEIGHTS, CLIP, train=HEADS).step(state, batch)
+    for key, value in tree.flatten(dp_state.params).items():
+        torch.testing.assert_close(value, tree.flatten(new_state.params)[key], rtol=1e-12, atol=1e-15, msg=key)
+
+    model = ref.make_model(CONFIG)
+    ref.load_params(model, params)
+    model = apply_finetuning_strategy(model, {"method": "heads", "read_from": "-", "inherit_heads": {}, "config": {
+        "head_modules": ["node_heads", "edge_heads"], "last_layer_modules": ["node_last_layers", "edge_last_layers"],
+    }})
+    loss, norm = _metatrain_step(model, frames, batch)
+    moved = _compare_updates(model, tree.flatten(params), tree.flatten(new_state.params), metrics, loss, norm)
     assert moved >= 8
+
+
+@pytest.mark.parametrize("targets", [None, ["w_in", "edge_embedder"]])
+def test_lora_step_equals_metatrain(targets):
+    from metatrain.pet.modules.finetuning import apply_finetuning_strategy
+
+    frames, params, batch = _batch_and_labels()
+    rank, alpha = 3, 5.0
+    model = ref.make_model(CONFIG)
+    ref.load_params(model, params)
+    config = {"rank": rank, "alpha": alpha, **({"target_modules": targets} if targets else {})}
+    torch.manual_seed(0)
+    model = apply_finetuning_strategy(model, {"method": "lora", "read_from": "-", "inherit_heads": {}, "config": config})
+    # metatrain draws B like any nn.Linear weight (not zero), so the adapters change
+    # the energy from the start: copy its adapter weights
+    params = lora.attach(params, rank, tuple(targets or lora.DEFAULT_TARGETS))
+    adapters = {"lora." + k.removeprefix("backend."): v.detach().clone()
+                for k, v in model.state_dict().items() if ".lora_" in k}
+    assert set(adapters) == set(tree.flatten({"lora": params["lora"]})) and adapters
+    params = {**params, "lora": tree.unflatten({k.removeprefix("lora."): v for k, v in adapters.items()})}
+
+    pet = lora.LoRAPET(CONFIG, alpha / rank)
+    optimizer = petfunc.make_optimizer(LR)
+    state = petfunc.init_state(params, optimizer, lora.TRAIN)
+    new_state, metrics = petfunc.make_train_step(pet, optimizer, WEIGHTS, CLIP, train=lora.TRAIN)(state, batch)
+    assert float(metrics["grad_norm"]) > CLIP
+    loss, norm = _metatrain_step(model, frames, batch)
+    moved = _compare_updates(model, tree.flatten(params), tree.flatten(new_state.params), metrics, loss, norm)
+    assert moved == len(adapters)
+    # the merged parameters are a plain PET with the adapted function
+    merged = lora.merge(params, alpha / rank)
+    positions, cell, neighbors = batch.positions, batch.cell, batch.neighbors
+    torch.testing.assert_close(petfunc.PET(CONFIG).energy(merged, positions, cell, neighbors),
+                               pet.energy(params, positions, cell, neighbors), rtol=1e-13, atol=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +225,37 @@ def test_heads_selection_from_options(base, tmp_path):
     assert trained_parameters(default["architecture"]["training"]["finetune"]) == HEADS
 
 
+def test_lora_finetuning_writes_plain_models_and_resumes(base, tmp_path):
+    data, checkpoint = base
+    _, start = load_model(checkpoint, dtype=torch.float64)
+    lines = []
+    options = _heads_options(data, checkpoint, method="lora", config={"rank": 2, "alpha": 4})
+    result = fit(options, tmp_path / "run", progress=False, log=lines.append)
+    adapted = lora.target_layers(start)  # 2 attention layers, input and output linear
+    assert len(adapted) == 4 and all(k.endswith(("attention.input_linear", "attention.output_linear")) for k in adapted)
+    assert any("LoRA adapters of rank 2 (alpha 4) on 4 layers" in m for m in lines), lines
+    assert "lora" not in result.last_params and "lora" not in result.params
+    before, after = tree.flatten(trainable(start)), tree.flatten(result.last_params)
+    moved = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    assert moved == sorted(f"{k}.weight" for k in adapted), moved
+    # the best model, as petfunc eval and the calculator read it, is the merged one
+    for path in (tmp_path / "run" / "best.ckpt", tmp_path / "run" / "best_params.pt"):
+        _, loaded = load_model(path, dtype=torch.float64)
+        a, b = tree.flatten(loaded), tree.flatten(result.params)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    resumed = fit(None, tmp_path / "resumed", restart=tmp_path / "run" / "epoch_1.ckpt", progress=False,
+                  log=lambda m: None)
+    a, b = tree.flatten(result.last_params), tree.flatten(resumed.last_params)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("finetune, match", [
-    ({"method": "lora"}, r"must be 'full' or 'heads', got 'lora' \(LoRA-fine-tuned metatrain checkpoints load"),
+    ({"method": "adapters"}, r"must be 'full', 'heads' or 'lora', got 'adapters'"),
+    ({"method": "lora", "config": {"rank": 0}}, r"finetune.config.rank' must be positive"),
+    ({"method": "lora", "config": {"alpha": "big"}}, r"finetune.config.alpha' must be a number"),
+    ({"method": "lora", "config": {"ranks": 2}}, r"did you mean 'rank'"),
+    ({"method": "lora", "config": {"target_modules": "w_in"}}, r"target_modules' must be a list"),
+    ({"method": "full", "config": {"rank": 2}}, r"only used with methods 'heads' and 'lora'"),
     ({"config": {"head_module": ["node_heads"]}}, r"finetune.config.head_module' .*did you mean 'head_modules'"),
     ({"config": {"head_modules": "node_heads"}}, r"must be a list of module names"),
     ({"inherit_heads": {"energy2": "energy"}}, r"inherit_heads' is not supported"),
@@ -185,3 +273,6 @@ def test_heads_that_match_nothing(base, tmp_path):
     with pytest.raises(ValueError, match=r"no parameter path starts with any of \['readout'\]"):
         fit(options, tmp_path / "run", progress=False, log=lambda m: None)
     assert not (tmp_path / "run" / "last.ckpt").exists()
+    options = _heads_options(data, checkpoint, method="lora", config={"target_modules": ["attention"]})
+    with pytest.raises(ValueError, match=r"no linear layer is named any of \['attention'\]"):
+        fit(options, tmp_path / "lora", progress=False, log=lambda m: None)
