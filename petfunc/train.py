@@ -4,7 +4,8 @@ The step computes the parameter gradient of :func:`petfunc.loss.make_loss`'s los
 with ``torch.func.grad`` (a grad of the grad that gives forces and stress), clips
 its global norm as ``torch.nn.utils.clip_grad_norm_`` does, and applies a torchopt
 optimizer functionally. Composition weights and the energy scale are fitted, not
-trained: they stay out of the gradient and the optimizer.
+trained: they stay out of the gradient and the optimizer. ``train=`` (path prefixes,
+see :func:`trainable`) restricts training to part of the weights, for fine-tuning.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def trainable(params, train: Optional[Sequence[str]] = None):
         if path.split(".")[0] not in FROZEN and any(path.startswith(prefix) for prefix in train)
     }
     if not selected:
-        raise ValueError(f"no parameter path starts with any of {list(train)} (trainable parameters: "
-                         f"{sorted({p.split('.')[0] for p in tree.flatten(params)} - set(FROZEN))} ...)")
+        top = sorted({p.split(".")[0] for p in tree.flatten(params)} - set(FROZEN))
+        raise ValueError(f"no parameter path starts with any of {list(train)}; the parameters are under {top}")
     return selected
 
 

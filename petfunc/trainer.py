@@ -908,7 +908,8 @@ def fit(
     schedule = warmup_cosine(training["learning_rate"], total_steps, training["warmup_fraction"])
     optimizer = make_optimizer(schedule, training["weight_decay"])
     clip = training["grad_clip_norm"]
-    # finetune method 'heads': only these parameter paths train, the rest stay as read
+    # finetune methods 'heads' and 'lora': only these parameter paths train, the rest
+    # stay as read
     train = trained_parameters(training["finetune"])
     opt_state = optimizer.init(trainable(params, train))
     start_epoch, step = 0, 0
