@@ -83,10 +83,11 @@ def _unstack_pytree(stacked, k: int):
     return [pytree.tree_map(lambda x: x[i], stacked) for i in range(k)]
 
 
-def init_state(params, optimizer) -> TrainState:
-    """``TrainState`` of an ensemble: stacked parameters and stacked optimizer states."""
+def init_state(params, optimizer, train=None) -> TrainState:
+    """``TrainState`` of an ensemble: stacked parameters and stacked optimizer states
+    (``train``: the trained parameters, see :func:`petfunc.train.trainable`)."""
     members = unstack(params)
-    states = [_single_init_state(p, optimizer) for p in members]
+    states = [_single_init_state(p, optimizer, train) for p in members]
     return TrainState(params, _stack_pytree([s.opt_state for s in states]))
 
 
@@ -196,6 +197,7 @@ def make_train_step(
     weights: LossWeights = LossWeights(),
     grad_clip_norm: Optional[float] = 1.0,
     member_batches: bool = False,
+    train=None,
 ):
     """``train_step(state, batch) -> (state, metrics)`` for K members at once.
 
@@ -209,8 +211,11 @@ def make_train_step(
         member_batches: ``False``: one batch shared by all members. ``True``: a
             batch from :func:`stack_batches` (positions, cell and labels per
             member, one neighbour graph).
+        train: which parameters each member trains (:func:`petfunc.train.trainable`;
+            e.g. ``petfunc.train.HEADS`` for a committee of readouts on a shared,
+            fixed backbone); ``state`` must come from ``init_state(..., train)``.
     """
-    step = _single_train_step(energy_fn, optimizer, weights, grad_clip_norm)
+    step = _single_train_step(energy_fn, optimizer, weights, grad_clip_norm, train=train)
     batch_dims = _member_batch_dims() if member_batches else None
     batched = vmap(step, in_dims=(0, batch_dims))
 

@@ -181,20 +181,25 @@ def test_committee_mean_and_std():
     assert (c.energy_std > 0).all() and (c.forces_std > 0).all()
 
 
-def test_train_step_equals_members():
+@pytest.mark.parametrize("train", [None, petfunc.train.HEADS])
+def test_train_step_equals_members(train):
     model = petfunc.PET(TINY)
     optimizer = petfunc.make_optimizer(1e-2)
     params = ensemble.init(model, range(3), dtype=F64)
-    state = ensemble.init_state(params, optimizer)
+    state = ensemble.init_state(params, optimizer, train)
     weights = petfunc.LossWeights.make(1.0, 10.0, 1.0)
-    step = petfunc.make_train_step(model, optimizer, weights)
-    ens_step = ensemble.make_train_step(model, optimizer, weights)
+    step = petfunc.make_train_step(model, optimizer, weights, train=train)
+    ens_step = ensemble.make_train_step(model, optimizer, weights, train=train)
     for seed in range(2):  # two steps: the optimizer state must be carried per member
         batch = toy.labelled_batch(TINY, 3, seed=seed)
         ref_state, ref_metrics = _members_step(step, state, batch)
         state, metrics = ens_step(state, batch)
         _assert_trees_close((state, metrics), (ref_state, ref_metrics), 1e-12, f"step {seed}")
     assert metrics["loss"].shape == (3,)
+    if train is not None:  # a committee of readouts: each member's backbone is as it was
+        before, after = petfunc.tree.flatten(params), petfunc.tree.flatten(state.params)
+        moved = {k for k in before if not torch.equal(before[k], after[k])}
+        assert moved and all(k.startswith(train) for k in moved)
 
 
 def test_member_batches():
