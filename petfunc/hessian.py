@@ -12,7 +12,9 @@ For an energy function ``energy_fn(params, positions, cell, neighbors) ->
   3 n_atoms unit vectors, vmapped;
 * ``hessian(energy_fn, chunk_size=k)``: the same matrix, k rows at a time, so the
   memory of the derivative pass is that of k HVPs whatever the system size
-  (the result itself is 9 n_atoms^2 numbers).
+  (the result itself is 9 n_atoms^2 numbers);
+* ``hessian(energy_fn, memory_budget=bytes)``: k chosen per call from the measured
+  memory of 2 and 4 rows, so that the pass and the matrix fit the budget.
 
 **Cost.** A row costs about two force evaluations plus a share of the gradient
 graph, which is built once per call. On the 2-core CPU of this project (64-atom
@@ -156,7 +158,55 @@ def chunked_hessian(rows_fn: Callable, chunk_size: int) -> Callable:
     return fn
 
 
-def hessian(energy_fn: Callable, chunk_size: Optional[int] = None, mode: str = "reverse") -> Callable:
+def working_memory(fn: Callable, *args) -> int:
+    """Bytes of tensor memory ``fn(*args)`` allocates beyond what exists before the
+    call, at its peak: CUDA's allocator statistics, or on CPU the profiler's
+    allocation events (independent of allocator caching)."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn(*args)
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - before)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(*args)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    total = peak = 0
+    for _, nbytes in events:
+        total += nbytes
+        peak = max(peak, total)
+    return int(peak)
+
+
+def chunk_size_for(rows_fn: Callable, params, positions, cell, neighbors, memory_budget: int) -> int:
+    """The largest number of rows per call whose working memory, plus the Hessian
+    itself, stays within ``memory_budget`` bytes: the memory of 2 and of 4 rows is
+    measured (:func:`working_memory`) and extrapolated linearly. At least 2, at most
+    3 n_atoms. Raises ``ValueError`` when not even 2 rows fit."""
+    n = positions.shape[0]
+    result = 9 * n * n * positions.element_size()
+    measured = {}
+    for k in (2, 4):
+        directions = _unit_vectors(n, 0, k, positions)
+        measured[k] = working_memory(rows_fn, params, positions, cell, neighbors, directions)
+    per_row = max((measured[4] - measured[2]) / 2, 1.0)
+    base = max(measured[2] - 2 * per_row, 0.0)
+    k = int((memory_budget - result - base) // per_row)
+    if k < 2:
+        raise ValueError(
+            f"memory_budget {memory_budget / 2**20:.1f} MiB is too small for the Hessian of "
+            f"{n} atoms: the matrix takes {result / 2**20:.1f} MiB and 2 rows at a time "
+            f"{measured[2] / 2**20:.1f} MiB more (measured)"
+        )
+    return min(k, 3 * n)
+
+
+def hessian(energy_fn: Callable, chunk_size: Optional[int] = None, mode: str = "reverse",
+            memory_budget: Optional[int] = None) -> Callable:
     """``fn(params, positions, cell, neighbors) -> H [n_atoms, 3, n_atoms, 3]`` (eV/Å^2).
 
     ``H[i, a, j, b] = d2 E / dx_ia dx_jb`` of the total energy of the batch
@@ -168,8 +218,20 @@ def hessian(energy_fn: Callable, chunk_size: Optional[int] = None, mode: str = "
             HVPs). An integer k: k rows at a time (memory of k HVPs). On CPU,
             small k (2-4) is fastest (see the module docstring).
         mode: ``"reverse"`` or ``"forward"`` (see the module docstring).
+        memory_budget: bytes (instead of ``chunk_size``): each call measures the
+            working memory of 2 and 4 rows on its inputs and takes as many rows at a
+            time as fit, the matrix itself included (:func:`chunk_size_for`).
     """
     rows_fn = hessian_rows(energy_fn, mode)
+    if memory_budget is not None:
+        if chunk_size is not None:
+            raise ValueError("give chunk_size or memory_budget, not both")
+
+        def budgeted(params, positions, cell, neighbors):
+            k = chunk_size_for(rows_fn, params, positions, cell, neighbors, memory_budget)
+            return chunked_hessian(rows_fn, k)(params, positions, cell, neighbors)
+
+        return budgeted
     if chunk_size is not None:
         return chunked_hessian(rows_fn, chunk_size)
 

@@ -111,6 +111,32 @@ def test_batch_hessian_is_block_diagonal():
         start = stop
 
 
+def test_memory_budget_picks_the_chunk_size():
+    """The budgeted Hessian equals the full one; the chosen chunk grows with the
+    budget, its measured memory stays within it, and a budget too small for two
+    rows is refused with the sizes in the message."""
+    from petfunc.hessian import chunk_size_for, working_memory
+
+    energy_fn, params, (x, cell, nbrs) = _setup([_molecule()])
+    n = x.shape[0]
+    rows = hessian_rows(energy_fn)
+    full = hessian(energy_fn)(params, x, cell, nbrs)
+    two = working_memory(rows, params, x, cell, nbrs, torch.zeros(2, n, 3, dtype=F64))
+    six = working_memory(rows, params, x, cell, nbrs, torch.zeros(6, n, 3, dtype=F64))
+    assert six > two > 0  # more rows, more memory: the measurement sees the pass
+    matrix = 9 * n * n * 8
+    budget = matrix + six + (six - two) // 8  # room for about 6 rows
+    k = chunk_size_for(rows, params, x, cell, nbrs, budget)
+    assert 4 <= k <= 8, k
+    assert chunk_size_for(rows, params, x, cell, nbrs, 100 * budget) == 3 * n
+    budgeted = hessian(energy_fn, memory_budget=budget)(params, x, cell, nbrs)
+    assert float((budgeted - full).abs().max()) <= 1e-13 * float(full.abs().max())
+    with pytest.raises(ValueError, match=r"memory_budget 0.0 MiB is too small for the Hessian of \d+ atoms"):
+        hessian(energy_fn, memory_budget=1000)(params, x, cell, nbrs)
+    with pytest.raises(ValueError, match="chunk_size or memory_budget"):
+        hessian(energy_fn, chunk_size=4, memory_budget=budget)
+
+
 def test_mass_weighting():
     h = torch.randn(2, 3, 2, 3, dtype=F64)
     masses = torch.tensor([1.0, 4.0], dtype=F64)
