@@ -243,6 +243,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="no random rotations of training structures")
     train.add_argument("--finetune", metavar="MODEL",
                        help="architecture.training.finetune.read_from")
+    train.add_argument("--finetune-method", choices=("full", "heads", "lora"),
+                       help="architecture.training.finetune.method (with metatrain's default config)")
     train.add_argument("--structures", type=int, default=DEMO_STRUCTURES,
                        help=f"size of the built-in demo dataset (default {DEMO_STRUCTURES}; "
                        "only without an options file)")
@@ -328,6 +330,7 @@ def _overrides(args) -> List[tuple]:
         ("backend", f"{t}.compile_backend", None),
         ("augmentation", f"{t}.augmentation", None),
         ("finetune", f"{t}.finetune.read_from", None),
+        ("finetune_method", f"{t}.finetune.method", None),
     ):
         value = getattr(args, name)
         if value is not None:

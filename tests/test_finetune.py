@@ -14,6 +14,8 @@
 * Bad ``finetune`` sections get clear errors.
 """
 
+import json
+
 import ase
 import numpy as np
 import pytest
@@ -276,3 +278,22 @@ def test_heads_that_match_nothing(base, tmp_path):
     options = _heads_options(data, checkpoint, method="lora", config={"target_modules": ["attention"]})
     with pytest.raises(ValueError, match=r"no linear layer is named any of \['attention'\]"):
         fit(options, tmp_path / "lora", progress=False, log=lambda m: None)
+
+
+def test_command_line_flags(base, tmp_path, capsys):
+    """`petfunc train options.yaml --finetune MODEL --finetune-method lora`."""
+    import yaml
+
+    from petfunc.cli import main
+
+    data, checkpoint = base
+    options = _heads_options(data, checkpoint)
+    del options["architecture"]["training"]["finetune"]
+    options["architecture"]["training"]["num_epochs"] = 1
+    (tmp_path / "options.yaml").write_text(yaml.safe_dump(options))
+    args = ["train", str(tmp_path / "options.yaml"), "--finetune", str(checkpoint), "--finetune-method", "lora",
+            "--output", str(tmp_path / "run"), "--no-progress"]
+    assert main(args) == 0, capsys.readouterr().err
+    saved = json.loads(torch.load(tmp_path / "run" / "last.ckpt", weights_only=True)["options"])
+    assert saved["architecture"]["training"]["finetune"]["method"] == "lora"
+    assert "LoRA adapters of rank 4 (alpha 8)" in capsys.readouterr().out
