@@ -69,19 +69,11 @@ def timed(fn: Callable[[], object]) -> Tuple[float, object]:
 def peak_tensor_memory(fn: Callable[[], object]) -> float:
     """Peak of the tensor memory ``fn()`` allocates on top of what exists before it
     (MiB), from the profiler's allocation and free events: the working memory of the
-    call, independent of allocator caching and of what other calls left behind."""
-    from torch.profiler import ProfilerActivity, profile
+    call, independent of allocator caching and of what other calls left behind
+    (:func:`petfunc.hessian.working_memory`, on CPU)."""
+    from petfunc.hessian import working_memory
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
-    total = peak = 0
-    for _, nbytes in events:
-        total += nbytes
-        peak = max(peak, total)
-    return peak / 2**20
+    return working_memory(fn) / 2**20
 
 
 def emt_carbon_frames(n: int = 64, alternate_size: bool = False):

@@ -139,6 +139,12 @@ def _merge(defaults: Mapping, given: Mapping) -> dict:
     return out
 
 
+def _module_names(value, name: str) -> None:
+    """Raise ``ValueError`` unless ``value`` is a list of module names (strings)."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"option '{name}' must be a list of module names, got {value!r}")
+
+
 def _number(value, name: str, positive=False, integer=False, minimum=None, maximum=None):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"option '{name}' must be a number, got {value!r}")
@@ -490,18 +496,14 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
             lora_config["rank"] = _number(lora_config["rank"], f"{t}.finetune.config.rank", positive=True, integer=True)
         if "alpha" in lora_config:
             lora_config["alpha"] = _number(lora_config["alpha"], f"{t}.finetune.config.alpha", positive=True)
-        targets = lora_config.get("target_modules", [])
-        if not isinstance(targets, (list, tuple)) or not all(isinstance(v, str) for v in targets):
-            raise ValueError(f"option '{t}.finetune.config.target_modules' must be a list of module names, got {targets!r}")
+        _module_names(lora_config.get("target_modules", []), f"{t}.finetune.config.target_modules")
         finetune["config"] = lora_config
     if finetune["method"] == "heads":
         heads_config = finetune.get("config") or {}
         _check_keys(heads_config, ("head_modules", "last_layer_modules"), f"{t}.finetune.config")
         heads_config = dict(heads_config)
-        for key in heads_config:
-            value = heads_config[key]
-            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-                raise ValueError(f"option '{t}.finetune.config.{key}' must be a list of module names, got {value!r}")
+        for key, value in heads_config.items():
+            _module_names(value, f"{t}.finetune.config.{key}")
         finetune["config"] = heads_config
     parse_loss(training["loss"])  # validate now
     arch["training"] = training
