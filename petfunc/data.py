@@ -204,18 +204,19 @@ def fit_composition(
     if not labelled:
         return np.zeros(n_species)
     xtx = torch.zeros((n_species, n_species), dtype=torch.float64)
-    xty = torch.zeros(n_species, dtype=torch.float64)
+    xty = torch.zeros((n_species, 1), dtype=torch.float64)
     for start in range(0, len(labelled), batch_size):
         chunk = labelled[start : start + batch_size]
         x = torch.as_tensor(composition_counts(chunk, n_species))
-        y = torch.tensor([s.energy - _baseline_energy(s, config) for s in chunk], dtype=torch.float64)
+        y = torch.tensor([[s.energy - _baseline_energy(s, config)] for s in chunk], dtype=torch.float64)
         xtx += x.T @ x
         xty += torch.tensordot(x, y, dims=([0], [0]))
-    present = torch.diagonal(xtx) > 0
-    w = torch.zeros(n_species, dtype=torch.float64)
-    sub = xtx[present][:, present]
-    ridge = 1e-14 * torch.diagonal(sub).mean()
-    w[present] = torch.linalg.solve(sub + ridge * torch.eye(int(present.sum()), dtype=torch.float64), xty[present])
+    # metatrain's ridge: 1e-14 times the mean diagonal over *all* species (absent ones
+    # count as 0), on the full system (an absent species' row gives w = 0 exactly).
+    # With collinear compositions (every structure C2H6O) the fit is determined only
+    # up to a null-space direction that this ridge fixes, so it must be the same one.
+    ridge = 1e-14 * float(torch.diagonal(xtx).abs().mean())
+    w = torch.linalg.solve(xtx + ridge * torch.eye(n_species, dtype=torch.float64), xty).reshape(n_species)
     return w.numpy()
 
 
@@ -367,9 +368,10 @@ class Dataset:
     def has_energy(self) -> bool:
         return any(s.energy is not None for s in self.samples)
 
-    def fit_composition_and_scale(self):
-        """``(composition [n_species], scale)`` fitted on this dataset (metatrain's way)."""
-        w = fit_composition(self.samples, self.config.num_species, config=self.config)
+    def fit_composition_and_scale(self, batch_size: int = 16):
+        """``(composition [n_species], scale)`` fitted on this dataset (metatrain's way,
+        accumulating over blocks of ``batch_size``, the training batch size)."""
+        w = fit_composition(self.samples, self.config.num_species, batch_size, config=self.config)
         return w, fit_scale(self.samples, w, self.config)
 
     def batch_indices(self, batch_size: int, shuffle: bool = False, seed: int = 0, drop_last: bool = False):

@@ -408,18 +408,32 @@ def _to_samples(frames, config: PETConfig, labels: _Labels, path, indices=None) 
     return samples
 
 
-def split_indices(n: int, fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
-    """``(train, validation)`` indices: a seeded random ``fraction`` (at least 1) for
-    validation, sorted. ``fraction == 0`` gives no validation set."""
-    if fraction <= 0:
-        return np.arange(n), np.zeros(0, dtype=np.int64)
-    n_val = max(1, int(round(fraction * n)))
-    if n_val >= n:
-        raise ValueError(
-            f"validation_set: a fraction of {fraction} of {n} structures leaves none for training"
-        )
-    order = np.random.default_rng(seed).permutation(n)
-    return np.sort(order[n_val:]), np.sort(order[:n_val])
+def split_indices(n: int, fraction: Optional[float], seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """``(train, validation)`` indices into a file of ``n`` structures, drawn as
+    ``mtt train`` draws them with the same ``seed``, so both train on the same
+    structures, in the same order (which the composition fit's accumulation sees).
+
+    metatrain seeds numpy's global generator and shuffles twice: the validation split
+    takes the last ``floor(n * fraction)`` of a shuffled ``range(n)``, then its test
+    split (``test_set: 0``, the only one petfunc accepts) shuffles the training part
+    again. ``fraction=None`` (a separate validation file) skips the first shuffle.
+    Unlike metatrain, a positive fraction keeps at least one validation structure.
+    """
+    rng = np.random.RandomState(seed % 2**32)
+    indices = list(range(n))
+    n_val = 0
+    if fraction is not None and fraction > 0:
+        rng.shuffle(indices)
+        # metatrain normalises the sizes (1 - f, f) by their sum before flooring
+        n_val = max(1, math.floor(n * (fraction / ((1.0 - fraction) + fraction))))
+        if n_val >= n:
+            raise ValueError(
+                f"validation_set: a fraction of {fraction} of {n} structures leaves none for training"
+            )
+    train, val = indices[: n - n_val], indices[n - n_val :]
+    order = list(range(len(train)))
+    rng.shuffle(order)
+    return np.array([train[i] for i in order], dtype=np.int64), np.array(val, dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------------------
@@ -827,7 +841,9 @@ def fit(
         val_frames = _read_frames(val_section["systems"]["read_from"], "validation_set")
         _check_info_keys(val_frames, val_section.get("extra_data") or {}, val_section["systems"]["read_from"],
                          "validation_set.extra_data.")
-        train_idx, val_idx = np.arange(len(train_frames)), None
+        train_idx, val_idx = split_indices(len(train_frames), None, seed)
+        train_frames = [train_frames[i] for i in train_idx]
+        val_idx = None
     else:
         train_idx, val_idx = split_indices(len(train_frames), val_section, seed)
         val_frames = [train_frames[i] for i in val_idx]
@@ -876,7 +892,7 @@ def fit(
     else:
         fixed = fixed_composition(training["atomic_baseline"], config.atomic_types)
         if fixed is None:
-            composition, scale = train_set.fit_composition_and_scale()
+            composition, scale = train_set.fit_composition_and_scale(training["batch_size"])
         else:
             composition, scale = fixed, fit_scale(train_set.samples, fixed, config)
         if not training["scale_targets"]:

@@ -457,3 +457,77 @@ def test_random_architecture_training_gradients(seed, autodiff):
             assert_close(ours[key], reference, key, rtol=1e-10)
             compared.add(key)
     assert set(ours) == compared, set(ours) ^ compared  # every trained weight compared
+
+
+# ---------------------------------------------------------------------------------------
+# composition weights, energy scale and the validation split, as metatrain fits them
+
+
+def _emt_molecules(n, names, seed):
+    from ase.calculators.emt import EMT
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    noise = np.random.default_rng(seed)
+    frames = []
+    for i in range(n):
+        atoms = ase.build.molecule(names[i % len(names)])
+        atoms.rattle(0.05, seed=100 * seed + i)
+        atoms.calc = EMT()
+        energy = atoms.get_potential_energy() + 0.1 * noise.normal()
+        atoms.calc = SinglePointCalculator(atoms, energy=energy)
+        frames.append(atoms)
+    return frames
+
+
+@pytest.mark.parametrize("names", [("CH4", "H2O", "NH3", "CH3OH", "HCN", "C2H6"), ("CH3CH2OH",)],
+                         ids=["mixed", "collinear"])
+@pytest.mark.parametrize("batch_size", [16, 5])
+def test_composition_and_scale_equal_metatrain(tmp_path, names, batch_size):
+    """Bitwise the weights and scale of metatrain's composition model and scaler
+    (train_or_load_*), with a species absent from the data. Every structure being
+    C2H6O makes the fit singular: the 1e-14 ridge then decides the weights (they
+    differ by ~1e-2 with another ridge), so it must be metatrain's."""
+    import ase.io
+    import metatensor.torch as mts
+    from metatrain.composition import train_or_load_composition_model
+    from metatrain.scaler import train_or_load_scaler
+    from metatrain.utils.data import get_dataset
+    from omegaconf import OmegaConf
+
+    from petfunc.data import fit_composition, fit_scale, sample_from_atoms
+
+    frames = _emt_molecules(37, names, seed=batch_size)
+    path = str(tmp_path / "data.xyz")
+    ase.io.write(path, frames)
+    target = {"quantity": "energy", "read_from": path, "reader": None, "key": "energy", "unit": "eV",
+              "per_atom": False, "type": "scalar", "num_subtargets": 1, "description": "",
+              "forces": False, "stress": False, "virial": False}
+    dataset, _, _ = get_dataset(OmegaConf.create(
+        {"systems": {"read_from": path, "reader": None, "length_unit": "angstrom"}, "targets": {"energy": target}}
+    ))
+    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8, 14), **SMALL)
+    model = ref.make_model(config)
+    train_or_load_composition_model(model.additive_models[0], {}, [dataset], [], batch_size, False)
+    train_or_load_scaler(model.scaler, [dataset], model.additive_models, batch_size, False)
+    expected_w = mts.load_buffer(model.additive_models[0].energy_composition_buffer).block().values.flatten()
+    expected_c = mts.load_buffer(model.scaler.energy_per_target_scaler_buffer).block().values.flatten()[0]
+
+    samples = [sample_from_atoms(a, config, energy_key="energy", forces_key=None, stress_key=None) for a in frames]
+    w = fit_composition(samples, config.num_species, batch_size)
+    assert np.array_equal(w, expected_w.numpy()), (w, expected_w)
+    assert w[-1] == 0.0  # Si never appears
+    assert fit_scale(samples, w) == pytest.approx(float(expected_c), rel=1e-14)
+
+
+def test_validation_split_equals_mtt_train():
+    """Regression values from ``mtt train`` (metatrain 2026.4.1, seed 7, 21 structures,
+    ``validation_set: 0.3``, default ``test_set: 0``): its indices/training.txt and
+    validation.txt, in their order."""
+    from petfunc.trainer import split_indices
+
+    train, val = split_indices(21, 0.3, seed=7)
+    assert train.tolist() == [20, 5, 11, 2, 0, 8, 1, 12, 19, 16, 6, 13, 9, 10, 18]
+    assert val.tolist() == [17, 14, 7, 3, 4, 15]
+    # a separate validation file: metatrain's test split still reshuffles the training set
+    train, val = split_indices(5, None, seed=7)
+    assert sorted(train.tolist()) == list(range(5)) and len(val) == 0
