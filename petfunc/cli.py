@@ -102,6 +102,12 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
         spin_multiplicity: {key: mult}  # "spin", else 1) are read; mult = 2S+1
     validation_set: 0.1           # fraction of training_set, or a dataset like training_set
 
+``training_set`` may also be a list of datasets (metatrain's form), each with its own
+keys and units; a file without some labels (forces, say) contributes NaN labels that
+the loss skips. A fraction then takes that share of each file (drawn as ``mtt
+train`` draws it with the same seed); a list ``validation_set`` needs one dataset
+per training dataset. Batches mix the files.
+
 metatrain trainer keys that only concern its logging or data loading
 (``num_workers``, ``log_mae``, ``log_separate_blocks``, ``distributed_port``) are
 accepted and ignored; ``atomic_baseline`` takes metatrain's ``{energy: w}`` and

@@ -191,7 +191,8 @@ def composition_counts(samples: Sequence[Sample], n_species: int) -> np.ndarray:
 
 
 def fit_composition(
-    samples: Sequence[Sample], n_species: int, batch_size: int = 16, config: Optional[PETConfig] = None
+    samples: Sequence[Sample], n_species: int, batch_size: int = 16, config: Optional[PETConfig] = None,
+    dataset_sizes: Optional[Sequence[int]] = None,
 ) -> np.ndarray:
     """Per-species energies w (eV) by ridge-regularised least squares on total energies.
 
@@ -199,18 +200,28 @@ def fit_composition(
     order and solves (X^T X + 1e-14 mean(diag) I) w = X^T y, as metatrain does;
     species that never appear get 0. Structures without an energy label are skipped.
     With a ``config`` whose ``zbl`` is on, y is the energy minus its ZBL part.
+    ``dataset_sizes`` splits ``samples`` into consecutive datasets whose blocks are
+    cut separately (metatrain's loaders batch each dataset on its own).
     """
-    labelled = [s for s in samples if s.energy is not None and np.isfinite(s.energy)]
-    if not labelled:
+    sizes = [len(samples)] if dataset_sizes is None else list(dataset_sizes)
+    if sum(sizes) != len(samples):
+        raise ValueError(f"dataset_sizes {sizes} do not add up to the {len(samples)} samples")
+    bounds = np.cumsum([0] + sizes)
+    datasets = [
+        [s for s in samples[a:b] if s.energy is not None and np.isfinite(s.energy)]
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+    if not any(datasets):
         return np.zeros(n_species)
     xtx = torch.zeros((n_species, n_species), dtype=torch.float64)
     xty = torch.zeros((n_species, 1), dtype=torch.float64)
-    for start in range(0, len(labelled), batch_size):
-        chunk = labelled[start : start + batch_size]
-        x = torch.as_tensor(composition_counts(chunk, n_species))
-        y = torch.tensor([[s.energy - _baseline_energy(s, config)] for s in chunk], dtype=torch.float64)
-        xtx += x.T @ x
-        xty += torch.tensordot(x, y, dims=([0], [0]))
+    for labelled in datasets:
+        for start in range(0, len(labelled), batch_size):
+            chunk = labelled[start : start + batch_size]
+            x = torch.as_tensor(composition_counts(chunk, n_species))
+            y = torch.tensor([[s.energy - _baseline_energy(s, config)] for s in chunk], dtype=torch.float64)
+            xtx += x.T @ x
+            xty += torch.tensordot(x, y, dims=([0], [0]))
     # metatrain's ridge: 1e-14 times the mean diagonal over *all* species (absent ones
     # count as 0), on the full system (an absent species' row gives w = 0 exactly).
     # With collinear compositions (every structure C2H6O) the fit is determined only

@@ -521,7 +521,7 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
 
     if merged["training_set"] is None:
         raise ValueError("option 'training_set' is required (an extxyz file or a dataset section)")
-    merged["training_set"] = resolve_dataset(merged["training_set"], "training_set")
+    merged["training_set"] = _resolve_datasets(merged["training_set"], "training_set")
     val = merged["validation_set"]
     if isinstance(val, bool) or val is None:
         raise ValueError("option 'validation_set' must be a fraction in [0, 1) or a dataset")
@@ -530,8 +530,28 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
         if not merged["validation_set"] < 1.0:
             raise ValueError(f"option 'validation_set' as a fraction must be below 1, got {val!r}")
     else:
-        merged["validation_set"] = resolve_dataset(val, "validation_set")
+        merged["validation_set"] = _resolve_datasets(val, "validation_set")
+        n_train, n_val = (len(x) if isinstance(x, list) else 1 for x in (merged["training_set"], merged["validation_set"]))
+        if n_train != n_val:
+            raise ValueError(
+                f"option 'validation_set' lists {n_val} dataset(s) but 'training_set' lists {n_train}: "
+                "give one validation dataset per training dataset (as metatrain does), or a fraction"
+            )
     return merged
+
+
+def _resolve_datasets(value, where: str):
+    """One dataset section, or a list of them (metatrain's several datasets)."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"option '{where}' is an empty list")
+        return [resolve_dataset(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    return resolve_dataset(value, where)
+
+
+def dataset_sections(value) -> list:
+    """The resolved ``training_set``/``validation_set`` option as a list of sections."""
+    return list(value) if isinstance(value, list) else [value]
 
 
 def set_option(options: dict, dotted: str, value) -> None:

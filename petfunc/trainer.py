@@ -66,12 +66,12 @@ import torch
 
 from . import lora, tree
 from .config import PETConfig
-from .data import Dataset, Sample, fit_scale, make_batch, random_rotations, sample_from_atoms
+from .data import Dataset, Sample, fit_composition, fit_scale, make_batch, random_rotations, sample_from_atoms
 from .derivatives import energy_and_forces, energy_forces_stress
 from .io import atomic_save
 from .loss import LossTerm, LossWeights, make_loss
 from .model import PET
-from .options import energy_unit_factor, fixed_composition, length_unit_factor, parse_loss, resolve_options, trained_parameters
+from .options import dataset_sections, energy_unit_factor, fixed_composition, length_unit_factor, parse_loss, resolve_options, trained_parameters
 from .structures import collate
 from .train import (
     TrainState,
@@ -418,22 +418,36 @@ def split_indices(n: int, fraction: Optional[float], seed: int) -> Tuple[np.ndar
     split (``test_set: 0``, the only one petfunc accepts) shuffles the training part
     again. ``fraction=None`` (a separate validation file) skips the first shuffle.
     Unlike metatrain, a positive fraction keeps at least one validation structure.
+    See :func:`split_datasets` for several files.
     """
+    (train, val), = split_datasets([n], fraction, seed)
+    return train, val
+
+
+def split_datasets(sizes: Sequence[int], fraction: Optional[float], seed: int):
+    """:func:`split_indices` for several files of ``sizes`` structures, with
+    metatrain's order of draws from one generator: the validation split of every
+    file, then the test-split reshuffle of every training part."""
     rng = np.random.RandomState(seed % 2**32)
-    indices = list(range(n))
-    n_val = 0
-    if fraction is not None and fraction > 0:
-        rng.shuffle(indices)
-        # metatrain normalises the sizes (1 - f, f) by their sum before flooring
-        n_val = max(1, math.floor(n * (fraction / ((1.0 - fraction) + fraction))))
-        if n_val >= n:
-            raise ValueError(
-                f"validation_set: a fraction of {fraction} of {n} structures leaves none for training"
-            )
-    train, val = indices[: n - n_val], indices[n - n_val :]
-    order = list(range(len(train)))
-    rng.shuffle(order)
-    return np.array([train[i] for i in order], dtype=np.int64), np.array(val, dtype=np.int64)
+    splits = []
+    for n in sizes:
+        indices = list(range(n))
+        n_val = 0
+        if fraction is not None and fraction > 0:
+            rng.shuffle(indices)
+            # metatrain normalises the sizes (1 - f, f) by their sum before flooring
+            n_val = max(1, math.floor(n * (fraction / ((1.0 - fraction) + fraction))))
+            if n_val >= n:
+                raise ValueError(
+                    f"validation_set: a fraction of {fraction} of {n} structures leaves none for training"
+                )
+        splits.append((indices[: n - n_val], indices[n - n_val :]))
+    out = []
+    for train, val in splits:
+        order = list(range(len(train)))
+        rng.shuffle(order)
+        out.append((np.array([train[i] for i in order], dtype=np.int64), np.array(val, dtype=np.int64)))
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -733,9 +747,10 @@ def _default_log(message: str) -> None:
 
 def _absolute_paths(options: dict) -> dict:
     for name in ("training_set", "validation_set"):
-        section = options.get(name)
-        if isinstance(section, dict):
-            section["systems"]["read_from"] = str(Path(section["systems"]["read_from"]).expanduser().resolve())
+        value = options.get(name)
+        for section in value if isinstance(value, list) else [value]:
+            if isinstance(section, dict):
+                section["systems"]["read_from"] = str(Path(section["systems"]["read_from"]).expanduser().resolve())
     finetune = options["architecture"]["training"]["finetune"]
     if finetune.get("read_from"):
         finetune["read_from"] = str(Path(finetune["read_from"]).expanduser().resolve())
@@ -831,31 +846,55 @@ def fit(
     random.seed(seed)
 
     # --- data ----------------------------------------------------------------------
-    train_section = options["training_set"]
-    train_path = train_section["systems"]["read_from"]
-    train_frames = _read_frames(train_path, "training_set")
-    # the whole file, before any validation split takes some of its structures
-    _check_info_keys(train_frames, train_section.get("extra_data") or {}, train_path, "training_set.extra_data.")
-    val_section = options["validation_set"]
-    if isinstance(val_section, dict):
-        val_frames = _read_frames(val_section["systems"]["read_from"], "validation_set")
-        _check_info_keys(val_frames, val_section.get("extra_data") or {}, val_section["systems"]["read_from"],
-                         "validation_set.extra_data.")
-        train_idx, val_idx = split_indices(len(train_frames), None, seed)
-        train_frames = [train_frames[i] for i in train_idx]
-        val_idx = None
-    else:
-        train_idx, val_idx = split_indices(len(train_frames), val_section, seed)
-        val_frames = [train_frames[i] for i in val_idx]
-        train_frames = [train_frames[i] for i in train_idx]
-        val_section = train_section
-    train_labels = _label_keys(train_frames, train_section, weights, explicit, "training_set")
-    val_labels = _label_keys(val_frames, val_section, weights, set(), "validation_set") if val_frames else None
+    # one or several datasets (metatrain's list form); each is split on its own
+    train_sections = dataset_sections(options["training_set"])
+    val_option = options["validation_set"]
+    val_sections = None if isinstance(val_option, (int, float)) else dataset_sections(val_option)
+    many = len(train_sections) > 1
+
+    def where(name, i):
+        return f"{name}[{i}]" if many else name
+
+    files = []
+    for i, section in enumerate(train_sections):
+        path = section["systems"]["read_from"]
+        frames = _read_frames(path, where("training_set", i))
+        # the whole file, before any validation split takes some of its structures
+        _check_info_keys(frames, section.get("extra_data") or {}, path, where("training_set", i) + ".extra_data.")
+        files.append(frames)
+    val_files = []
+    for i, section in enumerate(val_sections or []):
+        path = section["systems"]["read_from"]
+        frames = _read_frames(path, where("validation_set", i))
+        _check_info_keys(frames, section.get("extra_data") or {}, path, where("validation_set", i) + ".extra_data.")
+        val_files.append(frames)
+    splits = split_datasets([len(f) for f in files], None if val_sections else val_option, seed)
+    # (frames, section, file indices, option name) of every training and validation part
+    train_parts, val_parts = [], []
+    for i, (frames, section, (train_idx, val_idx)) in enumerate(zip(files, train_sections, splits)):
+        train_parts.append(([frames[j] for j in train_idx], section, train_idx, where("training_set", i)))
+        if val_sections is None and len(val_idx):
+            val_parts.append(([frames[j] for j in val_idx], section, val_idx, where("validation_set", i)))
+    for i, (frames, section) in enumerate(zip(val_files, val_sections or [])):
+        val_parts.append((frames, section, None, where("validation_set", i)))
+    train_frames = [a for part in train_parts for a in part[0]]
+    val_frames = [a for part in val_parts for a in part[0]]
+
+    # labels: a loss term the options ask for must have labels in some training file;
+    # structures of files without them get NaN labels, which the loss skips
+    train_labels = [_label_keys(f, sec, weights, explicit if not many else set(), w) for f, sec, _, w in train_parts]
+    for term in sorted(explicit) if many else ():
+        names = ("forces",) if term == "forces" else ("stress", "virial")
+        if not any(getattr(lab, n) for lab in train_labels for n in names):
+            f, sec, _, w = train_parts[0]
+            _label_keys(f, sec, weights, {term}, w)  # raises, naming the first file
+    val_labels = [_label_keys(f, sec, weights, set(), w) for f, sec, _, w in val_parts]
+    has = {name: any(getattr(lab, name) for lab in train_labels) for name in ("forces", "stress", "virial")}
     # terms without any training labels are dropped (no derivative is computed for them)
     weights = LossWeights(
         weights.energy,
-        weights.forces if train_labels.forces else LossTerm(0.0, weights.forces.type),
-        weights.stress if (train_labels.stress or train_labels.virial) else LossTerm(0.0, weights.stress.type),
+        weights.forces if has["forces"] else LossTerm(0.0, weights.forces.type),
+        weights.stress if (has["stress"] or has["virial"]) else LossTerm(0.0, weights.stress.type),
     )
     terms = [t for t in TERMS if getattr(weights, t).weight > 0]
 
@@ -878,12 +917,11 @@ def fit(
         config, params = _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log)
 
     # error messages name each structure by its index in its file
-    train_samples = _to_samples(train_frames, config, train_labels, train_path, train_idx)
-    val_samples = (
-        _to_samples(val_frames, config, val_labels, val_section["systems"]["read_from"], val_idx)
-        if val_frames else []
-    )
-    train_set = Dataset(train_samples, config)
+    train_samples, val_samples = [], []
+    for (frames, section, idx, _), labels in zip(train_parts, train_labels):
+        train_samples += _to_samples(frames, config, labels, section["systems"]["read_from"], idx)
+    for (frames, section, idx, _), labels in zip(val_parts, val_labels):
+        val_samples += _to_samples(frames, config, labels, section["systems"]["read_from"], idx)
 
     # --- composition and scale -----------------------------------------------------------
     if ckpt is not None:
@@ -892,9 +930,12 @@ def fit(
     else:
         fixed = fixed_composition(training["atomic_baseline"], config.atomic_types)
         if fixed is None:
-            composition, scale = train_set.fit_composition_and_scale(training["batch_size"])
+            # accumulated per batch of each file in turn, as metatrain's loaders do
+            composition = fit_composition(train_samples, config.num_species, training["batch_size"], config,
+                                          dataset_sizes=[len(part[0]) for part in train_parts])
+            scale = fit_scale(train_samples, composition, config)
         else:
-            composition, scale = fixed, fit_scale(train_set.samples, fixed, config)
+            composition, scale = fixed, fit_scale(train_samples, fixed, config)
         if not training["scale_targets"]:
             scale = 1.0
         params["composition_weights"] = torch.as_tensor(composition, dtype=torch.float64, device=device)

@@ -523,7 +523,7 @@ def test_validation_split_equals_mtt_train():
     """Regression values from ``mtt train`` (metatrain 2026.4.1, seed 7, 21 structures,
     ``validation_set: 0.3``, default ``test_set: 0``): its indices/training.txt and
     validation.txt, in their order."""
-    from petfunc.trainer import split_indices
+    from petfunc.trainer import split_datasets, split_indices
 
     train, val = split_indices(21, 0.3, seed=7)
     assert train.tolist() == [20, 5, 11, 2, 0, 8, 1, 12, 19, 16, 6, 13, 9, 10, 18]
@@ -531,3 +531,78 @@ def test_validation_split_equals_mtt_train():
     # a separate validation file: metatrain's test split still reshuffles the training set
     train, val = split_indices(5, None, seed=7)
     assert sorted(train.tolist()) == list(range(5)) and len(val) == 0
+    # two training files (21 and 18 structures), seed 7, validation_set: 0.3:
+    # indices/training_{0,1}.txt and validation_{0,1}.txt of that mtt train run
+    (t0, v0), (t1, v1) = split_datasets([21, 18], 0.3, seed=7)
+    assert t0.tolist() == [6, 13, 11, 16, 12, 18, 9, 2, 20, 19, 0, 10, 8, 5, 1]
+    assert v0.tolist() == [17, 14, 7, 3, 4, 15]
+    assert t1.tolist() == [10, 11, 16, 0, 14, 6, 1, 2, 17, 3, 13, 4, 9]
+    assert v1.tolist() == [7, 15, 8, 5, 12]
+
+
+def test_several_training_files(tmp_path):
+    """``training_set`` as a list of files, one without forces and stresses: the fitted
+    composition and scale equal metatrain's (train_or_load_* on the same split of
+    each file, batched per file), the split is metatrain's, and the file without
+    forces trains with NaN force labels (skipped by the loss)."""
+    import ase.io
+    import metatensor.torch as mts
+    from metatrain.composition import train_or_load_composition_model
+    from metatrain.scaler import train_or_load_scaler
+    from metatrain.utils.data import get_dataset
+    from omegaconf import OmegaConf
+    from torch.utils.data import Subset
+
+    from petfunc.cli import make_default_dataset
+    from petfunc.trainer import fit, split_datasets
+
+    first = make_default_dataset(tmp_path / "cells.xyz", n_structures=11, seed=1)
+    frames = ase.io.read(make_default_dataset(tmp_path / "more.xyz", n_structures=9, seed=2), ":")
+    for atoms in frames:
+        atoms.calc = type(atoms.calc)(atoms, energy=atoms.get_potential_energy())
+    second = tmp_path / "energies.xyz"
+    ase.io.write(second, frames)
+    batch_size = 3
+    options = {
+        "seed": 5,
+        "architecture": {"name": "pet", "model": dict(SMALL, d_pet=8, d_node=8, d_head=8, d_feedforward=8,
+                                                        num_gnn_layers=1, num_attention_layers=1, cutoff=3.0),
+                         "training": {"batch_size": batch_size, "num_epochs": 1}},
+        "training_set": [str(first), {"systems": str(second), "targets": {"energy": {"key": "energy"}}}],
+        "validation_set": 0.25,
+    }
+    lines = []
+    result = fit(options, None, progress=False, log=lines.append)
+    assert any("training set: 16 structures" in line and "validation set: 4 structures" in line for line in lines), lines
+    assert np.isfinite(result.history[-1]["train_loss"]), result.history[-1]
+
+    subsets = []
+    for path, (train, _) in zip((first, second), split_datasets([11, 9], 0.25, seed=5)):
+        target = {"quantity": "energy", "read_from": str(path), "reader": None, "key": "energy", "unit": "eV",
+                  "per_atom": False, "type": "scalar", "num_subtargets": 1, "description": "",
+                  "forces": False, "stress": False, "virial": False}
+        dataset, _, _ = get_dataset(OmegaConf.create(
+            {"systems": {"read_from": str(path), "reader": None, "length_unit": "angstrom"},
+             "targets": {"energy": target}}
+        ))
+        subsets.append(Subset(dataset, train.tolist()))
+    model = ref.make_model(result.config)
+    train_or_load_composition_model(model.additive_models[0], {}, subsets, [], batch_size, False)
+    train_or_load_scaler(model.scaler, subsets, model.additive_models, batch_size, False)
+    expected_w = mts.load_buffer(model.additive_models[0].energy_composition_buffer).block().values.flatten()
+    expected_c = mts.load_buffer(model.scaler.energy_per_target_scaler_buffer).block().values.flatten()[0]
+    assert torch.equal(result.params["composition_weights"], expected_w)
+    assert float(result.params["energy_scale"]) == pytest.approx(float(expected_c), rel=1e-14)
+
+    # one validation file per training file, or an error that says so
+    options["validation_set"] = [str(second)]
+    with pytest.raises(ValueError, match="lists 1 dataset.*'training_set' lists 2"):
+        fit(options, None, progress=False, log=quiet_log)
+    options["validation_set"] = 0.25
+    options["training_set"][1] = str(tmp_path / "missing.xyz")
+    with pytest.raises(FileNotFoundError, match=r"training_set\[1\]: dataset file not found"):
+        fit(options, None, progress=False, log=quiet_log)
+
+
+def quiet_log(message):
+    pass
