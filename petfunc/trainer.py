@@ -417,7 +417,7 @@ def split_indices(n: int, fraction: Optional[float], seed: int) -> Tuple[np.ndar
     takes the last ``floor(n * fraction)`` of a shuffled ``range(n)``, then its test
     split (``test_set: 0``, the only one petfunc accepts) shuffles the training part
     again. ``fraction=None`` (a separate validation file) skips the first shuffle.
-    Unlike metatrain, a positive fraction keeps at least one validation structure.
+    As in metatrain, a fraction below ``1/n`` gives no validation structure.
     See :func:`split_datasets` for several files.
     """
     (train, val), = split_datasets([n], fraction, seed)
@@ -436,7 +436,7 @@ def split_datasets(sizes: Sequence[int], fraction: Optional[float], seed: int):
         if fraction is not None and fraction > 0:
             rng.shuffle(indices)
             # metatrain normalises the sizes (1 - f, f) by their sum before flooring
-            n_val = max(1, math.floor(n * (fraction / ((1.0 - fraction) + fraction))))
+            n_val = math.floor(n * (fraction / ((1.0 - fraction) + fraction)))
             if n_val >= n:
                 raise ValueError(
                     f"validation_set: a fraction of {fraction} of {n} structures leaves none for training"
@@ -873,6 +873,9 @@ def fit(
     train_parts, val_parts = [], []
     for i, (frames, section, (train_idx, val_idx)) in enumerate(zip(files, train_sections, splits)):
         train_parts.append(([frames[j] for j in train_idx], section, train_idx, where("training_set", i)))
+        if val_sections is None and val_option > 0 and not len(val_idx):
+            log(f"warning: validation_set {val_option:g} of the {len(frames)} structures of "
+                f"{section['systems']['read_from']} is less than one; none of them is used for validation")
         if val_sections is None and len(val_idx):
             val_parts.append(([frames[j] for j in val_idx], section, val_idx, where("validation_set", i)))
     for i, (frames, section) in enumerate(zip(val_files, val_sections or [])):

@@ -531,6 +531,9 @@ def test_validation_split_equals_mtt_train():
     # a separate validation file: metatrain's test split still reshuffles the training set
     train, val = split_indices(5, None, seed=7)
     assert sorted(train.tolist()) == list(range(5)) and len(val) == 0
+    # a fraction below 1/n: no validation structure (metatrain warns, so does petfunc)
+    train, val = split_indices(5, 0.1, seed=7)
+    assert sorted(train.tolist()) == list(range(5)) and len(val) == 0
     # two training files (21 and 18 structures), seed 7, validation_set: 0.3:
     # indices/training_{0,1}.txt and validation_{0,1}.txt of that mtt train run
     (t0, v0), (t1, v1) = split_datasets([21, 18], 0.3, seed=7)

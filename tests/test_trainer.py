@@ -496,3 +496,14 @@ def test_charge_and_spin_conditioned_training(dataset, tmp_path):
     options["training_set"]["extra_data"]["charge"]["key"] = "q"
     with pytest.raises(ValueError, match=r"structure 3: charge 5 is outside the model's range \[-2, 2\]"):
         fit(options, None, progress=False, log=quiet())
+
+
+def test_validation_fraction_below_one_structure(dataset):
+    """As in metatrain: floor(16 * 0.05) = 0 validation structures, with a warning;
+    the run trains and reports training metrics."""
+    lines = []
+    result = fit(tiny_options(dataset, num_epochs=1) | {"validation_set": 0.05}, None,
+                 progress=False, log=quiet(lines))
+    assert any("is less than one; none of them is used for validation" in line for line in lines), lines
+    assert any("training set: 16 structures" in line for line in lines), lines
+    assert result.best_epoch == 1
