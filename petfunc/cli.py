@@ -111,9 +111,10 @@ per training dataset. Batches mix the files.
 metatrain trainer keys that only concern its logging or data loading
 (``num_workers``, ``log_mae``, ``log_separate_blocks``, ``distributed_port``) are
 accepted and ignored; ``atomic_baseline`` takes metatrain's ``{energy: w}`` and
-``{energy: {Z: w, ...}}`` forms (fixed composition weights); ``fixed_scaling_weights``,
-``per_structure_targets``, ``max_atoms_per_batch`` and ``min_atoms_per_batch`` are
-accepted only at their default values. ``test_set`` is not supported: use
+``{energy: {Z: w, ...}}`` forms (fixed composition weights), ``fixed_scaling_weights``
+its ``{energy: c}`` form (a fixed energy scale); ``per_structure_targets``,
+``max_atoms_per_batch`` and ``min_atoms_per_batch`` are accepted only at their
+default values. ``test_set`` is not supported: use
 ``petfunc eval``.
 
 Labels: a loss term is trained only if the training set has its labels. With

@@ -38,6 +38,8 @@ TRAINING_DEFAULTS: Dict[str, Any] = {
     # metatrain's fixed composition: {} (fit), {energy: w} (every type) or
     # {energy: {Z: w, ...}} (every type of the model listed)
     "atomic_baseline": {},
+    # metatrain's fixed scale: {} (fit) or {energy: c}; unused without scale_targets
+    "fixed_scaling_weights": {},
     "finetune": {"read_from": None, "method": "full", "config": {}, "inherit_heads": {}},
     "augmentation": True,
     "compile": False,
@@ -50,7 +52,6 @@ IGNORED_METATRAIN_KEYS = ("num_workers", "log_mae", "log_separate_blocks", "dist
 
 #: metatrain trainer keys petfunc does not implement: accepted only at their default.
 UNSUPPORTED_METATRAIN_KEYS = {
-    "fixed_scaling_weights": {},
     "per_structure_targets": [],
     "max_atoms_per_batch": None,
     "min_atoms_per_batch": 0,
@@ -310,6 +311,22 @@ def _atomic_baseline(value, where: str) -> dict:
     return {"energy": _number(energy, f"{where}.energy")}
 
 
+def _fixed_scaling_weights(value, where: str) -> dict:
+    """``{}`` or ``{"energy": c}`` with c > 0 (metatrain's form for a per-structure target)."""
+    if isinstance(value, str):
+        raise ValueError(f"option '{where}': loading a scaler from a file is not supported; give the scale "
+                         "as {energy: c}")
+    if not isinstance(value, Mapping):
+        raise ValueError(f"option '{where}' must be a mapping like {{energy: 0.5}}, got {value!r}")
+    _check_keys(value, ("energy",), where)
+    if "energy" not in value:
+        return {}
+    if isinstance(value["energy"], Mapping):
+        raise ValueError(f"option '{where}.energy': a scale per atomic type is not supported for the "
+                         "per-structure energy target (as in metatrain); give one number")
+    return {"energy": _number(value["energy"], f"{where}.energy", positive=True)}
+
+
 def fixed_composition(baseline: Mapping, atomic_types) -> Optional[np.ndarray]:
     """Per-species energies from a resolved ``atomic_baseline`` (None: fit them).
     A mapping must list every atomic type of the model, as metatrain requires."""
@@ -459,6 +476,8 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     training = _merge(TRAINING_DEFAULTS, training)
     t = "architecture.training"
     training["atomic_baseline"] = _atomic_baseline(training["atomic_baseline"], f"{t}.atomic_baseline")
+    training["fixed_scaling_weights"] = _fixed_scaling_weights(training["fixed_scaling_weights"],
+                                                               f"{t}.fixed_scaling_weights")
     training["batch_size"] = _number(training["batch_size"], f"{t}.batch_size", positive=True, integer=True)
     training["num_epochs"] = _number(training["num_epochs"], f"{t}.num_epochs", minimum=0, integer=True)
     training["warmup_fraction"] = _number(training["warmup_fraction"], f"{t}.warmup_fraction", minimum=0.0, maximum=1.0)

@@ -939,7 +939,9 @@ def fit(
             scale = fit_scale(train_samples, composition, config)
         else:
             composition, scale = fixed, fit_scale(train_samples, fixed, config)
-        if not training["scale_targets"]:
+        if "energy" in training["fixed_scaling_weights"]:
+            scale = training["fixed_scaling_weights"]["energy"]
+        if not training["scale_targets"]:  # as in metatrain, this wins over a fixed scale
             scale = 1.0
         params["composition_weights"] = torch.as_tensor(composition, dtype=torch.float64, device=device)
         params["energy_scale"] = torch.tensor(scale, dtype=torch.float64, device=device)

@@ -122,6 +122,23 @@ def test_atomic_baseline_fixes_the_composition(dataset):
         resolve_options({"training_set": "x.xyz", "architecture": {"training": {"atomic_baseline": "comp.ckpt"}}})
 
 
+def test_fixed_scaling_weights(dataset):
+    """metatrain's fixed_scaling_weights: {energy: c} replaces the fitted scale, the
+    composition is still fitted, and scale_targets: false wins (scale 1)."""
+    fitted = fit(tiny_options(dataset, num_epochs=0), None, progress=False, log=quiet()).params
+    result = fit(tiny_options(dataset, num_epochs=0, fixed_scaling_weights={"energy": 0.25}), None,
+                 progress=False, log=quiet())
+    assert float(result.params["energy_scale"]) == 0.25 != float(fitted["energy_scale"])
+    assert torch.equal(result.params["composition_weights"], fitted["composition_weights"])
+    result = fit(tiny_options(dataset, num_epochs=0, fixed_scaling_weights={"energy": 0.25}, scale_targets=False),
+                 None, progress=False, log=quiet())
+    assert float(result.params["energy_scale"]) == 1.0
+    for bad, message in (({"energy": {13: 1.0}}, "per-structure energy target"), ({"energy": 0.0}, "positive"),
+                         ("scaler.ckpt", "not supported"), ({"forces": 1.0}, "forces")):
+        with pytest.raises(ValueError, match=message):
+            resolve_options({"training_set": "x.xyz", "architecture": {"training": {"fixed_scaling_weights": bad}}})
+
+
 def test_checkpoint_contents(dataset, tmp_path):
     result = fit(tiny_options(dataset, num_epochs=1), tmp_path, progress=False, log=quiet())
     # Plain data only: loads with weights_only=True.
