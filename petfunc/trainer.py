@@ -424,6 +424,32 @@ def split_indices(n: int, fraction: Optional[float], seed: int) -> Tuple[np.ndar
     return train, val
 
 
+def _restart_split(ckpt: Mapping, sizes: Sequence[int], fraction: Optional[float], seed: int):
+    """The split of the run a checkpoint continues: as stored, or for checkpoints
+    written before the split was stored, as those versions drew it (a seeded
+    permutation, ``round(fraction * n)`` validation structures, both parts sorted)."""
+    stored = ckpt.get("split")
+    if stored is None:
+        out = []
+        for n in sizes:
+            if fraction is None or fraction <= 0:
+                out.append((np.arange(n), np.zeros(0, dtype=np.int64)))
+                continue
+            n_val = max(1, int(round(fraction * n)))
+            order = np.random.default_rng(seed).permutation(n)
+            out.append((np.sort(order[n_val:]), np.sort(order[:n_val])))
+        return out
+    train, val = stored["training"], stored["validation"]
+    if len(train) != len(sizes) or any(
+        max(list(t) + list(v), default=-1) >= n or len(t) + len(v) != n for t, v, n in zip(train, val, sizes)
+    ):
+        raise ValueError(
+            "the training data changed since the checkpoint was written: it was split into "
+            f"{[len(t) + len(v) for t, v in zip(train, val)]} structures per file, the files now hold {list(sizes)}"
+        )
+    return [(np.asarray(t, dtype=np.int64), np.asarray(v, dtype=np.int64)) for t, v in zip(train, val)]
+
+
 def split_datasets(sizes: Sequence[int], fraction: Optional[float], seed: int):
     """:func:`split_indices` for several files of ``sizes`` structures, with
     metatrain's order of draws from one generator: the validation split of every
@@ -868,7 +894,11 @@ def fit(
         frames = _read_frames(path, where("validation_set", i))
         _check_info_keys(frames, section.get("extra_data") or {}, path, where("validation_set", i) + ".extra_data.")
         val_files.append(frames)
-    splits = split_datasets([len(f) for f in files], None if val_sections else val_option, seed)
+    sizes = [len(f) for f in files]
+    if ckpt is not None:  # a restart trains on the structures of the run it continues
+        splits = _restart_split(ckpt, sizes, None if val_sections else val_option, seed)
+    else:
+        splits = split_datasets(sizes, None if val_sections else val_option, seed)
     # (frames, section, file indices, option name) of every training and validation part
     train_parts, val_parts = [], []
     for i, (frames, section, (train_idx, val_idx)) in enumerate(zip(files, train_sections, splits)):
@@ -880,6 +910,9 @@ def fit(
             val_parts.append(([frames[j] for j in val_idx], section, val_idx, where("validation_set", i)))
     for i, (frames, section) in enumerate(zip(val_files, val_sections or [])):
         val_parts.append((frames, section, None, where("validation_set", i)))
+    # file indices of every part, stored in checkpoints for restarts
+    split_json = {"training": [[int(j) for j in train] for train, _ in splits],
+                  "validation": [[int(j) for j in val] for _, val in splits]}
     train_frames = [a for part in train_parts for a in part[0]]
     val_frames = [a for part in val_parts for a in part[0]]
 
@@ -1080,6 +1113,7 @@ def fit(
             "rng": {"seed": int(seed), "torch": torch.get_rng_state()},
             "options": options_json,
             "history": [dict(row) for row in history],
+            "split": split_json,
         }
         _atomic_save(payload, path)
 

@@ -181,6 +181,39 @@ def test_exact_resume_float64(dataset, tmp_path):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
 
 
+def test_restart_keeps_the_split(dataset, tmp_path):
+    """Checkpoints store the file indices of the training and validation structures
+    and a restart reads them (so a change of the split rule never moves structures
+    between the sets of a running training); checkpoints without them get the rule
+    of the versions that wrote them; a file that changed size is an error."""
+    import ase.io
+
+    fit(tiny_options(dataset, num_epochs=1), tmp_path / "run", progress=False, log=quiet())
+    ckpt = load_checkpoint(tmp_path / "run" / "last.ckpt")
+    train, val = ckpt["split"]["training"][0], ckpt["split"]["validation"][0]
+    assert len(val) == 4 and sorted(train + val) == list(range(16))
+
+    def restart_sizes(split):
+        ckpt["split"] = split
+        torch.save(ckpt, tmp_path / "edited.ckpt")
+        lines = []
+        options = json.loads(ckpt["options"])
+        options["architecture"]["training"]["num_epochs"] = 2
+        fit(options, tmp_path / "restarted", restart=tmp_path / "edited.ckpt", progress=False, log=quiet(lines))
+        return next(line for line in lines if line.startswith("training set:"))
+
+    assert "training set: 10 structures (160 atoms), validation set: 6" in restart_sizes({"training": [train[:-2]], "validation": [val + train[-2:]]})
+    # legacy checkpoints: round(0.25 * 16) = 4 validation structures
+    assert "validation set: 4 structures" in restart_sizes(None)
+    ckpt["split"] = {"training": [train], "validation": [val]}
+    torch.save(ckpt, tmp_path / "edited.ckpt")
+    ase.io.write(tmp_path / "fewer.xyz", ase.io.read(dataset, ":10"))
+    options = json.loads(ckpt["options"])
+    options["training_set"]["systems"]["read_from"] = str(tmp_path / "fewer.xyz")
+    with pytest.raises(ValueError, match=r"training data changed since the checkpoint.*\[16\].*\[10\]"):
+        fit(options, tmp_path / "changed", restart=tmp_path / "edited.ckpt", progress=False, log=quiet())
+
+
 def test_split_step_matches_fused(dataset, tmp_path):
     # grad_step + reduce_grads + apply_gradients (the data-parallel path) == train_step.
     options = tiny_options(dataset, num_epochs=1)
