@@ -382,6 +382,41 @@ def test_random_architecture_on_random_structures(seed):
     compare_energies_forces_strain(config, params, mtt, batch, what=f"{config}: ")
 
 
+def test_adaptive_solver_off_its_root():
+    """A molecule where metatrain's ten Newton-bisection steps stop on a flat shoulder
+    of n_i(r) for two atoms, so the radii depend on round-off. Evaluated in another
+    order (r / r_max instead of r * (1 / r_max)), those radii came out 3.7 Å instead
+    of metatrain's 2.75 and 2.41 Å and the energy 40 % off; petfunc follows
+    metatrain's arithmetic (found by a sweep of the random test above)."""
+    config = petfunc.PETConfig(
+        atomic_types=(1, 8, 14), cutoff=3.7, cutoff_width=1.0, num_neighbors_adaptive=2,
+        adaptive_cutoff_method="solver", cutoff_width_adaptive=0.5, d_pet=8, d_head=8, d_node=16,
+        d_feedforward=8, num_heads=1, num_attention_layers=2, num_gnn_layers=1, activation="SiLU",
+        attention_temperature=1.9, transformer_type="PostLN",
+    )
+    positions = [
+        [2.2380201458442253, 3.0278616092401665, 1.6762432617307774],
+        [3.4426951787979205, 0.8209481495384257, 3.2452432615872278],
+        [0.08011454121208039, 3.0440450238618624, 1.9110562090367718],
+        [0.2782955739749419, 1.8988412877412102, 1.4434777618361454],
+        [2.826667373185006, 0.5168061120786499, 2.633134890246108],
+        [1.4316214865414698, 0.23250037300729465, 1.700482792013557],
+    ]
+    atoms = ase.Atoms(numbers=[14, 8, 14, 14, 1, 1], positions=positions)
+    from petfunc.adaptive import atomic_cutoffs
+    from petfunc.model import edge_vectors
+
+    positions_t, cell, neighbors = petfunc.from_atoms([atoms], config, dtype=torch.float64)
+    distances = torch.linalg.vector_norm(edge_vectors(positions_t, cell, neighbors), dim=-1) + 1e-15
+    radii = atomic_cutoffs(config, neighbors.centers, distances, neighbors.n_atoms)
+    expected = [2.53045427, 2.74971087, 2.40502224, 2.29916991, 2.00927573, 2.29917106]
+    assert torch.allclose(radii, torch.tensor(expected, dtype=torch.float64), atol=1e-8), radii
+    params = random_params(config, seed=196)
+    mtt = ref.make_model(config)
+    ref.load_params(mtt, params)
+    compare_energies_forces_strain(config, params, mtt, [atoms])
+
+
 def _conditioned(config, batch, rng):
     """``config`` with charge/spin conditioning, and random charges and spins on ``batch``."""
     import dataclasses
