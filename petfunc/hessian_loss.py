@@ -20,7 +20,6 @@ Units: like the other targets of a batch, the HVP targets are in training units,
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Dict, NamedTuple, Optional
 
 import torch

@@ -9,7 +9,7 @@ All apply functions are pure, differentiable twice, and traceable by ``make_fx``
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.nn.functional as F

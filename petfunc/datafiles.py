@@ -1,0 +1,361 @@
+"""The labelled structure files of a training run.
+
+Reading extxyz files with ASE, choosing which label keys to read (with errors that
+name the file, the key and the option to change), turning frames into
+:class:`~petfunc.data.Sample` objects, and splitting each training file into
+training and validation structures the way ``mtt train`` does (same seed, same
+structures, same order). :func:`read_training_files` does all of it for the
+``training_set``/``validation_set`` options of :func:`petfunc.trainer.fit`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .config import PETConfig
+from .data import Sample, sample_from_atoms
+from .loss import LossTerm, LossWeights
+from .options import dataset_sections, energy_unit_factor, length_unit_factor
+
+
+def read_frames(path, where: str):
+    import ase.io
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{where}: dataset file not found: {str(path)!r}")
+    if not path.is_file():
+        raise ValueError(f"{where}: {str(path)!r} is not a file")
+    try:
+        frames = ase.io.read(str(path), index=":")
+    except Exception as error:  # ASE raises many kinds of errors on bad files
+        raise ValueError(f"{where}: could not read dataset file {str(path)!r}: {type(error).__name__}: {error}") from None
+    if not isinstance(frames, list):
+        frames = [frames]
+    if not frames:
+        raise ValueError(f"{where}: dataset file {str(path)!r} holds no structures")
+    return frames
+
+
+def _has_key(atoms, key) -> bool:
+    if key in atoms.info or key in atoms.arrays:
+        return True
+    calc = atoms.calc
+    return calc is not None and key in getattr(calc, "results", {})
+
+
+def _available_keys(frames) -> List[str]:
+    keys = set()
+    for atoms in frames[:50]:
+        keys.update(atoms.info)
+        keys.update(k for k in atoms.arrays if k not in ("numbers", "positions"))
+        if atoms.calc is not None:
+            keys.update(getattr(atoms.calc, "results", {}))
+    return sorted(keys)
+
+
+@dataclass
+class Labels:
+    energy: Optional[str]
+    forces: Optional[str]
+    stress: Optional[str]
+    virial: Optional[str]
+    energy_unit: float
+    length_unit: float
+    charge: Optional[str] = None  # atoms.info keys for system conditioning (None: defaults)
+    spin_multiplicity: Optional[str] = None
+
+
+def label_keys(frames, section: Mapping, weights: LossWeights, explicit: set, where: str) -> Labels:
+    """Which keys to read; raises when requested labels are missing from the file."""
+    path = section["systems"]["read_from"]
+    target = section["targets"]["energy"]
+
+    def present(key):
+        return sum(_has_key(a, key) for a in frames)
+
+    def missing(what, key, how):
+        keys = _available_keys(frames)
+        return ValueError(
+            f"{where}: {how}, but no structure in {path!r} has {what} labels under the key "
+            f"{key!r} (keys in the file: {keys}). Set '{where}.targets.energy.{what}' to the right "
+            f"key, or to false to train without {what} (and drop any {what} weight from the "
+            "'architecture.training.loss' option)."
+        )
+
+    energy = target["key"]
+    if weights.energy.weight > 0 and not present(energy):
+        keys = _available_keys(frames)
+        raise ValueError(
+            f"{where}: no structure in {path!r} has an energy under the key {energy!r} "
+            f"(keys in the file: {keys}); set '{where}.targets.energy.key'"
+        )
+    keys = {}
+    for name, term in (("forces", weights.forces), ("stress", weights.stress), ("virial", weights.stress)):
+        spec = target[name]
+        if spec is False:
+            keys[name] = None
+            continue
+        key = name if spec == "auto" else spec["key"]
+        if present(key):
+            keys[name] = key
+            continue
+        keys[name] = None
+        loss_term = "forces" if name == "forces" else "stress"
+        if spec != "auto":
+            raise missing(name, key, f"'{where}.targets.energy.{name}' asks for {name}")
+        if loss_term in explicit and not (name == "stress" and target["virial"]):
+            raise missing(name, key, f"the loss has a {loss_term} term (weight {term.weight})")
+    extra = section.get("extra_data") or {}
+    return Labels(
+        energy,
+        keys["forces"],
+        keys["stress"],
+        keys["virial"],
+        energy_unit_factor(target["unit"]),
+        length_unit_factor(section["systems"]["length_unit"]),
+        extra.get("charge"),
+        extra.get("spin_multiplicity"),
+    )
+
+
+def check_info_keys(frames, keys: Mapping, path, where: str) -> None:
+    """Raise when a named ``atoms.info`` key (charge, spin multiplicity) is in no
+    structure of the file: a misspelt key would otherwise give silent defaults."""
+    for name, key in keys.items():
+        if key is not None and not any(key in a.info for a in frames):
+            raise ValueError(
+                f"{where}{name}: no structure in {str(path)!r} has the info key {key!r} "
+                f"(keys in the file: {_available_keys(frames)})"
+            )
+
+
+def to_samples(frames, config: PETConfig, labels: Labels, path, indices=None) -> List[Sample]:
+    """Samples of ``frames``; errors name ``indices[i]``, the frame's index in the file."""
+    samples = []
+    indices = range(len(frames)) if indices is None else indices
+    for i, atoms in zip(indices, frames):
+        label = f"{path}: structure {i}"
+        sample = sample_from_atoms(
+            atoms, config, labels.energy, labels.forces, labels.stress, labels.virial,
+            labels.energy_unit, labels.length_unit, label=label,
+            charge_key=labels.charge, spin_multiplicity_key=labels.spin_multiplicity,
+        )
+        for name in ("energy", "forces", "stress", "virial"):
+            value = getattr(sample, name)
+            if value is not None and np.isinf(np.asarray(value)).any():
+                raise ValueError(f"{label}: the {name} label is infinite")
+        samples.append(sample)
+    return samples
+
+
+def split_indices(n: int, fraction: Optional[float], seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """``(train, validation)`` indices into a file of ``n`` structures, drawn as
+    ``mtt train`` draws them with the same ``seed``, so both train on the same
+    structures, in the same order (which the composition fit's accumulation sees).
+
+    metatrain seeds numpy's global generator and shuffles twice: the validation split
+    takes the last ``floor(n * fraction)`` of a shuffled ``range(n)``, then its test
+    split (``test_set: 0``, the only one petfunc accepts) shuffles the training part
+    again. ``fraction=None`` (a separate validation file) skips the first shuffle.
+    As in metatrain, a fraction below ``1/n`` gives no validation structure.
+    See :func:`split_datasets` for several files.
+    """
+    (train, val), = split_datasets([n], fraction, seed)
+    return train, val
+
+
+def restart_split(ckpt: Mapping, sizes: Sequence[int], fraction: Optional[float], seed: int):
+    """The split of the run a checkpoint continues: as stored, or for checkpoints
+    written before the split was stored, as those versions drew it (a seeded
+    permutation, ``round(fraction * n)`` validation structures, both parts sorted)."""
+    stored = ckpt.get("split")
+    if stored is None:
+        out = []
+        for n in sizes:
+            if fraction is None or fraction <= 0:
+                out.append((np.arange(n), np.zeros(0, dtype=np.int64)))
+                continue
+            n_val = max(1, int(round(fraction * n)))
+            order = np.random.default_rng(seed).permutation(n)
+            out.append((np.sort(order[n_val:]), np.sort(order[:n_val])))
+        return out
+    train, val = stored["training"], stored["validation"]
+    if len(train) != len(sizes) or any(
+        max(list(t) + list(v), default=-1) >= n or len(t) + len(v) != n for t, v, n in zip(train, val, sizes)
+    ):
+        raise ValueError(
+            "the training data changed since the checkpoint was written: it was split into "
+            f"{[len(t) + len(v) for t, v in zip(train, val)]} structures per file, the files now hold {list(sizes)}"
+        )
+    return [(np.asarray(t, dtype=np.int64), np.asarray(v, dtype=np.int64)) for t, v in zip(train, val)]
+
+
+def split_datasets(sizes: Sequence[int], fraction: Optional[float], seed: int):
+    """:func:`split_indices` for several files of ``sizes`` structures, with
+    metatrain's order of draws from one generator: the validation split of every
+    file, then the test-split reshuffle of every training part."""
+    rng = np.random.RandomState(seed % 2**32)
+    splits = []
+    for n in sizes:
+        indices = list(range(n))
+        n_val = 0
+        if fraction is not None and fraction > 0:
+            rng.shuffle(indices)
+            # metatrain normalises the sizes (1 - f, f) by their sum before flooring
+            n_val = math.floor(n * (fraction / ((1.0 - fraction) + fraction)))
+            if n_val >= n:
+                raise ValueError(
+                    f"validation_set: a fraction of {fraction} of {n} structures leaves none for training"
+                )
+        splits.append((indices[: n - n_val], indices[n - n_val :]))
+    out = []
+    for train, val in splits:
+        order = list(range(len(train)))
+        rng.shuffle(order)
+        out.append((np.array([train[i] for i in order], dtype=np.int64), np.array(val, dtype=np.int64)))
+    return out
+
+
+def read_labelled(path, config: PETConfig, energy_key="energy", forces_key="forces", stress_key="stress",
+                  virial_key=None, energy_unit="eV", length_unit="angstrom",
+                  charge_key=None, spin_multiplicity_key=None) -> List[Sample]:
+    """Read an extxyz file into samples for ``config`` (missing label keys are skipped;
+    ``charge_key``/``spin_multiplicity_key``: see :func:`petfunc.data.sample_from_atoms`)."""
+    frames = read_frames(path, "dataset")
+    check_info_keys(frames, {"charge_key": charge_key, "spin_multiplicity_key": spin_multiplicity_key}, path, "")
+
+    def key_or_none(key):
+        return key if key and any(_has_key(a, key) for a in frames) else None
+
+    labels = Labels(
+        key_or_none(energy_key), key_or_none(forces_key), key_or_none(stress_key), key_or_none(virial_key),
+        energy_unit_factor(energy_unit), length_unit_factor(length_unit), charge_key, spin_multiplicity_key,
+    )
+    if labels.energy is None and labels.forces is None and labels.stress is None and labels.virial is None:
+        raise ValueError(
+            f"{str(path)!r} has no labels under the keys {energy_key!r}, {forces_key!r}, {stress_key!r} "
+            f"(keys in the file: {_available_keys(frames)})"
+        )
+    return to_samples(frames, config, labels, path)
+
+
+# ---------------------------------------------------------------------------------------
+# the files of a training run
+
+
+@dataclass
+class TrainingFiles:
+    """What :func:`read_training_files` read.
+
+    Attributes:
+        train_parts, val_parts: one ``(frames, section, file indices, option name)``
+            per file (indices ``None`` for a separate validation file).
+        train_labels, val_labels: the label keys of each part.
+        weights: the loss weights, without terms no training file has labels for.
+        split: ``{"training": [...], "validation": [...]}`` file indices per training
+            file, as stored in checkpoints.
+    """
+
+    train_parts: list
+    val_parts: list
+    train_labels: List[Labels]
+    val_labels: List[Labels]
+    weights: LossWeights
+    split: dict
+
+    @property
+    def atomic_types(self) -> List[int]:
+        """Every atomic number in the training and validation structures, sorted."""
+        return sorted({int(z) for part in self.train_parts + self.val_parts for a in part[0] for z in a.numbers})
+
+    @property
+    def train_sizes(self) -> List[int]:
+        """Training structures per file, in the order of :meth:`samples`."""
+        return [len(part[0]) for part in self.train_parts]
+
+    def samples(self, config: PETConfig) -> Tuple[List[Sample], List[Sample]]:
+        """``(training, validation)`` samples for ``config``; errors name each
+        structure by its index in its file."""
+        out = []
+        for parts, labels in ((self.train_parts, self.train_labels), (self.val_parts, self.val_labels)):
+            samples = []
+            for (frames, section, idx, _), label in zip(parts, labels):
+                samples += to_samples(frames, config, label, section["systems"]["read_from"], idx)
+            out.append(samples)
+        return out[0], out[1]
+
+
+def read_training_files(options: Mapping, weights: LossWeights, explicit: set, seed: int,
+                        ckpt: Optional[Mapping] = None, log: Callable[[str], None] = print) -> TrainingFiles:
+    """Read and split the ``training_set`` and ``validation_set`` of resolved
+    ``options`` (one dataset or a list of them; each file is split on its own).
+
+    ``explicit`` names the loss terms the options ask for, whose labels must then be
+    in some training file; a restart checkpoint ``ckpt`` brings its split.
+    """
+    # one or several datasets (metatrain's list form); each is split on its own
+    train_sections = dataset_sections(options["training_set"])
+    val_option = options["validation_set"]
+    val_sections = None if isinstance(val_option, (int, float)) else dataset_sections(val_option)
+    many = len(train_sections) > 1
+
+    def where(name, i):
+        return f"{name}[{i}]" if many else name
+
+    files = []
+    for i, section in enumerate(train_sections):
+        path = section["systems"]["read_from"]
+        frames = read_frames(path, where("training_set", i))
+        # the whole file, before any validation split takes some of its structures
+        check_info_keys(frames, section.get("extra_data") or {}, path, where("training_set", i) + ".extra_data.")
+        files.append(frames)
+    val_files = []
+    for i, section in enumerate(val_sections or []):
+        path = section["systems"]["read_from"]
+        frames = read_frames(path, where("validation_set", i))
+        check_info_keys(frames, section.get("extra_data") or {}, path, where("validation_set", i) + ".extra_data.")
+        val_files.append(frames)
+    sizes = [len(f) for f in files]
+    if ckpt is not None:  # a restart trains on the structures of the run it continues
+        splits = restart_split(ckpt, sizes, None if val_sections else val_option, seed)
+    else:
+        splits = split_datasets(sizes, None if val_sections else val_option, seed)
+    # (frames, section, file indices, option name) of every training and validation part
+    train_parts, val_parts = [], []
+    for i, (frames, section, (train_idx, val_idx)) in enumerate(zip(files, train_sections, splits)):
+        train_parts.append(([frames[j] for j in train_idx], section, train_idx, where("training_set", i)))
+        if val_sections is None and val_option > 0 and not len(val_idx):
+            log(f"warning: validation_set {val_option:g} of the {len(frames)} structures of "
+                f"{section['systems']['read_from']} is less than one; none of them is used for validation")
+        if val_sections is None and len(val_idx):
+            val_parts.append(([frames[j] for j in val_idx], section, val_idx, where("validation_set", i)))
+    for i, (frames, section) in enumerate(zip(val_files, val_sections or [])):
+        val_parts.append((frames, section, None, where("validation_set", i)))
+    # file indices of every part, stored in checkpoints for restarts
+    split_json = {"training": [[int(j) for j in train] for train, _ in splits],
+                  "validation": [[int(j) for j in val] for _, val in splits]}
+
+    # labels: a loss term the options ask for must have labels in some training file;
+    # structures of files without them get NaN labels, which the loss skips
+    train_labels = [label_keys(f, sec, weights, explicit if not many else set(), w) for f, sec, _, w in train_parts]
+    for term in sorted(explicit) if many else ():
+        names = ("forces",) if term == "forces" else ("stress", "virial")
+        if not any(getattr(lab, n) for lab in train_labels for n in names):
+            f, sec, _, w = train_parts[0]
+            label_keys(f, sec, weights, {term}, w)  # raises, naming the first file
+    val_labels = [label_keys(f, sec, weights, set(), w) for f, sec, _, w in val_parts]
+    has = {name: any(getattr(lab, name) for lab in train_labels) for name in ("forces", "stress", "virial")}
+    # terms without any training labels are dropped (no derivative is computed for them)
+    weights = LossWeights(
+        weights.energy,
+        weights.forces if has["forces"] else LossTerm(0.0, weights.forces.type),
+        weights.stress if (has["stress"] or has["virial"]) else LossTerm(0.0, weights.stress.type),
+    )
+
+    return TrainingFiles(train_parts, val_parts, train_labels, val_labels, weights, split_json)
