@@ -122,6 +122,12 @@ class PETCalculator(Calculator):
         exported: an :class:`petfunc.export.ExportedPET` (a ``petfunc export``
             artifact) evaluating the model instead of ``params``; see
             :meth:`from_exported`.
+        llpr: LLPR uncertainty quantities of ``params`` (see :mod:`petfunc.llpr`;
+            :meth:`from_metatrain` reads them from an LLPR checkpoint such as
+            PET-MAD's): ``energy_uncertainty`` is then the calibrated LLPR standard
+            deviation, and with ensemble weights ``energy_ensemble``,
+            ``forces_ensemble``, ``forces_uncertainty`` and ``stress_uncertainty``
+            come from the LLPR ensemble (evaluated eagerly, also with ``compile``).
         **kwargs: passed to :class:`ase.calculators.calculator.Calculator`.
     """
 
@@ -148,6 +154,7 @@ class PETCalculator(Calculator):
         dtype: Optional[torch.dtype] = None,
         ensemble_params=None,
         exported=None,
+        llpr=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -178,6 +185,15 @@ class PETCalculator(Calculator):
         self._efs_eager = energy_terms_forces_strain_derivative(self.model.energy_terms, "autograd")
         self._compiled = None
         self._padding = padding_sample(config).structure
+        self.llpr = None
+        if llpr is not None:
+            if params is None or ensemble_params is not None or exported is not None:
+                raise ValueError("llpr needs params, and excludes ensemble_params and exported models")
+            from . import llpr as llpr_module
+
+            self.llpr = {k: v.to(dtype=self.dtype, device=self.device) for k, v in llpr.items()}
+            self._llpr_offsets = llpr_module.ensemble_offsets(config, stress=True)
+            self._llpr_sigma = llpr_module.structure_features(config)
 
     # -- constructors ----------------------------------------------------------------
     @classmethod
@@ -207,9 +223,14 @@ class PETCalculator(Calculator):
 
         Needs metatrain installed; see :func:`petfunc.from_metatrain`.
         """
+        from . import llpr
         from .io import from_metatrain
 
-        config, params = from_metatrain(path, target=target)
+        checkpoint = llpr.read_checkpoint(path)
+        if checkpoint is not None and checkpoint.get("architecture_name") == "llpr":
+            config, params, uncertainty = llpr.from_metatrain(checkpoint, target=target or "energy")
+            return cls(config, params, llpr=uncertainty, **kwargs)
+        config, params = from_metatrain(checkpoint if checkpoint is not None else path, target=target)
         return cls(config, params, **kwargs)
 
     @classmethod
@@ -361,6 +382,9 @@ class PETCalculator(Calculator):
             if "energies" in properties:
                 results["energies"] = per_atom
 
+            if self.llpr is not None:
+                ensemble = self._llpr_results(inputs, n_atoms, results, energy, forces, strain)
+
         results["energy"] = energy
         results["free_energy"] = energy
         results["forces"] = forces
@@ -369,11 +393,31 @@ class PETCalculator(Calculator):
         if ensemble is not None:
             results["energy_ensemble"] = ensemble[0]
             results["forces_ensemble"] = ensemble[1]
-            results["energy_uncertainty"] = float(ensemble[0].std())
+            results.setdefault("energy_uncertainty", float(ensemble[0].std()))
             results["forces_uncertainty"] = ensemble[1].std(axis=0)
             if want_stress:
                 results["stress_uncertainty"] = _voigt(ensemble[2] / volume).std(axis=0)
         self.results = results
+
+
+    def _llpr_results(self, inputs, n_atoms, results, energy, forces, strain):
+        """The LLPR uncertainty into ``results``; the LLPR ensemble (or ``None``) in the
+        committee's form: member energies, forces, strain derivatives."""
+        positions, cell, neighbors = inputs
+        if "ensemble_weights" not in self.llpr:
+            from .llpr import uncertainty
+
+            features = self._llpr_sigma(self.params, positions, cell, neighbors)
+            results["energy_uncertainty"] = float(uncertainty(self.llpr, features)[0])
+            return None
+        sigma, d_energy, d_forces, d_strain = self._llpr_offsets(self.params, self.llpr, positions, cell, neighbors)
+        results["energy_uncertainty"] = float(sigma[0])
+        return (
+            energy + d_energy[0].double().cpu().numpy(),
+            forces[None] + d_forces[:, :n_atoms].double().cpu().numpy(),
+            strain[None] + d_strain[:, 0].double().cpu().numpy(),
+            None,
+        )
 
 
 def _training_checkpoint(path):

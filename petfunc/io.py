@@ -389,6 +389,8 @@ def from_metatrain(
         target: which energy target to read (default: ``"energy"``, or the only
             target whose quantity is energy).
 
+    An LLPR uncertainty checkpoint (``architecture_name: llpr``, as PET-MAD's are)
+    gives the PET it wraps (see :mod:`petfunc.llpr` for its uncertainties).
     Checkpoints of every PET model version (1 to 16) are upgraded with metatrain's
     own ``PET.upgrade_checkpoint``. As metatrain's ``"export"`` context does, this
     reads ``best_model_state_dict`` (``model_state_dict`` if that is missing), and
@@ -417,6 +419,9 @@ def from_metatrain(
             raise ValueError(f"{label} is not a metatrain checkpoint (a {type(checkpoint).__name__})")
 
     name = checkpoint.get("architecture_name")
+    if name == "llpr":
+        checkpoint = _llpr_wrapped_checkpoint(checkpoint, label)
+        name = checkpoint.get("architecture_name")
     if name != "pet":
         raise ValueError(f"{label} is not a PET checkpoint (architecture_name={name!r})")
     version = checkpoint.get("model_ckpt_version") or 1
@@ -449,6 +454,35 @@ def from_metatrain(
     network = _network_params(state, target)
     weights, scale = _composition_and_scale(state, target, config.atomic_types)
     return config, _assemble(config, network, weights, scale, dtype, label)
+
+
+def _llpr_state(checkpoint: Mapping) -> Dict[str, torch.Tensor]:
+    """The LLPR wrapper's own weights, as metatrain's ``"export"`` context picks them
+    (``best_model_state_dict``, else ``model_state_dict``; ``state_dict`` before v3)."""
+    for key in ("best_model_state_dict", "model_state_dict", "state_dict"):
+        if checkpoint.get(key):
+            return dict(checkpoint[key])
+    return {}
+
+
+def _llpr_wrapped_checkpoint(checkpoint: Mapping, label: str) -> dict:
+    """The PET checkpoint an LLPR uncertainty checkpoint (PET-MAD's kind) wraps.
+
+    The wrapper's weights override the wrapped model's where they name them
+    (``model.*``: metatrain loads them over the wrapped model, non-strictly)."""
+    wrapped = checkpoint.get("wrapped_model_checkpoint")
+    if not isinstance(wrapped, Mapping):
+        raise ValueError(f"{label} is an LLPR checkpoint without a wrapped model checkpoint")
+    inner = wrapped.get("architecture_name")
+    if inner != "pet":
+        raise ValueError(f"{label} is an LLPR checkpoint wrapping a {inner!r} model, not a PET")
+    wrapped = _copy_checkpoint(wrapped)
+    overrides = {k[len("model."):]: v for k, v in _llpr_state(checkpoint).items() if k.startswith("model.")}
+    if overrides:
+        for key in ("best_model_state_dict", "model_state_dict"):
+            if wrapped.get(key):
+                wrapped[key] = {**wrapped[key], **overrides}
+    return wrapped
 
 
 def _from_exported(data: bytes, dtype, target, label):

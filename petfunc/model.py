@@ -198,6 +198,36 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
         neighbors: the integer graph of :mod:`petfunc.neighbors`.
         config: the architecture.
     """
+    readout_features, token_factors, centers = _readout_inputs(params, positions, cell, neighbors, config)
+    energies = None
+    for index, (nodes, edges) in enumerate(readout_features):
+        e = _readout(params, config, index, nodes, edges, token_factors, centers)
+        energies = e if energies is None else energies + e
+    return energies
+
+
+def last_layer_features(params, positions, cell, neighbors: Neighbors, config: PETConfig):
+    """Per-atom inputs of the energy's last layers ``[n_atoms, 2 L d_head]``.
+
+    For each readout layer l (L of them), the node head's output and the sum of the
+    edge head's outputs over the atom's edges times their cutoff factors: what
+    metatrain's ``mtt::aux::energy_last_layer_features`` holds, in its order (per
+    layer: node, then edge). The raw energy of atom i is these features times the
+    last layers' weights, plus their biases. Summed over a structure's atoms, they
+    are what LLPR uncertainties (:mod:`petfunc.llpr`) need.
+    """
+    readout_features, token_factors, centers = _readout_inputs(params, positions, cell, neighbors, config)
+    out = []
+    for index, (nodes, edges) in enumerate(readout_features):
+        node_hidden = nn.mlp2(params["node_heads"][TARGET][index], nodes, final_activation=True)
+        edge_hidden = nn.mlp2(params["edge_heads"][TARGET][index], edges, final_activation=True)
+        edge_sum = torch.zeros_like(node_hidden).index_add(0, centers, edge_hidden * token_factors[:, None])
+        out += [node_hidden, edge_sum]
+    return torch.cat(out, dim=1)
+
+
+def _readout_inputs(params, positions, cell, neighbors: Neighbors, config: PETConfig):
+    """``([(nodes, edge tokens)] per readout layer, token cutoff factors, token centres)``."""
     vectors = edge_vectors(positions, cell, neighbors)
     distances = torch.linalg.vector_norm(vectors, dim=-1) + 1e-15
     factors = cutoff_factors(config, distances, neighbors)
@@ -253,12 +283,7 @@ def atomic_energies(params, positions, cell, neighbors: Neighbors, config: PETCo
             torch.sqrt((vectors**2).sum(dim=1) + 1e-15),
         )
         readout_features = [((nodes + extra) * 0.5**0.5, edges) for nodes, edges in readout_features]
-
-    energies = None
-    for index, (nodes, edges) in enumerate(readout_features):
-        e = _readout(params, config, index, nodes, edges, token_factors, centers)
-        energies = e if energies is None else energies + e
-    return energies
+    return readout_features, token_factors, centers
 
 
 def _structure_sum(values: torch.Tensor, structure_index: torch.Tensor, n_structures: int):

@@ -84,7 +84,9 @@ def add_system_data(model, system, atoms):
     from ``atoms.info``, as metatomic's ASE calculator reads them."""
     from metatensor.torch import Labels, TensorBlock, TensorMap
 
-    for name in model.requested_inputs():
+    # a wrapper (LLPR) forwards its inputs to the wrapped model
+    requested = model.requested_inputs() if hasattr(model, "requested_inputs") else model.model.requested_inputs()
+    for name in requested:
         if name == "charge":
             value = float(atoms.info.get("charge", 0))
         elif name == "spin_multiplicity":

@@ -1,0 +1,217 @@
+"""LLPR uncertainties: metatrain's last-layer prediction rigidity, as PET-MAD ships it.
+
+An LLPR checkpoint (``architecture_name: llpr``) wraps a trained PET and adds, for
+the energy, computed from the last-layer features ``f_s`` of each structure (the
+per-atom :func:`petfunc.model.last_layer_features` summed over its atoms):
+
+* ``energy_uncertainty``: ``sigma_s = alpha * sqrt(f_s^T (L L^T)^{-1} f_s)`` with the
+  Cholesky factor ``L`` of the (regularised) feature covariance and the calibrated
+  multiplier ``alpha``;
+* ``energy_ensemble``: K members ``E_s + (W_k - mean_k W_k) . f_s`` with ensemble
+  last-layer weights ``W [K, F]`` drawn at calibration, centred on the model's own
+  energy ``E_s``; their forces and stresses are derivatives of these energies.
+
+The LLPR quantities are a pytree (a dict of tensors), like the parameters::
+
+    config, params, llpr = petfunc.llpr.from_metatrain("pet-mad.ckpt")
+    energy, sigma = petfunc.llpr.energy_and_uncertainty(config)(params, llpr, positions, cell, neighbors)
+    energies, forces, strain = petfunc.llpr.ensemble(config)(params, llpr, positions, cell, neighbors)
+
+Everything is a pure function of positions built with ``torch.func``, so it
+composes with ``grad``, ``vmap`` and :func:`petfunc.compile` like the energy.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Callable, Dict, Optional, Union
+
+import torch
+from torch.func import vjp, vmap
+
+from .config import PETConfig
+from .model import PET, last_layer_features
+
+PathLike = Union[str, Path]
+
+__all__ = ["from_metatrain", "structure_features", "uncertainty", "energy_and_uncertainty", "ensemble",
+           "ensemble_offsets"]
+
+
+def from_metatrain(source, dtype: Optional[torch.dtype] = None, target: str = "energy"):
+    """``(config, params, llpr)`` of a metatrain LLPR checkpoint wrapping a PET.
+
+    ``llpr`` holds ``cholesky`` ``[F, F]`` (lower-triangular), ``multiplier`` (a
+    scalar) and ``ensemble_weights`` ``[K, F]`` (absent if the checkpoint has no
+    ensemble), in ``dtype`` (default: the network's). ``target`` is the energy
+    target whose uncertainty is read.
+    """
+    from . import io as petfunc_io
+
+    checkpoint = _load(source)
+    if checkpoint.get("architecture_name") != "llpr":
+        raise ValueError(
+            f"{_label(source)} is not an LLPR checkpoint (architecture_name="
+            f"{checkpoint.get('architecture_name')!r}); petfunc.from_metatrain reads plain PET checkpoints"
+        )
+    config, params = petfunc_io.from_metatrain(checkpoint, dtype=dtype, target=target)
+    checkpoint = _upgraded(checkpoint, _label(source))
+    state = petfunc_io._llpr_state(checkpoint)
+    name = "energy_uncertainty" if target == "energy" else f"mtt::aux::{target.replace('mtt::', '')}_uncertainty"
+    if f"cholesky_{name}" not in state:
+        raise ValueError(f"{_label(source)} has no covariance for {name!r}; it holds {sorted(state)}")
+    cholesky = state[f"cholesky_{name}"]
+    if f"multiplier_{name}" not in state:
+        raise ValueError(f"{_label(source)} has no calibrated multiplier for {name!r}")
+    network_dtype = dtype or next(t for k, t in _flat(params).items() if k.endswith("weight")).dtype
+    llpr = {
+        "cholesky": cholesky.to(network_dtype),
+        "multiplier": state[f"multiplier_{name}"].reshape(()).to(network_dtype),
+    }
+    weights = state.get(f"llpr_ensemble_layers.{target}.weight")
+    if weights is not None:
+        llpr["ensemble_weights"] = weights.to(network_dtype)
+    features = 2 * config.num_gnn_layers * config.d_head if config.featurizer_type == "residual" else 2 * config.d_head
+    if llpr["cholesky"].shape != (features, features):
+        raise ValueError(
+            f"{_label(source)}: covariance of shape {tuple(llpr['cholesky'].shape)} for {features} "
+            "last-layer features"
+        )
+    return config, params, llpr
+
+
+def structure_features(config: PETConfig) -> Callable:
+    """``fn(params, positions, cell, neighbors) -> [n_structures, F]``: last-layer
+    features summed over each structure's atoms."""
+
+    def fn(params, positions, cell, neighbors):
+        per_atom = last_layer_features(params, positions, cell, neighbors, config)
+        out = torch.zeros((cell.shape[0], per_atom.shape[1]), dtype=per_atom.dtype, device=per_atom.device)
+        return out.index_add(0, neighbors.structure_index, per_atom)
+
+    return fn
+
+
+def uncertainty(llpr: Dict[str, torch.Tensor], features: torch.Tensor) -> torch.Tensor:
+    """``[n_structures]`` calibrated standard deviations ``alpha |L^{-1} f_s|`` (eV)."""
+    v = torch.linalg.solve_triangular(llpr["cholesky"], features.T, upper=False)
+    return llpr["multiplier"] * torch.sqrt((v * v).sum(dim=0))
+
+
+def energy_and_uncertainty(config: PETConfig) -> Callable:
+    """``fn(params, llpr, positions, cell, neighbors) -> (energy [S], sigma [S])``."""
+    model = PET(config)
+    features_fn = structure_features(config)
+
+    def fn(params, llpr, positions, cell, neighbors):
+        return model.energy(params, positions, cell, neighbors), uncertainty(
+            llpr, features_fn(params, positions, cell, neighbors)
+        )
+
+    return fn
+
+
+def ensemble_offsets(config: PETConfig, stress: bool = False) -> Callable:
+    """``fn(params, llpr, positions, cell, neighbors) -> (sigma [S], dE [S, K],
+    dF [K, N, 3], dW [K, S, 3, 3] or None)``: the LLPR uncertainty and what each
+    ensemble member adds to the model's energy, forces and strain derivative.
+
+    Member k adds ``(W_k - mean W) . f`` to the energy; the K force (and strain)
+    offsets are the gradients of these, from one vmapped pullback of the features.
+    """
+    from .derivatives import _identity_strain, _strained
+
+    features_fn = structure_features(config)
+
+    def fn(params, llpr, positions, cell, neighbors):
+        weights = llpr["ensemble_weights"]
+        delta = weights - weights.mean(dim=0, keepdim=True)  # [K, F]
+
+        def features_of(x, eps):
+            # strained as in petfunc.derivatives, so d/d eps is the strain derivative
+            xs, cs = _strained(x, cell, eps, neighbors.structure_index)
+            return features_fn(params, xs, cs, neighbors)
+
+        features, pullback = vjp(features_of, positions, _identity_strain(cell))
+        # cotangent of member k: delta_k on every structure's features
+        cotangents = delta[:, None, :].expand(-1, features.shape[0], -1)
+        d_dx, d_deps = vmap(pullback)(cotangents)
+        return uncertainty(llpr, features), features @ delta.T, -d_dx, (d_deps if stress else None)
+
+    return fn
+
+
+def ensemble(config: PETConfig, stress: bool = False) -> Callable:
+    """``fn(params, llpr, positions, cell, neighbors) -> (energies [S, K],
+    forces [K, N, 3], strain_derivative [K, S, 3, 3] or None)`` of the LLPR ensemble:
+    the model's values plus :func:`ensemble_offsets`. The strain derivative (dE/d
+    eps; stress = this / volume) only with ``stress=True``.
+    """
+    from .derivatives import energy_forces_strain_derivative
+
+    base = energy_forces_strain_derivative(PET(config).energy)
+    offsets = ensemble_offsets(config, stress)
+
+    def fn(params, llpr, positions, cell, neighbors):
+        energy, forces, strain = base(params, positions, cell, neighbors)
+        _, d_energy, d_forces, d_strain = offsets(params, llpr, positions, cell, neighbors)
+        return (energy[:, None] + d_energy, forces[None] + d_forces,
+                strain[None] + d_strain if stress else None)
+
+    return fn
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _upgraded(checkpoint: dict, label: str) -> dict:
+    """The LLPR checkpoint at metatrain's latest LLPR version (older versions stored
+    the inverse covariance instead of its Cholesky factor), upgraded by metatrain."""
+    from metatrain.llpr import LLPRUncertaintyModel
+
+    from .io import _copy_checkpoint
+
+    version = checkpoint.get("model_ckpt_version") or 1
+    latest = LLPRUncertaintyModel.__checkpoint_version__
+    if version > latest:
+        raise ValueError(f"{label} has LLPR model version {version}; the installed metatrain reads up to {latest}")
+    if version == latest:
+        return checkpoint
+    checkpoint = _copy_checkpoint(checkpoint)
+    checkpoint["model_ckpt_version"] = version
+    return LLPRUncertaintyModel.upgrade_checkpoint(checkpoint)
+
+
+def _flat(params) -> Dict[str, torch.Tensor]:
+    from . import tree
+
+    return tree.flatten(params)
+
+
+def _label(source) -> str:
+    return "the checkpoint" if isinstance(source, dict) else repr(str(source))
+
+
+def _load(source) -> dict:
+    if isinstance(source, dict):
+        return source
+    checkpoint = read_checkpoint(source)
+    if checkpoint is None:
+        raise ValueError(f"{_label(source)} is not a metatrain checkpoint")
+    return checkpoint
+
+
+def read_checkpoint(path) -> Optional[dict]:
+    """The dict of a metatrain checkpoint file (gzip or not), or ``None`` for anything
+    else (an exported TorchScript model, another pickle)."""
+    from .io import _is_torchscript, _read_bytes
+
+    data = _read_bytes(Path(path))
+    if _is_torchscript(data):
+        return None
+    try:
+        checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except Exception as error:
+        raise ValueError(f"{_label(path)} is not a readable metatrain checkpoint ({error})") from error
+    return checkpoint if isinstance(checkpoint, dict) else None

@@ -1,0 +1,169 @@
+"""LLPR uncertainties (petfunc.llpr) against metatrain's LLPRUncertaintyModel, float64:
+the shipped LLPR test checkpoints (every LLPR model version), and random covariances
+and ensemble weights on PETs with one and with three readout layers."""
+
+import glob
+import gzip
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("metatrain")
+
+import ase.build  # noqa: E402
+from metatomic.torch import ModelOutput, System, systems_to_torch  # noqa: E402
+from metatrain.llpr import LLPRUncertaintyModel  # noqa: E402
+from metatrain.utils.io import model_from_checkpoint  # noqa: E402
+from metatrain.utils.neighbor_lists import get_requested_neighbor_lists, get_system_with_neighbor_lists  # noqa: E402
+
+import mtt_reference as ref  # noqa: E402
+import petfunc  # noqa: E402
+from petfunc import llpr  # noqa: E402
+from petfunc.ase import PETCalculator  # noqa: E402
+
+
+CHECKPOINTS = sorted(glob.glob(os.path.join(
+    os.path.dirname(__import__("metatrain.llpr", fromlist=["_"]).__file__), "tests", "checkpoints", "*.ckpt.gz"
+)))
+SMALL = dict(d_pet=16, d_node=32, d_head=16, d_feedforward=32, num_heads=2)
+
+
+def _frames():
+    ethanol = ase.build.molecule("CH3CH2OH")
+    ethanol.rattle(0.05, seed=1)
+    cell = ase.build.bulk("C", "diamond", a=3.57, cubic=True)
+    cell.rattle(0.05, seed=3)
+    return [ethanol, cell]
+
+
+def _metatrain_outputs(model, frames):
+    """metatrain's energy, energy_uncertainty, energy_ensemble [S, K] and the
+    position and strain gradients of every ensemble member."""
+    systems = systems_to_torch(frames, dtype=torch.float64)
+    requested = get_requested_neighbor_lists(model)
+    positions, strains, inputs = [], [], []
+    for system in systems:
+        x = system.positions.clone().requires_grad_(True)
+        eps = torch.eye(3, dtype=torch.float64, requires_grad=True)
+        inputs.append(get_system_with_neighbor_lists(
+            System(types=system.types, positions=x @ eps, cell=system.cell @ eps, pbc=system.pbc), requested
+        ))
+        positions.append(x)
+        strains.append(eps)
+    outputs = {name: ModelOutput(quantity="energy", unit="eV", sample_kind="system")
+               for name in ("energy", "energy_uncertainty", "energy_ensemble")}
+    out = model(inputs, outputs)
+    members = out["energy_ensemble"].block().values
+    forces, strain = [], []
+    for k in range(members.shape[1]):
+        grads = torch.autograd.grad(members[:, k].sum(), positions + strains, retain_graph=True)
+        forces.append(-torch.cat(grads[: len(frames)]))
+        strain.append(torch.stack(grads[len(frames):]))
+    return (out["energy"].block().values[:, 0].detach(), out["energy_uncertainty"].block().values[:, 0].detach(),
+            members.detach(), torch.stack(forces), torch.stack(strain))
+
+
+def _compare(config, params, uncertainty, model, frames):
+    energy, sigma, members, member_forces, member_strain = _metatrain_outputs(model, frames)
+    positions, cell, neighbors = petfunc.from_atoms(frames, config, dtype=torch.float64)
+    e, s = llpr.energy_and_uncertainty(config)(params, uncertainty, positions, cell, neighbors)
+    ens, forces, strain = llpr.ensemble(config, stress=True)(params, uncertainty, positions, cell, neighbors)
+    torch.testing.assert_close(e, energy, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(s, sigma, rtol=1e-12, atol=0)
+    torch.testing.assert_close(ens, members, rtol=1e-12, atol=1e-10)
+    scale = member_forces.abs().max()
+    assert (forces - member_forces).abs().max() <= 1e-11 * scale
+    assert (strain - member_strain).abs().max() <= 1e-11 * member_strain.abs().max()
+
+
+def test_all_llpr_checkpoints_found():
+    assert len(CHECKPOINTS) == 9, CHECKPOINTS
+
+
+@pytest.mark.parametrize("path", CHECKPOINTS, ids=[os.path.basename(p)[:-8] for p in CHECKPOINTS])
+def test_llpr_checkpoint(path):
+    """Energies, uncertainties, ensemble energies, forces and strain derivatives of
+    every shipped LLPR checkpoint (LLPR model versions 2-4; the older ones hold the
+    inverse covariance, which metatrain's upgrade turns into a Cholesky factor)."""
+    config, params, uncertainty = llpr.from_metatrain(path, dtype=torch.float64)
+    with gzip.open(path, "rb") as handle:
+        checkpoint = torch.load(handle, weights_only=False, map_location="cpu")
+    model = model_from_checkpoint(checkpoint, context="export").to(torch.float64).eval()
+    # petfunc.from_metatrain reads the wrapped PET
+    plain_config, plain = petfunc.from_metatrain(path, dtype=torch.float64)
+    assert plain_config == config
+    assert all(torch.equal(a, b) for a, b in zip(petfunc.tree.flatten(plain).values(), petfunc.tree.flatten(params).values()))
+    _compare(config, params, uncertainty, model, _frames())
+
+
+@pytest.mark.parametrize("featurizer, layers", [("feedforward", 2), ("residual", 3)])
+def test_random_llpr(featurizer, layers):
+    """A random covariance, multiplier and 5 ensemble members on a random PET: 32 or
+    96 last-layer features, whose order (per readout layer: node, then edges) must
+    be metatrain's for the uncertainty to agree."""
+    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), featurizer_type=featurizer, num_gnn_layers=layers,
+                               **SMALL)
+    params = petfunc.PET(config).init(seed=5, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    for key, value in petfunc.tree.flatten(params).items():
+        value.copy_(torch.randn(value.shape, generator=generator, dtype=value.dtype) * 0.3)
+    params["composition_weights"].zero_()
+    params["energy_scale"].fill_(1.3)
+    pet = ref.make_model(config)
+    ref.load_params(pet, params)
+    info = pet.dataset_info
+    model = LLPRUncertaintyModel(hypers={"num_ensemble_members": {"energy": 5}}, dataset_info=info)
+    model.set_wrapped_model(pet)
+    model = model.to(torch.float64)
+    features = model.ll_feat_size
+    assert features == 2 * 16 * (layers if featurizer == "residual" else 1)
+    a = torch.randn(features, features, generator=generator, dtype=torch.float64)
+    uncertainty = {
+        "cholesky": torch.linalg.cholesky(a @ a.T + features * torch.eye(features, dtype=torch.float64)),
+        "multiplier": torch.tensor(2.5, dtype=torch.float64),
+        "ensemble_weights": torch.randn(5, features, generator=generator, dtype=torch.float64),
+    }
+    state = model.state_dict()
+    state["cholesky_energy_uncertainty"] = uncertainty["cholesky"]
+    state["multiplier_energy_uncertainty"] = uncertainty["multiplier"].reshape(1)
+    state["llpr_ensemble_layers.energy.weight"] = uncertainty["ensemble_weights"]
+    model.load_state_dict(state)
+    _compare(config, params, uncertainty, model.eval(), _frames() + [ase.build.molecule("CH3CONH2")])
+
+
+def test_calculator_reads_llpr_checkpoints():
+    """PETCalculator.from_metatrain on an LLPR checkpoint: energy_uncertainty is the
+    calibrated LLPR value, the ensemble is centred on the model's prediction, and
+    the uncertainties are finite and positive; the compiled calculator agrees."""
+    path = CHECKPOINTS[-1]
+    config, params, uncertainty = llpr.from_metatrain(path, dtype=torch.float64)
+    atoms = _frames()[1]
+    positions, cell, neighbors = petfunc.from_atoms([atoms], config, dtype=torch.float64)
+    _, sigma = llpr.energy_and_uncertainty(config)(params, uncertainty, positions, cell, neighbors)
+    results = []
+    for compile in (False, True):
+        calc = PETCalculator.from_metatrain(path, dtype=torch.float64, compile=compile, backend="aot_eager")
+        assert calc.llpr is not None
+        atoms.calc = calc
+        atoms.get_potential_energy()
+        r = dict(calc.results)
+        assert r["energy_uncertainty"] == pytest.approx(float(sigma[0]), rel=1e-12)
+        assert r["energy_ensemble"].shape == (8,) and r["forces_ensemble"].shape == (8, len(atoms), 3)
+        assert r["energy_ensemble"].mean() == pytest.approx(r["energy"], rel=1e-12)
+        np.testing.assert_allclose(r["forces_ensemble"].mean(axis=0), r["forces"], atol=1e-12)
+        assert np.all(r["forces_uncertainty"] > 0) and np.all(np.isfinite(r["stress_uncertainty"]))
+        results.append(r)
+    for key in ("energy", "energy_uncertainty", "energy_ensemble", "forces_ensemble"):
+        np.testing.assert_allclose(results[1][key], results[0][key], rtol=1e-10, atol=1e-12)
+
+
+def test_llpr_errors(tmp_path):
+    pet = glob.glob(os.path.join(os.path.dirname(__import__("metatrain.pet", fromlist=["_"]).__file__),
+                                 "tests", "checkpoints", "model-v16*.ckpt.gz"))[0]
+    with pytest.raises(ValueError, match="not an LLPR checkpoint.*architecture_name='pet'"):
+        llpr.from_metatrain(pet)
+    config, params, uncertainty = llpr.from_metatrain(CHECKPOINTS[-1])
+    with pytest.raises(ValueError, match="llpr needs params, and excludes ensemble_params"):
+        PETCalculator(config, ensemble_params=[params, params], llpr=uncertainty)
