@@ -127,7 +127,9 @@ class PETCalculator(Calculator):
             PET-MAD's): ``energy_uncertainty`` is then the calibrated LLPR standard
             deviation, and with ensemble weights ``energy_ensemble``,
             ``forces_ensemble``, ``forces_uncertainty`` and ``stress_uncertainty``
-            come from the LLPR ensemble (evaluated eagerly, also with ``compile``).
+            come from the LLPR ensemble (evaluated eagerly, also with ``compile``;
+            the members' forces only when one of the last three is asked for, as
+            they cost one pullback per member).
         **kwargs: passed to :class:`ase.calculators.calculator.Calculator`.
     """
 
@@ -193,7 +195,7 @@ class PETCalculator(Calculator):
 
             self.llpr = {k: v.to(dtype=self.dtype, device=self.device) for k, v in llpr.items()}
             self._llpr_offsets = llpr_module.ensemble_offsets(config, stress=True)
-            self._llpr_sigma = llpr_module.structure_features(config)
+            self._llpr_features = llpr_module.structure_features(config)
 
     # -- constructors ----------------------------------------------------------------
     @classmethod
@@ -383,7 +385,7 @@ class PETCalculator(Calculator):
                 results["energies"] = per_atom
 
             if self.llpr is not None:
-                ensemble = self._llpr_results(inputs, n_atoms, results, energy, forces, strain)
+                ensemble = self._llpr_results(inputs, n_atoms, results, energy, forces, strain, properties)
 
         results["energy"] = energy
         results["free_energy"] = energy
@@ -400,24 +402,35 @@ class PETCalculator(Calculator):
         self.results = results
 
 
-    def _llpr_results(self, inputs, n_atoms, results, energy, forces, strain):
-        """The LLPR uncertainty into ``results``; the LLPR ensemble (or ``None``) in the
-        committee's form: member energies, forces, strain derivatives."""
-        positions, cell, neighbors = inputs
-        if "ensemble_weights" not in self.llpr:
-            from .llpr import uncertainty
+    def _llpr_results(self, inputs, n_atoms, results, energy, forces, strain, properties):
+        """The LLPR uncertainty and member energies into ``results``; the members'
+        forces and strain derivatives (K pullbacks) only when ``properties`` asks for
+        ``forces_ensemble``, ``forces_uncertainty`` or ``stress_uncertainty``, then
+        returned in the committee's form (else ``None``)."""
+        from .llpr import uncertainty
 
-            features = self._llpr_sigma(self.params, positions, cell, neighbors)
-            results["energy_uncertainty"] = float(uncertainty(self.llpr, features)[0])
-            return None
-        sigma, d_energy, d_forces, d_strain = self._llpr_offsets(self.params, self.llpr, positions, cell, neighbors)
-        results["energy_uncertainty"] = float(sigma[0])
-        return (
-            energy + d_energy[0].double().cpu().numpy(),
-            forces[None] + d_forces[:, :n_atoms].double().cpu().numpy(),
-            strain[None] + d_strain[:, 0].double().cpu().numpy(),
-            None,
-        )
+        positions, cell, neighbors = inputs
+        weights = self.llpr.get("ensemble_weights")
+        if weights is not None and _LLPR_MEMBER_GRADIENTS & set(properties):
+            sigma, d_energy, d_forces, d_strain = self._llpr_offsets(
+                self.params, self.llpr, positions, cell, neighbors
+            )
+            results["energy_uncertainty"] = float(sigma[0])
+            return (
+                energy + d_energy[0].double().cpu().numpy(),
+                forces[None] + d_forces[:, :n_atoms].double().cpu().numpy(),
+                strain[None] + d_strain[:, 0].double().cpu().numpy(),
+                None,
+            )
+        features = self._llpr_features(self.params, positions, cell, neighbors)
+        results["energy_uncertainty"] = float(uncertainty(self.llpr, features)[0])
+        if weights is not None:
+            delta = weights - weights.mean(dim=0, keepdim=True)
+            results["energy_ensemble"] = energy + (features[0] @ delta.T).double().cpu().numpy()
+        return None
+
+
+_LLPR_MEMBER_GRADIENTS = {"forces_ensemble", "forces_uncertainty", "stress_uncertainty"}
 
 
 def _training_checkpoint(path):

@@ -148,7 +148,13 @@ def test_calculator_reads_llpr_checkpoints():
         assert calc.llpr is not None
         atoms.calc = calc
         atoms.get_potential_energy()
+        # uncertainty and member energies from the features alone; member forces on demand
+        assert "forces_ensemble" not in calc.results and calc.results["energy_ensemble"].shape == (8,)
+        cheap = dict(calc.results)
+        calc.get_property("forces_uncertainty", atoms)
         r = dict(calc.results)
+        for key in ("energy", "energy_uncertainty", "energy_ensemble"):
+            np.testing.assert_allclose(r[key], cheap[key], rtol=1e-13)
         assert r["energy_uncertainty"] == pytest.approx(float(sigma[0]), rel=1e-12)
         assert r["energy_ensemble"].shape == (8,) and r["forces_ensemble"].shape == (8, len(atoms), 3)
         assert r["energy_ensemble"].mean() == pytest.approx(r["energy"], rel=1e-12)
