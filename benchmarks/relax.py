@@ -1,0 +1,90 @@
+"""Batched FIRE (petfunc.relax.fire) vs ASE's FIRE looping over the structures with
+PETCalculator: the same relaxations (same steps, same final positions to round-off),
+timed side by side, alternating A B A B.
+
+    python benchmarks/relax.py --threads 2 [--structures 32] [--compile]
+"""
+
+import argparse
+import statistics
+import time
+
+import ase.build
+import numpy as np
+import torch
+from ase.collections import g2
+from ase.optimize import FIRE as AseFIRE
+
+import petfunc
+from petfunc.ase import PETCalculator
+from petfunc.relax import fire
+
+
+def structures(n, seed=0):
+    names = [name for name in g2.names if set(g2[name].numbers) <= {1, 6, 7, 8} and len(g2[name]) >= 3]
+    rng = np.random.default_rng(seed)
+    frames = []
+    for i in range(n):
+        atoms = ase.build.molecule(names[rng.integers(len(names))])
+        atoms.rattle(0.1, seed=i)
+        frames.append(atoms)
+    return frames
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--structures", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--fmax", type=float, default=0.05)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--d-pet", type=int, default=128)
+    parser.add_argument("--compile", action="store_true", help="compile both (inductor)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    petfunc.allocator.keep_freed_memory()
+    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), d_pet=args.d_pet, d_node=2 * args.d_pet)
+    params = petfunc.PET(config).init(seed=0, dtype=torch.float32)
+    frames = structures(args.structures)
+    print(f"# {len(frames)} molecules ({sum(len(a) for a in frames)} atoms), PET d_pet {args.d_pet}, float32, "
+          f"{args.threads} threads, fmax {args.fmax}, at most {args.steps} steps, compile={args.compile}")
+    calc = PETCalculator(config, params, compile=args.compile)
+
+    def loop():
+        out = []
+        for atoms in frames:
+            atoms = atoms.copy()
+            atoms.calc = calc
+            optimizer = AseFIRE(atoms, logfile=None)
+            optimizer.run(fmax=args.fmax, steps=args.steps)
+            out.append((atoms.positions.copy(), optimizer.nsteps))
+        return out
+
+    def batched():
+        result = fire(config, params, frames, fmax=args.fmax, steps=args.steps, compile=args.compile)
+        return [(a.positions.copy(), s) for a, s in zip(result.atoms, result.steps)]
+
+    variants = {"ASE FIRE, one structure at a time": loop, "petfunc.relax.fire, batched": batched}
+    # a first call of each (compiles when --compile)
+    outputs = {name: fn() for name, fn in variants.items()}
+    times = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            outputs[name] = fn()
+            times[name].append(time.perf_counter() - start)
+    (a, b) = outputs.values()
+    same_steps = sum(x[1] == y[1] for x, y in zip(a, b))
+    max_dx = max(float(np.abs(x[0] - y[0]).max()) for x, y in zip(a, b))
+    total = sum(s for _, s in a)
+    base = statistics.median(times["ASE FIRE, one structure at a time"])
+    print("| variant | median s | speed-up |")
+    print("|---|---|---|")
+    for name, t in times.items():
+        print(f"| {name} | {statistics.median(t):.2f} | {base / statistics.median(t):.2f}x |")
+    print(f"# {total} FIRE steps in all; same step count for {same_steps}/{len(a)} structures; "
+          f"largest position difference {max_dx:.1e} Å (float32)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Batched FIRE (petfunc.relax.fire) against ASE's FIRE with the petfunc calculator."""
+
+import numpy as np
+import pytest
+import torch
+
+import ase.build
+from ase.constraints import FixAtoms
+from ase.optimize import FIRE as AseFIRE
+
+import petfunc
+from petfunc.ase import PETCalculator
+from petfunc.relax import FIRE, fire
+
+
+CONFIG = petfunc.PETConfig(atomic_types=(1, 6, 8, 29), cutoff=4.0, d_pet=8, d_head=8, d_node=16,
+                           d_feedforward=16, num_heads=2, num_gnn_layers=1, num_attention_layers=1)
+
+
+@pytest.fixture(scope="module")
+def params():
+    params = petfunc.PET(CONFIG).init(seed=3, dtype=torch.float64)
+    params["energy_scale"].fill_(3.0)  # a landscape with some curvature
+    return params
+
+
+def _structures():
+    ethanol = ase.build.molecule("CH3CH2OH")
+    ethanol.rattle(0.1, seed=1)
+    water = ase.build.molecule("H2O")
+    water.rattle(0.1, seed=2)
+    copper = ase.build.bulk("Cu", "fcc", a=3.6, cubic=True)
+    copper.rattle(0.08, seed=3)
+    methanol = ase.build.molecule("CH3OH")
+    methanol.rattle(0.1, seed=4)
+    methanol.set_constraint(FixAtoms(indices=[0, 1]))
+    return [ethanol, water, copper, methanol]
+
+
+@pytest.mark.parametrize("max_atoms", [None, 12])
+def test_fire_follows_ase(params, max_atoms):
+    """Every structure, relaxed in one batch (or batches of at most 12 atoms), takes
+    the steps ASE's FIRE takes with PETCalculator, to round-off: same step count and
+    convergence, positions to 1e-7 Å, constraints respected."""
+    frames = _structures()
+    result = fire(CONFIG, params, frames, fmax=0.02, steps=150, max_atoms=max_atoms)
+    for atoms, relaxed, converged, steps in zip(frames, result.atoms, result.converged, result.steps):
+        reference = atoms.copy()
+        reference.calc = PETCalculator(CONFIG, params)
+        optimizer = AseFIRE(reference, logfile=None)
+        ase_converged = optimizer.run(fmax=0.02, steps=150)
+        assert steps == optimizer.nsteps and converged == ase_converged, (steps, optimizer.nsteps)
+        assert steps > 5
+        np.testing.assert_allclose(relaxed.positions, reference.positions, atol=1e-7)
+        assert relaxed.get_potential_energy() == pytest.approx(reference.get_potential_energy(), abs=1e-9)
+        np.testing.assert_allclose(relaxed.get_forces(), reference.get_forces(), atol=1e-8)
+        assert relaxed is not atoms and not np.array_equal(relaxed.positions, atoms.positions)
+    fixed = result.atoms[3]
+    np.testing.assert_array_equal(fixed.positions[:2], frames[3].positions[:2])
+    assert np.all(result.atoms[3].get_forces()[:2] == 0.0)
+
+
+def test_fire_compiled_one_graph(params):
+    """Compiled: one graph while the batch shrinks from 4 structures to 1."""
+    pytest.importorskip("torch._dynamo")
+    frames = _structures()
+    eager = fire(CONFIG, params, frames, fmax=0.02, steps=60)
+    compiled = fire(CONFIG, params, frames, fmax=0.02, steps=60, compile=True, backend="aot_eager")
+    assert compiled.steps == eager.steps
+    assert compiled.compiled_graphs == 1 and eager.compiled_graphs == 0
+    for a, b in zip(compiled.atoms, eager.atoms):
+        np.testing.assert_allclose(a.positions, b.positions, atol=1e-7)
+
+
+def test_fire_stops_at_steps_and_checks_arguments(params):
+    frames = _structures()[:2]
+    result = fire(CONFIG, params, frames, fmax=1e-6, steps=3, parameters=FIRE(dt=0.05))
+    assert result.steps == [3, 3] and result.converged == [False, False]
+    for bad, message in (({"fmax": 0}, "fmax"), ({"steps": -1}, "steps"), ({"max_atoms": 0}, "max_atoms")):
+        with pytest.raises(ValueError, match=message):
+            fire(CONFIG, params, frames, **bad)
+    with pytest.raises(ValueError, match=r"structure 0: atomic number\(s\) \[7\] are not among"):
+        fire(CONFIG, params, [ase.build.molecule("NH3")])
