@@ -205,11 +205,12 @@ def _load(source) -> dict:
 def read_checkpoint(path) -> Optional[dict]:
     """The dict of a metatrain checkpoint file (gzip or not), or ``None`` for anything
     else (an exported TorchScript model, another pickle)."""
-    from .io import _is_torchscript, _read_bytes
+    from .io import _is_torchscript, _read_bytes, _require_metatrain
 
     data = _read_bytes(Path(path))
     if _is_torchscript(data):
         return None
+    _require_metatrain()  # checkpoints hold metatomic's TorchScript classes
     try:
         checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as error:

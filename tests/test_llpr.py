@@ -173,3 +173,21 @@ def test_llpr_errors(tmp_path):
     config, params, uncertainty = llpr.from_metatrain(CHECKPOINTS[-1])
     with pytest.raises(ValueError, match="llpr needs params, and excludes ensemble_params"):
         PETCalculator(config, ensemble_params=[params, params], llpr=uncertainty)
+
+
+def test_fresh_process_reads_llpr_checkpoints():
+    """In a new process (metatomic's TorchScript classes not yet registered) both
+    readers and the calculator load an LLPR checkpoint."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, petfunc\n"
+        "from petfunc.ase import PETCalculator\n"
+        "config, params, u = petfunc.llpr.from_metatrain(sys.argv[1])\n"
+        "calc = PETCalculator.from_metatrain(sys.argv[1])\n"
+        "print(sorted(u), calc.llpr is not None)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, CHECKPOINTS[-1]], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "['cholesky', 'ensemble_weights', 'multiplier'] True" in out.stdout
