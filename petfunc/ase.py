@@ -230,9 +230,10 @@ class PETCalculator(Calculator):
 
         checkpoint = llpr.read_checkpoint(path)
         if checkpoint is not None and checkpoint.get("architecture_name") == "llpr":
-            config, params, uncertainty = llpr.from_metatrain(checkpoint, target=target or "energy")
+            config, params, uncertainty = llpr.from_metatrain(path, target=target or "energy")
             return cls(config, params, llpr=uncertainty, **kwargs)
-        config, params = from_metatrain(checkpoint if checkpoint is not None else path, target=target)
+        # read again by path, so that errors name the file
+        config, params = from_metatrain(path, target=target)
         return cls(config, params, **kwargs)
 
     @classmethod
@@ -400,7 +401,6 @@ class PETCalculator(Calculator):
             if want_stress:
                 results["stress_uncertainty"] = _voigt(ensemble[2] / volume).std(axis=0)
         self.results = results
-
 
     def _llpr_results(self, inputs, n_atoms, results, energy, forces, strain, properties):
         """The LLPR uncertainty and member energies into ``results``; the members'
