@@ -431,18 +431,9 @@ def read_dataset(
         FileNotFoundError / ValueError: unreadable file, or a structure with bad data
             (the message names the file and the structure index).
     """
-    import ase.io
+    from .datafiles import read_frames  # datafiles builds on this module
 
-    try:
-        frames = ase.io.read(str(path), index=index)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"dataset file not found: {path}") from None
-    except Exception as error:  # ASE raises many kinds of errors on bad files
-        raise ValueError(f"could not read dataset file {path}: {error}") from error
-    if not isinstance(frames, list):
-        frames = [frames]
-    if not frames:
-        raise ValueError(f"dataset file {path} holds no structures")
+    frames = read_frames(path, "dataset", index)
     samples = [
         sample_from_atoms(
             atoms, config, energy_key, forces_key, stress_key, virial_key,

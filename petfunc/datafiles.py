@@ -23,7 +23,9 @@ from .loss import LossTerm, LossWeights
 from .options import dataset_sections, energy_unit_factor, length_unit_factor
 
 
-def read_frames(path, where: str):
+def read_frames(path, where: str, index=":") -> list:
+    """The structures of an ASE-readable file (``index`` as for ``ase.io.read``);
+    errors start with ``where`` (the option or role of the file) and name it."""
     import ase.io
 
     path = Path(path)
@@ -32,7 +34,7 @@ def read_frames(path, where: str):
     if not path.is_file():
         raise ValueError(f"{where}: {str(path)!r} is not a file")
     try:
-        frames = ase.io.read(str(path), index=":")
+        frames = ase.io.read(str(path), index=index)
     except Exception as error:  # ASE raises many kinds of errors on bad files
         raise ValueError(f"{where}: could not read dataset file {str(path)!r}: {type(error).__name__}: {error}") from None
     if not isinstance(frames, list):

@@ -557,3 +557,23 @@ def test_validation_fraction_below_one_structure(dataset):
     assert any("is less than one; none of them is used for validation" in line for line in lines), lines
     assert any("training set: 16 structures" in line for line in lines), lines
     assert result.best_epoch == 1
+
+
+def test_read_dataset(dataset, tmp_path):
+    """petfunc.read_dataset: labels as in the file (eV, eV/Å), a slice, clear errors."""
+    import ase.io
+
+    import petfunc
+
+    frames = ase.io.read(dataset, ":")
+    config = petfunc.PETConfig(atomic_types=(13, 28, 29), **TINY_MODEL)
+    data = petfunc.read_dataset(dataset, config)
+    assert len(data.samples) == len(frames) == 16
+    assert data.samples[3].energy == frames[3].get_potential_energy()
+    np.testing.assert_array_equal(data.samples[3].forces, frames[3].get_forces())
+    assert len(petfunc.read_dataset(dataset, config, index="2:5").samples) == 3
+    with pytest.raises(FileNotFoundError, match="dataset: dataset file not found: .*nope.xyz"):
+        petfunc.read_dataset(tmp_path / "nope.xyz", config)
+    (tmp_path / "bad.xyz").write_text("not an xyz file\n")
+    with pytest.raises(ValueError, match="could not read dataset file"):
+        petfunc.read_dataset(tmp_path / "bad.xyz", config)
