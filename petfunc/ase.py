@@ -127,9 +127,9 @@ class PETCalculator(Calculator):
             PET-MAD's): ``energy_uncertainty`` is then the calibrated LLPR standard
             deviation, and with ensemble weights ``energy_ensemble``,
             ``forces_ensemble``, ``forces_uncertainty`` and ``stress_uncertainty``
-            come from the LLPR ensemble (evaluated eagerly, also with ``compile``;
-            the members' forces only when one of the last three is asked for, as
-            they cost one pullback per member).
+            come from the LLPR ensemble (compiled too with ``compile``; the
+            members' forces only when one of the last three is asked for, as they
+            cost one pullback per member).
         **kwargs: passed to :class:`ase.calculators.calculator.Calculator`.
     """
 
@@ -194,8 +194,11 @@ class PETCalculator(Calculator):
             from . import llpr as llpr_module
 
             self.llpr = {k: v.to(dtype=self.dtype, device=self.device) for k, v in llpr.items()}
-            self._llpr_offsets = llpr_module.ensemble_offsets(config, stress=True)
-            self._llpr_features = llpr_module.structure_features(config)
+            self._llpr_fns = {
+                "offsets": llpr_module.ensemble_offsets(config, stress=True),
+                "features": llpr_module.structure_features(config),
+            }
+            self._llpr_compiled = {}
 
     # -- constructors ----------------------------------------------------------------
     @classmethod
@@ -409,25 +412,43 @@ class PETCalculator(Calculator):
         returned in the committee's form (else ``None``)."""
         from .llpr import uncertainty
 
-        positions, cell, neighbors = inputs
         weights = self.llpr.get("ensemble_weights")
         if weights is not None and _LLPR_MEMBER_GRADIENTS & set(properties):
-            sigma, d_energy, d_forces, d_strain = self._llpr_offsets(
-                self.params, self.llpr, positions, cell, neighbors
-            )
-            results["energy_uncertainty"] = float(sigma[0])
+            features, d_energy, d_forces, d_strain = self._llpr_call("offsets", inputs)
+            results["energy_uncertainty"] = float(uncertainty(self.llpr, features)[0])
             return (
                 energy + d_energy[0].double().cpu().numpy(),
                 forces[None] + d_forces[:, :n_atoms].double().cpu().numpy(),
                 strain[None] + d_strain[:, 0].double().cpu().numpy(),
                 None,
             )
-        features = self._llpr_features(self.params, positions, cell, neighbors)
+        features = self._llpr_call("features", inputs)
         results["energy_uncertainty"] = float(uncertainty(self.llpr, features)[0])
         if weights is not None:
             delta = weights - weights.mean(dim=0, keepdim=True)
             results["energy_ensemble"] = energy + (features[0] @ delta.T).double().cpu().numpy()
         return None
+
+
+    def _llpr_call(self, name: str, inputs):
+        """An LLPR function on ``inputs``: eager, or with ``compile`` through
+        :func:`petfunc.compile` (one graph each, compiled at first use)."""
+        positions, cell, neighbors = inputs
+        if name == "features":
+            fn, args, static = self._llpr_fns[name], (self.params, positions, cell, neighbors), (0,)
+        else:
+            fn, args, static = self._llpr_fns[name], (self.params, self.llpr, positions, cell, neighbors), (0, 1)
+        if not self.compile:
+            return fn(*args)
+        if name not in self._llpr_compiled:
+            from .compile import compile as petfunc_compile
+
+            members = self.llpr["ensemble_weights"].shape[0] if "ensemble_weights" in self.llpr else 0
+            self._llpr_compiled[name] = petfunc_compile(
+                fn, *args, backend=self.backend, static_argnums=static,
+                cache_key=f"PETCalculator LLPR {name} {self.config!r} members={members}",
+            )
+        return self._llpr_compiled[name](*args)
 
 
 _LLPR_MEMBER_GRADIENTS = {"forces_ensemble", "forces_uncertainty", "stress_uncertainty"}

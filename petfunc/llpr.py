@@ -113,13 +113,16 @@ def energy_and_uncertainty(config: PETConfig) -> Callable:
 
 
 def ensemble_offsets(config: PETConfig, stress: bool = False) -> Callable:
-    """``fn(params, llpr, positions, cell, neighbors) -> (sigma [S], dE [S, K],
-    dF [K, N, 3], dW [K, S, 3, 3] or None)``: the LLPR uncertainty and what each
-    ensemble member adds to the model's energy, forces and strain derivative.
+    """``fn(params, llpr, positions, cell, neighbors) -> (features [S, F], dE [S, K],
+    dF [K, N, 3], dW [K, S, 3, 3] or None)``: the structures' last-layer features
+    (:func:`uncertainty` turns them into sigma) and what each ensemble member adds to
+    the model's energy, forces and strain derivative. It traces with
+    :func:`petfunc.compile` (sigma's triangular solve does not, so it stays outside).
 
     Member k adds ``(W_k - mean W) . f`` to the energy; the K force (and strain)
     offsets are the gradients of these, from one vmapped pullback of the features.
     """
+    from ._vmap_rules import symbolic_vmap_rules
     from .derivatives import _identity_strain, _strained
 
     features_fn = structure_features(config)
@@ -133,11 +136,14 @@ def ensemble_offsets(config: PETConfig, stress: bool = False) -> Callable:
             xs, cs = _strained(x, cell, eps, neighbors.structure_index)
             return features_fn(params, xs, cs, neighbors)
 
-        features, pullback = vjp(features_of, positions, _identity_strain(cell))
-        # cotangent of member k: delta_k on every structure's features
-        cotangents = delta[:, None, :].expand(-1, features.shape[0], -1)
-        d_dx, d_deps = vmap(pullback)(cotangents)
-        return uncertainty(llpr, features), features @ delta.T, -d_dx, (d_deps if stress else None)
+        # symbolic-size batching rules: traced, the vmapped pullback keeps the data
+        # sizes symbolic (PyTorch's own rules bake some of them into views)
+        with symbolic_vmap_rules():
+            features, pullback = vjp(features_of, positions, _identity_strain(cell))
+            # cotangent of member k: delta_k on every structure's features
+            cotangents = delta[:, None, :].expand(-1, features.shape[0], -1)
+            d_dx, d_deps = vmap(pullback)(cotangents)
+        return features, features @ delta.T, -d_dx, (d_deps if stress else None)
 
     return fn
 

@@ -163,6 +163,17 @@ def test_calculator_reads_llpr_checkpoints():
         results.append(r)
     for key in ("energy", "energy_uncertainty", "energy_ensemble", "forces_ensemble"):
         np.testing.assert_allclose(results[1][key], results[0][key], rtol=1e-10, atol=1e-12)
+    # the compiled LLPR functions serve other sizes without recompiling
+    eager = PETCalculator.from_metatrain(path, dtype=torch.float64)
+    for other in (_frames()[0], atoms.repeat((2, 1, 1))):
+        values = []
+        for c in (calc, eager):
+            other = other.copy()
+            other.calc = c
+            values.append((c.get_property("energy_uncertainty", other), c.get_property("forces_uncertainty", other)))
+        assert values[0][0] == pytest.approx(values[1][0], rel=1e-10)
+        np.testing.assert_allclose(values[0][1], values[1][1], rtol=1e-8, atol=1e-12)
+    assert {name: c.num_graphs for name, c in calc._llpr_compiled.items()} == {"features": 1, "offsets": 1}
 
 
 def test_llpr_errors(tmp_path):
