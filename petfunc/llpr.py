@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Callable, Dict, Optional, Union
+from typing import Callable, Dict, Optional
 
 import torch
 from torch.func import vjp, vmap
 
 from .config import PETConfig
 from .model import PET, last_layer_features
-
-PathLike = Union[str, Path]
 
 __all__ = ["from_metatrain", "structure_features", "uncertainty", "energy_and_uncertainty", "ensemble",
            "ensemble_offsets"]
