@@ -226,18 +226,14 @@ class PETCalculator(Calculator):
     def from_metatrain(cls, path, target: Optional[str] = None, **kwargs) -> "PETCalculator":
         """Calculator for a metatrain PET checkpoint or exported metatomic model.
 
-        Needs metatrain installed; see :func:`petfunc.from_metatrain`.
+        Needs metatrain installed; see :func:`petfunc.from_metatrain`. An LLPR
+        checkpoint (PET-MAD's) also gives its uncertainties (``llpr``); the file is
+        read once.
         """
-        from . import llpr
-        from .io import from_metatrain
+        from .io import _read_metatrain
 
-        checkpoint = llpr.read_checkpoint(path)
-        if checkpoint is not None and checkpoint.get("architecture_name") == "llpr":
-            config, params, uncertainty = llpr.from_metatrain(path, target=target or "energy")
-            return cls(config, params, llpr=uncertainty, **kwargs)
-        # read again by path, so that errors name the file
-        config, params = from_metatrain(path, target=target)
-        return cls(config, params, **kwargs)
+        config, params, uncertainty = _read_metatrain(path, target=target, llpr="if present")
+        return cls(config, params, llpr=uncertainty, **kwargs)
 
     @classmethod
     def from_exported(cls, path, aoti: Optional[bool] = None, **kwargs) -> "PETCalculator":

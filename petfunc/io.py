@@ -400,6 +400,15 @@ def from_metatrain(
         ImportError: metatrain is not installed (``pip install 'petfunc[metatrain]'``).
         ValueError: not a PET checkpoint, or weights that do not fit the hypers.
     """
+    config, params, _ = _read_metatrain(source, dtype, target)
+    return config, params
+
+
+def _read_metatrain(source, dtype=None, target=None, llpr: Optional[str] = None):
+    """``(config, params, uncertainty)`` of a metatrain checkpoint or exported model,
+    read once. ``llpr``: ``None`` (``uncertainty`` is ``None``), ``"if present"``
+    (an LLPR checkpoint's uncertainty quantities, see :mod:`petfunc.llpr`) or
+    ``"required"`` (anything else is an error)."""
     metatrain_pet = _require_metatrain()
     if isinstance(source, Mapping):
         label = "the checkpoint"
@@ -408,7 +417,9 @@ def from_metatrain(
         label = repr(str(source))
         data = _read_bytes(Path(source))
         if _is_torchscript(data):
-            return _from_exported(data, dtype, target, label)
+            if llpr == "required":
+                raise ValueError(f"{label} is an exported model, not an LLPR checkpoint")
+            return (*_from_exported(data, dtype, target, label), None)
         try:
             checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
         except Exception as error:
@@ -419,7 +430,14 @@ def from_metatrain(
             raise ValueError(f"{label} is not a metatrain checkpoint (a {type(checkpoint).__name__})")
 
     name = checkpoint.get("architecture_name")
+    if llpr == "required" and name != "llpr":
+        raise ValueError(
+            f"{label} is not an LLPR checkpoint (architecture_name={name!r}); "
+            "petfunc.from_metatrain reads plain PET checkpoints"
+        )
+    wrapper = None
     if name == "llpr":
+        wrapper = checkpoint
         checkpoint = _llpr_wrapped_checkpoint(checkpoint, label)
         name = checkpoint.get("architecture_name")
     if name != "pet":
@@ -453,7 +471,13 @@ def from_metatrain(
 
     network = _network_params(state, target)
     weights, scale = _composition_and_scale(state, target, config.atomic_types)
-    return config, _assemble(config, network, weights, scale, dtype, label)
+    params = _assemble(config, network, weights, scale, dtype, label)
+    uncertainty = None
+    if llpr is not None and wrapper is not None:
+        from .llpr import _uncertainty_of
+
+        uncertainty = _uncertainty_of(wrapper, config, params, dtype, target, label)
+    return config, params, uncertainty
 
 
 def _llpr_state(checkpoint: Mapping) -> Dict[str, torch.Tensor]:

@@ -23,8 +23,6 @@ composes with ``grad``, ``vmap`` and :func:`petfunc.compile` like the energy.
 
 from __future__ import annotations
 
-import io
-from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import torch
@@ -37,46 +35,44 @@ __all__ = ["from_metatrain", "structure_features", "uncertainty", "energy_and_un
            "ensemble_offsets"]
 
 
-def from_metatrain(source, dtype: Optional[torch.dtype] = None, target: str = "energy"):
+def from_metatrain(source, dtype: Optional[torch.dtype] = None, target: Optional[str] = None):
     """``(config, params, llpr)`` of a metatrain LLPR checkpoint wrapping a PET.
 
     ``llpr`` holds ``cholesky`` ``[F, F]`` (lower-triangular), ``multiplier`` (a
     scalar) and ``ensemble_weights`` ``[K, F]`` (absent if the checkpoint has no
     ensemble), in ``dtype`` (default: the network's). ``target`` is the energy
-    target whose uncertainty is read.
+    target whose uncertainty is read (default as for :func:`petfunc.from_metatrain`).
     """
-    from . import io as petfunc_io
+    from .io import _read_metatrain
 
-    checkpoint = _load(source)
-    if checkpoint.get("architecture_name") != "llpr":
-        raise ValueError(
-            f"{_label(source)} is not an LLPR checkpoint (architecture_name="
-            f"{checkpoint.get('architecture_name')!r}); petfunc.from_metatrain reads plain PET checkpoints"
-        )
-    config, params = petfunc_io.from_metatrain(checkpoint, dtype=dtype, target=target)
-    checkpoint = _upgraded(checkpoint, _label(source))
-    state = petfunc_io._llpr_state(checkpoint)
+    return _read_metatrain(source, dtype, target, llpr="required")
+
+
+def _uncertainty_of(checkpoint: dict, config: PETConfig, params, dtype, target: str, label: str) -> dict:
+    """The LLPR quantities of ``target`` in an LLPR ``checkpoint`` whose PET is
+    ``(config, params)`` (called by :func:`petfunc.io._read_metatrain`)."""
+    from .io import _llpr_state
+
+    state = _llpr_state(_upgraded(checkpoint, label))
     name = "energy_uncertainty" if target == "energy" else f"mtt::aux::{target.replace('mtt::', '')}_uncertainty"
     if f"cholesky_{name}" not in state:
-        raise ValueError(f"{_label(source)} has no covariance for {name!r}; it holds {sorted(state)}")
-    cholesky = state[f"cholesky_{name}"]
+        raise ValueError(f"{label} has no covariance for {name!r}; it holds {sorted(state)}")
     if f"multiplier_{name}" not in state:
-        raise ValueError(f"{_label(source)} has no calibrated multiplier for {name!r}")
+        raise ValueError(f"{label} has no calibrated multiplier for {name!r}")
     network_dtype = dtype or next(t for k, t in _flat(params).items() if k.endswith("weight")).dtype
     llpr = {
-        "cholesky": cholesky.to(network_dtype),
+        "cholesky": state[f"cholesky_{name}"].to(network_dtype),
         "multiplier": state[f"multiplier_{name}"].reshape(()).to(network_dtype),
     }
     weights = state.get(f"llpr_ensemble_layers.{target}.weight")
     if weights is not None:
         llpr["ensemble_weights"] = weights.to(network_dtype)
-    features = 2 * config.num_gnn_layers * config.d_head if config.featurizer_type == "residual" else 2 * config.d_head
+    features = 2 * config.num_readout_layers * config.d_head
     if llpr["cholesky"].shape != (features, features):
         raise ValueError(
-            f"{_label(source)}: covariance of shape {tuple(llpr['cholesky'].shape)} for {features} "
-            "last-layer features"
+            f"{label}: covariance of shape {tuple(llpr['cholesky'].shape)} for {features} last-layer features"
         )
-    return config, params, llpr
+    return llpr
 
 
 def structure_features(config: PETConfig) -> Callable:
@@ -191,32 +187,3 @@ def _flat(params) -> Dict[str, torch.Tensor]:
     from . import tree
 
     return tree.flatten(params)
-
-
-def _label(source) -> str:
-    return "the checkpoint" if isinstance(source, dict) else repr(str(source))
-
-
-def _load(source) -> dict:
-    if isinstance(source, dict):
-        return source
-    checkpoint = read_checkpoint(source)
-    if checkpoint is None:
-        raise ValueError(f"{_label(source)} is not a metatrain checkpoint")
-    return checkpoint
-
-
-def read_checkpoint(path) -> Optional[dict]:
-    """The dict of a metatrain checkpoint file (gzip or not), or ``None`` for anything
-    else (an exported TorchScript model, another pickle)."""
-    from .io import _is_torchscript, _read_bytes, _require_metatrain
-
-    data = _read_bytes(Path(path))
-    if _is_torchscript(data):
-        return None
-    _require_metatrain()  # checkpoints hold metatomic's TorchScript classes
-    try:
-        checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    except Exception as error:
-        raise ValueError(f"{_label(path)} is not a readable metatrain checkpoint ({error})") from error
-    return checkpoint if isinstance(checkpoint, dict) else None
