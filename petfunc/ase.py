@@ -62,7 +62,7 @@ from . import tree
 from .config import PETConfig
 from .data import padding_sample
 from .derivatives import energy_terms_forces_strain_derivative
-from .io import EXTRA_KEYS, cast_params, load_params
+from .io import cast_params, load_params, network_dtype
 from .model import PET
 from .structures import collate, prepare_atoms, state_from_info
 
@@ -72,13 +72,6 @@ __all__ = ["PETCalculator"]
 
 def _symbol(z: int) -> str:
     return chemical_symbols[z] if 0 <= z < len(chemical_symbols) else f"Z={z}"
-
-
-def _network_dtype(params) -> torch.dtype:
-    for key, value in tree.flatten(params).items():
-        if key not in EXTRA_KEYS and value.is_floating_point():
-            return value.dtype
-    return torch.get_default_dtype()
 
 
 def _voigt(stress: np.ndarray) -> np.ndarray:
@@ -176,7 +169,7 @@ class PETCalculator(Calculator):
         if isinstance(ensemble_params, (list, tuple)):
             ensemble_params = tree.stack(ensemble_params)
         reference = params if params is not None else ensemble_params
-        self.dtype = dtype or _network_dtype(reference)
+        self.dtype = dtype or network_dtype(reference)
         self.params = None if params is None else cast_params(params, self.dtype, self.device)
         self.ensemble_params = ensemble_params
         self.compile = bool(compile)

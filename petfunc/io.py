@@ -57,6 +57,14 @@ def _expected_shapes(config: PETConfig) -> Dict[str, torch.Size]:
     return {k: v.shape for k, v in tree.flatten(init(config, dtype=torch.float32)).items()}
 
 
+def network_dtype(params) -> torch.dtype:
+    """The dtype of the network weights (the first floating leaf outside ``EXTRA_KEYS``)."""
+    for key, value in tree.flatten(params).items():
+        if key not in EXTRA_KEYS and value.is_floating_point():
+            return value.dtype
+    return torch.get_default_dtype()
+
+
 def cast_params(params, dtype, device):
     """Network weights to ``dtype``/``device``; the composition weights and energy
     scale (``EXTRA_KEYS``) and integer leaves keep their dtype."""

@@ -51,7 +51,7 @@ def from_metatrain(source, dtype: Optional[torch.dtype] = None, target: Optional
 def _uncertainty_of(checkpoint: dict, config: PETConfig, params, dtype, target: str, label: str) -> dict:
     """The LLPR quantities of ``target`` in an LLPR ``checkpoint`` whose PET is
     ``(config, params)`` (called by :func:`petfunc.io._read_metatrain`)."""
-    from .io import _llpr_state
+    from .io import _llpr_state, network_dtype
 
     state = _llpr_state(_upgraded(checkpoint, label))
     name = "energy_uncertainty" if target == "energy" else f"mtt::aux::{target.replace('mtt::', '')}_uncertainty"
@@ -59,14 +59,14 @@ def _uncertainty_of(checkpoint: dict, config: PETConfig, params, dtype, target: 
         raise ValueError(f"{label} has no covariance for {name!r}; it holds {sorted(state)}")
     if f"multiplier_{name}" not in state:
         raise ValueError(f"{label} has no calibrated multiplier for {name!r}")
-    network_dtype = dtype or next(t for k, t in _flat(params).items() if k.endswith("weight")).dtype
+    dtype = dtype or network_dtype(params)
     llpr = {
-        "cholesky": state[f"cholesky_{name}"].to(network_dtype),
-        "multiplier": state[f"multiplier_{name}"].reshape(()).to(network_dtype),
+        "cholesky": state[f"cholesky_{name}"].to(dtype),
+        "multiplier": state[f"multiplier_{name}"].reshape(()).to(dtype),
     }
     weights = state.get(f"llpr_ensemble_layers.{target}.weight")
     if weights is not None:
-        llpr["ensemble_weights"] = weights.to(network_dtype)
+        llpr["ensemble_weights"] = weights.to(dtype)
     features = 2 * config.num_readout_layers * config.d_head
     if llpr["cholesky"].shape != (features, features):
         raise ValueError(
@@ -182,8 +182,3 @@ def _upgraded(checkpoint: dict, label: str) -> dict:
     checkpoint["model_ckpt_version"] = version
     return LLPRUncertaintyModel.upgrade_checkpoint(checkpoint)
 
-
-def _flat(params) -> Dict[str, torch.Tensor]:
-    from . import tree
-
-    return tree.flatten(params)

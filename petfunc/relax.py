@@ -26,7 +26,7 @@ import torch
 from .config import PETConfig
 from .data import padding_sample
 from .derivatives import energy_and_forces
-from .io import cast_params
+from .io import cast_params, network_dtype
 from .model import PET
 from .structures import collate, prepare_atoms
 
@@ -146,8 +146,7 @@ def fire(
     if max_atoms is not None and max_atoms < 1:
         raise ValueError(f"max_atoms must be positive, got {max_atoms!r}")
     device = torch.device(device) if device is not None else torch.device("cpu")
-    first = next(v for k, v in _flat(params).items() if k not in ("composition_weights", "energy_scale"))
-    dtype = dtype or first.dtype
+    dtype = dtype or network_dtype(params)
     params = cast_params(params, dtype, device)
     model = PET(config)
     padding = padding_sample(config).structure
@@ -238,8 +237,3 @@ def _chunks(indices: List[int], sizes: List[int], max_atoms: Optional[int]) -> L
         groups.append(current)
     return groups
 
-
-def _flat(params):
-    from . import tree
-
-    return tree.flatten(params)
