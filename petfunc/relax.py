@@ -9,10 +9,18 @@ step. The FIRE update is ASE's (``ase.optimize.FIRE``, same parameters and
 defaults), so one structure relaxed here follows the trajectory ASE's optimiser
 takes with :class:`petfunc.ase.PETCalculator`, to round-off. Constraints
 (``FixAtoms`` and the like) act as in ASE: on the forces the optimiser sees and on
-every position update. Cells are fixed.
+every position update.
 
-A structure stops when its largest atomic force is below ``fmax`` (ASE's test) or
-after ``steps`` steps, and leaves the batch.
+Cells are fixed unless ``cell_filter`` is given: an ASE filter class (or any callable
+``atoms -> filter``), such as ``ase.filters.FrechetCellFilter`` or
+``functools.partial(FrechetCellFilter, scalar_pressure=p)``. FIRE then moves what the
+filter exposes (positions and cell deformation), exactly as
+``FIRE(FrechetCellFilter(atoms))`` does in ASE; the batched model call gives the
+stress the filter needs.
+
+A structure stops when its largest (generalised) force is below ``fmax`` (ASE's
+test: for a cell filter the cell rows count as three more "atoms") or after ``steps``
+steps, and leaves the batch.
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
+from ase.calculators.singlepoint import SinglePointCalculator
 
 from .config import PETConfig
 from .data import padding_sample
-from .derivatives import energy_and_forces
+from .derivatives import energy_and_forces, energy_forces_strain_derivative
+from .ase import _voigt
 from .io import cast_params, network_dtype
 from .model import PET
 from .structures import collate, prepare_atoms
@@ -55,7 +65,8 @@ class RelaxResult:
 
     Attributes:
         atoms: relaxed copies, each with a ``SinglePointCalculator`` holding the final
-            energy (eV) and forces (eV/Å, constraints applied).
+            energy (eV), forces (eV/Å; ``get_forces()`` applies the constraints) and,
+            with a cell filter, stress (eV/Å^3, ASE's Voigt order).
         converged: whether the largest force fell below ``fmax``.
         steps: FIRE steps taken (model evaluations: ``steps + 1``).
         energies: final energies (eV).
@@ -71,10 +82,12 @@ class RelaxResult:
 
 
 class _State:
-    """One structure's FIRE state (ASE's ``vel``, ``dt``, ``a``, ``Nsteps``)."""
+    """One structure's FIRE state (ASE's ``vel``, ``dt``, ``a``, ``Nsteps``) and what
+    it moves: the atoms, or a cell filter wrapping them (``optimised``)."""
 
-    def __init__(self, atoms, parameters: FIRE):
+    def __init__(self, atoms, parameters: FIRE, cell_filter=None):
         self.atoms = atoms
+        self.optimised = atoms if cell_filter is None else cell_filter(atoms)
         self.vel = None
         self.dt = parameters.dt
         self.a = parameters.astart
@@ -83,7 +96,8 @@ class _State:
         self.done = False
 
     def step(self, forces: np.ndarray, p: FIRE) -> None:
-        """ASE's ``FIRE.step`` (without its optional downhill check)."""
+        """ASE's ``FIRE.step`` (without its optional downhill check); ``forces`` are
+        the generalised forces of :attr:`optimised`."""
         gradient = forces.reshape(-1)
         if self.vel is None:
             self.vel = np.zeros(gradient.shape)
@@ -109,7 +123,8 @@ class _State:
         if normdr > p.maxstep:
             dr = p.maxstep * dr / normdr
         # set_positions applies the atoms' constraints, as ASE's optimisable does
-        self.atoms.set_positions(self.atoms.get_positions() + dr.reshape(-1, 3))
+        # (a filter's deforms the cell and then sets the positions)
+        self.optimised.set_positions(self.optimised.get_positions() + dr.reshape(-1, 3))
 
 
 def fire(
@@ -124,6 +139,7 @@ def fire(
     dtype: Optional[torch.dtype] = None,
     device=None,
     parameters: FIRE = FIRE(),
+    cell_filter=None,
     progress: bool = False,
 ) -> RelaxResult:
     """Relax ``frames`` (``ase.Atoms``; not modified) with FIRE, all at once.
@@ -137,6 +153,9 @@ def fire(
         compile: evaluate through :func:`petfunc.compile` (one graph for every batch).
         backend, dtype, device: as for :class:`petfunc.ase.PETCalculator`.
         parameters: the :class:`FIRE` parameters.
+        cell_filter: relax the cells too, through this ASE filter (e.g.
+            ``ase.filters.FrechetCellFilter``; a callable ``atoms -> filter``). Every
+            structure must then have a cell of non-zero volume.
         progress: show a tqdm bar of the structures still moving.
     """
     if not fmax > 0:
@@ -150,15 +169,22 @@ def fire(
     params = cast_params(params, dtype, device)
     model = PET(config)
     padding = padding_sample(config).structure
+    # with a cell filter the model also gives dE/d strain, from the same pass
+    derivatives = energy_and_forces if cell_filter is None else energy_forces_strain_derivative
     if compile:
         evaluate = None
     else:
-        evaluate = energy_and_forces(model.energy, "autograd")
+        evaluate = derivatives(model.energy, "autograd")
 
-    states = [_State(atoms.copy(), parameters) for atoms in frames]
-    for i, state in enumerate(states):
-        if len(state.atoms) == 0:
+    for i, atoms in enumerate(frames):
+        if len(atoms) == 0:
             raise ValueError(f"structure {i} has no atoms")
+        if cell_filter is not None and not abs(atoms.cell.volume) > 0.0:
+            raise ValueError(
+                f"structure {i}: its cell has zero volume (pbc={atoms.pbc.tolist()}); a cell "
+                "filter needs a periodic cell, and the stress of one"
+            )
+    states = [_State(atoms.copy(), parameters, cell_filter) for atoms in frames]
     final = [None] * len(states)
     bar = None
     if progress:
@@ -177,26 +203,32 @@ def fire(
                 from .compile import compile as petfunc_compile
 
                 evaluate = petfunc_compile(
-                    energy_and_forces(model.energy), params, positions, cell, neighbors,
+                    derivatives(model.energy), params, positions, cell, neighbors,
                     backend=backend, static_argnums=(0,),
-                    cache_key=f"petfunc.relax energy_and_forces {config!r}",
+                    cache_key=f"petfunc.relax {derivatives.__name__} {config!r}",
                 )
             with torch.no_grad():
-                energies, forces = evaluate(params, positions, cell, neighbors)
-            energies = energies.double().cpu().numpy()
-            forces = forces.double().cpu().numpy()
+                outputs = evaluate(params, positions, cell, neighbors)
+            energies = outputs[0].double().cpu().numpy()
+            forces = outputs[1].double().cpu().numpy()
+            strain = outputs[2].double().cpu().numpy() if cell_filter is not None else None
             start = 0
             for k, i in enumerate(chunk):
                 state = states[i]
                 n = len(state.atoms)
-                f = forces[start : start + n].copy()
+                # the results, as PETCalculator would give them: the atoms (and a
+                # filter through them) then compute constraints and cell forces as ASE does
+                results = {"energy": float(energies[k]), "free_energy": float(energies[k]),
+                           "forces": forces[start : start + n].copy()}
+                if strain is not None:
+                    results["stress"] = _voigt(strain[k] / state.atoms.cell.volume)
                 start += n
-                for constraint in state.atoms.constraints:
-                    constraint.adjust_forces(state.atoms, f)
-                converged = np.linalg.norm(f, axis=1).max() < fmax
+                state.atoms.calc = SinglePointCalculator(state.atoms, **results)
+                f = state.optimised.get_forces()
+                converged = np.linalg.norm(f.reshape(-1, 3), axis=1).max() < fmax
                 if converged or state.nsteps >= steps:
                     state.done = True
-                    final[i] = (float(energies[k]), f, bool(converged))
+                    final[i] = bool(converged)
                     if bar is not None:
                         bar.update(1)
                     continue
@@ -205,18 +237,12 @@ def fire(
     if bar is not None:
         bar.close()
 
-    from ase.calculators.singlepoint import SinglePointCalculator
-
-    relaxed = []
-    for state, (energy, forces, _) in zip(states, final):
-        atoms = state.atoms
-        atoms.calc = SinglePointCalculator(atoms, energy=energy, forces=forces)
-        relaxed.append(atoms)
+    # each structure's calculator holds the results at its final positions and cell
     return RelaxResult(
-        atoms=relaxed,
-        converged=[c for _, _, c in final],
+        atoms=[s.atoms for s in states],
+        converged=final,
         steps=[s.nsteps for s in states],
-        energies=[e for e, _, _ in final],
+        energies=[s.atoms.get_potential_energy() for s in states],
         compiled_graphs=evaluate.num_graphs if compile and evaluate is not None else 0,
     )
 

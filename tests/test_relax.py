@@ -6,6 +6,7 @@ import torch
 
 import ase.build
 from ase.constraints import FixAtoms
+from ase.filters import FrechetCellFilter, UnitCellFilter
 from ase.optimize import FIRE as AseFIRE
 
 import petfunc
@@ -60,6 +61,53 @@ def test_fire_follows_ase(params, max_atoms):
     assert np.all(result.atoms[3].get_forces()[:2] == 0.0)
 
 
+def _cells():
+    copper = ase.build.bulk("Cu", "fcc", a=3.7, cubic=True)
+    copper.set_cell(copper.cell[:] @ np.array([[1.0, 0.02, 0.0], [0.0, 0.97, 0.01], [0.0, 0.0, 1.03]]),
+                    scale_atoms=True)
+    copper.rattle(0.05, seed=5)
+    diamond = ase.build.bulk("C", "diamond", a=3.5)
+    diamond.rattle(0.05, seed=6)
+    mixed = ase.build.bulk("Cu", "fcc", a=3.6) * (2, 1, 1)
+    mixed.symbols[1] = "O"
+    mixed.rattle(0.05, seed=7)
+    mixed.set_constraint(FixAtoms(indices=[0]))
+    return [copper, diamond, mixed]
+
+
+@pytest.mark.parametrize(
+    "cell_filter",
+    [FrechetCellFilter, lambda atoms: UnitCellFilter(atoms, scalar_pressure=0.01, hydrostatic_strain=True)],
+    ids=["frechet", "unitcell-pressure-hydrostatic"],
+)
+def test_fire_with_cell_filter_follows_ase(params, cell_filter):
+    """Variable-cell relaxation: each structure, in one batch, takes the steps of
+    ASE's ``FIRE(filter(atoms))`` with PETCalculator (same steps, convergence,
+    positions and cells to round-off); a fixed atom only follows the cell."""
+    frames = _cells()
+    result = fire(CONFIG, params, frames, fmax=0.005, steps=100, cell_filter=cell_filter)
+    for atoms, relaxed, converged, steps in zip(frames, result.atoms, result.converged, result.steps):
+        reference = atoms.copy()
+        reference.calc = PETCalculator(CONFIG, params)
+        optimizer = AseFIRE(cell_filter(reference), logfile=None)
+        ase_converged = optimizer.run(fmax=0.005, steps=100)
+        assert steps == optimizer.nsteps and converged == ase_converged, (steps, optimizer.nsteps)
+        assert steps > 5
+        assert not np.allclose(relaxed.cell[:], atoms.cell[:], atol=1e-3)  # the cell moved
+        np.testing.assert_allclose(relaxed.cell[:], reference.cell[:], atol=1e-7)
+        np.testing.assert_allclose(relaxed.positions, reference.positions, atol=1e-7)
+        assert relaxed.get_potential_energy() == pytest.approx(reference.get_potential_energy(), abs=1e-9)
+        np.testing.assert_allclose(relaxed.get_stress(), reference.get_stress(), atol=1e-9)
+    fixed = result.atoms[2]
+    np.testing.assert_allclose(fixed.get_scaled_positions()[0], frames[2].get_scaled_positions()[0], atol=1e-12)
+    assert np.all(fixed.get_forces()[0] == 0.0)
+
+
+def test_fire_cell_filter_needs_a_cell(params):
+    with pytest.raises(ValueError, match="structure 1: its cell has zero volume"):
+        fire(CONFIG, params, [_cells()[0], ase.build.molecule("H2O")], cell_filter=FrechetCellFilter)
+
+
 def test_fire_compiled_one_graph(params):
     """Compiled: one graph while the batch shrinks from 4 structures to 1."""
     pytest.importorskip("torch._dynamo")
@@ -69,6 +117,14 @@ def test_fire_compiled_one_graph(params):
     assert compiled.steps == eager.steps
     assert compiled.compiled_graphs == 1 and eager.compiled_graphs == 0
     for a, b in zip(compiled.atoms, eager.atoms):
+        np.testing.assert_allclose(a.positions, b.positions, atol=1e-7)
+    cells = _cells()
+    eager = fire(CONFIG, params, cells, fmax=0.02, steps=20, cell_filter=FrechetCellFilter)
+    compiled = fire(CONFIG, params, cells, fmax=0.02, steps=20, cell_filter=FrechetCellFilter,
+                    compile=True, backend="aot_eager")
+    assert compiled.steps == eager.steps and compiled.compiled_graphs == 1
+    for a, b in zip(compiled.atoms, eager.atoms):
+        np.testing.assert_allclose(a.cell[:], b.cell[:], atol=1e-7)
         np.testing.assert_allclose(a.positions, b.positions, atol=1e-7)
 
 
