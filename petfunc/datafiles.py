@@ -281,6 +281,11 @@ class TrainingFiles:
         """Training structures per file, in the order of :meth:`samples`."""
         return [len(part[0]) for part in self.train_parts]
 
+    @property
+    def val_sizes(self) -> List[int]:
+        """Validation structures per file, in the order of :meth:`samples`."""
+        return [len(part[0]) for part in self.val_parts]
+
     def samples(self, config: PETConfig) -> Tuple[List[Sample], List[Sample]]:
         """``(training, validation)`` samples for ``config``; errors name each
         structure by its index in its file."""

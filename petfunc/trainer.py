@@ -293,6 +293,7 @@ def batch_plan(
     rank: int = 0,
     world_size: int = 1,
     even_shards: bool = True,
+    groups: Optional[Sequence[int]] = None,
 ) -> List[np.ndarray]:
     """Indices of the batches of one epoch for one rank.
 
@@ -306,7 +307,26 @@ def batch_plan(
     all-reduces gradients). ``even_shards=False`` (evaluation, which has no per-batch
     collectives) puts every structure in exactly one shard; shards may then differ by
     one structure, and a rank may get none.
+
+    ``groups``: the sizes of consecutive blocks of the ``n`` indices (one per dataset
+    file, summing to ``n``). As metatrain's combined loader does, every batch then
+    comes from one block: each block is shuffled, sharded and cut on its own (its own
+    last partial batch dropped), and the order of all the batches is shuffled
+    (kept in block order when not ``shuffle``). One block is the plain rule above.
     """
+    if groups is not None and len(groups) > 1:
+        if sum(groups) != n:
+            raise ValueError(f"groups {list(groups)} do not add up to {n} structures")
+        batches, start = [], 0
+        for g, size in enumerate(groups):
+            for b in batch_plan(size, batch_size, epoch, _derived_seed(seed, g, 0xF11E), shuffle,
+                                drop_last, rank, world_size, even_shards):
+                batches.append(b + start)
+            start += size
+        if shuffle:
+            order = np.random.default_rng(_derived_seed(seed, epoch, 0xBA7C)).permutation(len(batches))
+            batches = [batches[i] for i in order]
+        return batches
     order = np.arange(n)
     if shuffle:
         order = np.random.default_rng(_derived_seed(seed, epoch, 0x5EED)).permutation(n)
@@ -337,11 +357,13 @@ def iterate_batches(
     rank: int = 0,
     world_size: int = 1,
     even_shards: bool = True,
+    groups: Optional[Sequence[int]] = None,
 ):
     """Yield ``(indices, Batch)`` for one epoch (see :func:`batch_plan`). Augmentation
     rotations come from a generator seeded by ``(seed, epoch, rank)``."""
     generator = torch.Generator().manual_seed(_derived_seed(seed, epoch, rank, 0xA06))
-    for idx in batch_plan(len(samples), batch_size, epoch, seed, shuffle, drop_last, rank, world_size, even_shards):
+    for idx in batch_plan(len(samples), batch_size, epoch, seed, shuffle, drop_last, rank, world_size,
+                          even_shards, groups):
         chosen = [samples[i] for i in idx]
         rotations = random_rotations(len(chosen), generator) if augment else None
         yield idx, make_batch(chosen, config, composition, scale, dtype, device, rotations)
@@ -709,7 +731,10 @@ def fit(
     # --- optimizer -------------------------------------------------------------------------
     batch_size = training["batch_size"]
     augment = training["augmentation"]
-    steps_per_epoch = len(batch_plan(len(train_samples), batch_size, 0, seed, True, True, rank, world_size))
+    # every batch comes from one training file, as in metatrain
+    train_groups, val_groups = files.train_sizes, files.val_sizes
+    steps_per_epoch = len(batch_plan(len(train_samples), batch_size, 0, seed, True, True, rank, world_size,
+                                     groups=train_groups))
     num_epochs = training["num_epochs"]
     total_steps = max(1, num_epochs * steps_per_epoch)
     schedule = warmup_cosine(training["learning_rate"], total_steps, training["warmup_fraction"])
@@ -882,7 +907,7 @@ def fit(
             batches = iterate_batches(
                 train_samples, config, composition, scale, batch_size, epoch=epoch, seed=seed,
                 shuffle=True, drop_last=True, augment=augment, dtype=dtype, device=device,
-                rank=rank, world_size=world_size,
+                rank=rank, world_size=world_size, groups=train_groups,
             )
             for idx, batch in batches:
                 if step_fn is None:
@@ -922,7 +947,7 @@ def fit(
                             b for _, b in iterate_batches(
                                 val_samples, config, composition, scale, batch_size, shuffle=False,
                                 drop_last=False, augment=False, dtype=dtype, device=device,
-                                rank=rank, world_size=world_size, even_shards=False,
+                                rank=rank, world_size=world_size, even_shards=False, groups=val_groups,
                             )
                         ]
                     # every validation structure is evaluated once, on one rank; a

@@ -601,7 +601,7 @@ def test_several_training_files(tmp_path):
         atoms.calc = type(atoms.calc)(atoms, energy=atoms.get_potential_energy())
     second = tmp_path / "energies.xyz"
     ase.io.write(second, frames)
-    batch_size = 3
+    batch_size = 4
     options = {
         "seed": 5,
         "architecture": {"name": "pet", "model": dict(SMALL, d_pet=8, d_node=8, d_head=8, d_feedforward=8,
@@ -613,6 +613,9 @@ def test_several_training_files(tmp_path):
     lines = []
     result = fit(options, None, progress=False, log=lines.append)
     assert any("training set: 16 structures" in line and "validation set: 4 structures" in line for line in lines), lines
+    # batches of one file each, as metatrain's combined loader: 9 // 4 + 7 // 4 = 3
+    # steps (batches mixing the files would make 16 // 4 = 4)
+    assert any("3 steps per epoch" in line for line in lines), lines
     assert np.isfinite(result.history[-1]["train_loss"]), result.history[-1]
 
     subsets = []

@@ -242,6 +242,42 @@ def test_batch_plan_shards():
     assert not np.array_equal(np.concatenate(batch_plan(23, 4, epoch=3, seed=5)), np.concatenate(batch_plan(23, 4, epoch=2, seed=5)))
 
 
+def test_batch_plan_one_file_per_batch():
+    """Several training files (metatrain's combined loader): every batch comes from
+    one file, each file drops its own partial batch, the batch order mixes files."""
+    groups = [10, 7, 5]
+    starts = np.cumsum([0] + groups)
+
+    def file_of(batch):
+        files = {int(np.searchsorted(starts, i, side="right") - 1) for i in batch}
+        assert len(files) == 1, batch
+        return files.pop()
+
+    plan = batch_plan(22, 4, epoch=1, seed=3, groups=groups)
+    assert [len(b) for b in plan] == [4] * 4  # 2 + 1 + 1 full batches
+    assert sorted(file_of(b) for b in plan) == [0, 0, 1, 2]
+    orders = {tuple(file_of(b) for b in batch_plan(22, 4, epoch=e, seed=3, groups=groups)) for e in range(10)}
+    assert len(orders) > 3  # the files' batches are shuffled together, differently each epoch
+    flat = np.concatenate(plan)
+    assert len(set(flat.tolist())) == len(flat)
+    # unshuffled, no drop: file order, every structure once
+    ordered = batch_plan(22, 4, shuffle=False, drop_last=False, groups=groups)
+    assert [file_of(b) for b in ordered] == [0, 0, 0, 1, 1, 2, 2]
+    assert np.concatenate(ordered).tolist() == list(range(22))
+    # ranks: disjoint shards of each file, and the same number of steps
+    shards = [batch_plan(22, 2, epoch=0, seed=3, rank=r, world_size=2, groups=groups) for r in range(2)]
+    assert len(shards[0]) == len(shards[1])
+    assert not set(np.concatenate(shards[0]).tolist()) & set(np.concatenate(shards[1]).tolist())
+    for shard in shards:
+        for b in shard:
+            file_of(b)
+    # one file is the plain rule
+    assert all(np.array_equal(a, b) for a, b in zip(batch_plan(22, 4, epoch=1, seed=3, groups=[22]),
+                                                      batch_plan(22, 4, epoch=1, seed=3)))
+    with pytest.raises(ValueError, match="do not add up"):
+        batch_plan(22, 4, groups=[10, 10])
+
+
 def test_uneven_shards_cover_every_structure_once():
     # evaluation shards: no structure dropped, none repeated, a rank may get none
     for n, world in ((23, 2), (7, 3), (2, 4)):
