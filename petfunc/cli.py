@@ -101,12 +101,14 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
         charge: {key: q}          # "charge" (else 0) and "spin_multiplicity" (else
         spin_multiplicity: {key: mult}  # "spin", else 1) are read; mult = 2S+1
     validation_set: 0.1           # fraction of training_set, or a dataset like training_set
+    test_set: 0.0                 # the same; evaluated with the best model at the end
 
 ``training_set`` may also be a list of datasets (metatrain's form), each with its own
 keys and units; a file without some labels (forces, say) contributes NaN labels that
 the loss skips. A fraction then takes that share of each file (drawn as ``mtt
-train`` draws it with the same seed); a list ``validation_set`` needs one dataset
-per training dataset. Batches mix the files.
+train`` draws it with the same seed); a list ``validation_set`` (or ``test_set``)
+needs one dataset per training dataset. Every batch comes from one file, as in
+metatrain.
 
 metatrain trainer keys that only concern its logging or data loading
 (``num_workers``, ``log_mae``, ``log_separate_blocks``, ``distributed_port``) are
@@ -114,8 +116,8 @@ accepted and ignored; ``atomic_baseline`` takes metatrain's ``{energy: w}`` and
 ``{energy: {Z: w, ...}}`` forms (fixed composition weights), ``fixed_scaling_weights``
 its ``{energy: c}`` form (a fixed energy scale); ``per_structure_targets``,
 ``max_atoms_per_batch`` and ``min_atoms_per_batch`` are accepted only at their
-default values. ``test_set`` is not supported: use
-``petfunc eval``.
+default values. A ``test_set`` is split off (as ``mtt train`` does) and evaluated
+with the best model at the end of training.
 
 Labels: a loss term is trained only if the training set has its labels. With
 ``forces: auto`` (the default) a dataset without forces trains on energies only;
@@ -376,6 +378,8 @@ def _train(args) -> int:
     if restart is not None and args.options and "training_set" not in options:
         options["training_set"] = stored["training_set"]
         options.setdefault("validation_set", stored["validation_set"])
+        if "test_set" in stored:
+            options.setdefault("test_set", stored["test_set"])
     for key, value in _overrides(args):
         set_option(options, key, value)
     if demo and options.get("training_set") is not None:

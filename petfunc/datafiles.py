@@ -11,7 +11,7 @@ structures, same order). :func:`read_training_files` does all of it for the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -168,59 +168,84 @@ def split_indices(n: int, fraction: Optional[float], seed: int) -> Tuple[np.ndar
     As in metatrain, a fraction below ``1/n`` gives no validation structure.
     See :func:`split_datasets` for several files.
     """
-    (train, val), = split_datasets([n], fraction, seed)
+    (train, val, _), = split_datasets([n], fraction, seed)
     return train, val
 
 
 def restart_split(ckpt: Mapping, sizes: Sequence[int], fraction: Optional[float], seed: int):
-    """The split of the run a checkpoint continues: as stored, or for checkpoints
-    written before the split was stored, as those versions drew it (a seeded
-    permutation, ``round(fraction * n)`` validation structures, both parts sorted)."""
+    """The ``(train, validation, test)`` split of the run a checkpoint continues: as
+    stored, or for checkpoints written before the split was stored, as those
+    versions drew it (a seeded permutation, ``round(fraction * n)`` validation
+    structures, both parts sorted, no test set)."""
+    empty = np.zeros(0, dtype=np.int64)
     stored = ckpt.get("split")
     if stored is None:
         out = []
         for n in sizes:
             if fraction is None or fraction <= 0:
-                out.append((np.arange(n), np.zeros(0, dtype=np.int64)))
+                out.append((np.arange(n), empty, empty))
                 continue
             n_val = max(1, int(round(fraction * n)))
             order = np.random.default_rng(seed).permutation(n)
-            out.append((np.sort(order[n_val:]), np.sort(order[:n_val])))
+            out.append((np.sort(order[n_val:]), np.sort(order[:n_val]), empty))
         return out
     train, val = stored["training"], stored["validation"]
+    test = stored.get("test") or [[] for _ in train]
     if len(train) != len(sizes) or any(
-        max(list(t) + list(v), default=-1) >= n or len(t) + len(v) != n for t, v, n in zip(train, val, sizes)
+        max(list(t) + list(v) + list(s), default=-1) >= n or len(t) + len(v) + len(s) != n
+        for t, v, s, n in zip(train, val, test, sizes)
     ):
         raise ValueError(
             "the training data changed since the checkpoint was written: it was split into "
-            f"{[len(t) + len(v) for t, v in zip(train, val)]} structures per file, the files now hold {list(sizes)}"
+            f"{[len(t) + len(v) + len(s) for t, v, s in zip(train, val, test)]} structures per file, "
+            f"the files now hold {list(sizes)}"
         )
-    return [(np.asarray(t, dtype=np.int64), np.asarray(v, dtype=np.int64)) for t, v in zip(train, val)]
+    return [tuple(np.asarray(part, dtype=np.int64) for part in parts) for parts in zip(train, val, test)]
 
 
-def split_datasets(sizes: Sequence[int], fraction: Optional[float], seed: int):
+def split_datasets(sizes: Sequence[int], fraction: Optional[float], seed: int,
+                   test_fraction: Optional[float] = 0.0):
     """:func:`split_indices` for several files of ``sizes`` structures, with
     metatrain's order of draws from one generator: the validation split of every
-    file, then the test-split reshuffle of every training part."""
+    file, then the test split of every training part. Returns ``(train,
+    validation, test)`` file indices per file (test empty without a test fraction).
+
+    ``test_fraction``: the fraction of each whole file for the test set
+    (``test_set: f``; metatrain's default 0 still reshuffles the training part), or
+    ``None`` for a separate test file (no reshuffle)."""
     rng = np.random.RandomState(seed % 2**32)
+    # metatrain's running "train_size": each split normalises (train, part) by their sum
+    train_size = 1.0
     splits = []
+    if fraction is not None and fraction > 0:
+        train_size -= fraction
     for n in sizes:
         indices = list(range(n))
         n_val = 0
         if fraction is not None and fraction > 0:
             rng.shuffle(indices)
-            # metatrain normalises the sizes (1 - f, f) by their sum before flooring
-            n_val = math.floor(n * (fraction / ((1.0 - fraction) + fraction)))
+            n_val = math.floor(n * (fraction / (train_size + fraction)))
             if n_val >= n:
                 raise ValueError(
                     f"validation_set: a fraction of {fraction} of {n} structures leaves none for training"
                 )
         splits.append((indices[: n - n_val], indices[n - n_val :]))
+    if test_fraction is not None:
+        train_size -= test_fraction
+        if not train_size > 0:
+            raise ValueError("validation_set and test_set take all of the data: nothing is left to train on")
     out = []
     for train, val in splits:
-        order = list(range(len(train)))
-        rng.shuffle(order)
-        out.append((np.array([train[i] for i in order], dtype=np.int64), np.array(val, dtype=np.int64)))
+        test = []
+        if test_fraction is not None:
+            order = list(range(len(train)))
+            rng.shuffle(order)
+            n_test = math.floor(len(train) * (test_fraction / (train_size + test_fraction)))
+            if n_test >= len(train):
+                raise ValueError(f"test_set: a fraction of {test_fraction} leaves no structure for training")
+            test = [train[i] for i in order[len(train) - n_test :]]
+            train = [train[i] for i in order[: len(train) - n_test]]
+        out.append(tuple(np.array(part, dtype=np.int64) for part in (train, val, test)))
     return out
 
 
@@ -256,12 +281,12 @@ class TrainingFiles:
     """What :func:`read_training_files` read.
 
     Attributes:
-        train_parts, val_parts: one ``(frames, section, file indices, option name)``
-            per file (indices ``None`` for a separate validation file).
-        train_labels, val_labels: the label keys of each part.
+        train_parts, val_parts, test_parts: one ``(frames, section, file indices,
+            option name)`` per file (indices ``None`` for a separate file).
+        train_labels, val_labels, test_labels: the label keys of each part.
         weights: the loss weights, without terms no training file has labels for.
-        split: ``{"training": [...], "validation": [...]}`` file indices per training
-            file, as stored in checkpoints.
+        split: ``{"training": [...], "validation": [...], "test": [...]}`` file
+            indices per training file, as stored in checkpoints.
     """
 
     train_parts: list
@@ -270,11 +295,14 @@ class TrainingFiles:
     val_labels: List[Labels]
     weights: LossWeights
     split: dict
+    test_parts: list = field(default_factory=list)
+    test_labels: List[Labels] = field(default_factory=list)
 
     @property
     def atomic_types(self) -> List[int]:
-        """Every atomic number in the training and validation structures, sorted."""
-        return sorted({int(z) for part in self.train_parts + self.val_parts for a in part[0] for z in a.numbers})
+        """Every atomic number in the training, validation and test structures, sorted."""
+        return sorted({int(z) for part in self.train_parts + self.val_parts + self.test_parts
+                       for a in part[0] for z in a.numbers})
 
     @property
     def train_sizes(self) -> List[int]:
@@ -286,22 +314,34 @@ class TrainingFiles:
         """Validation structures per file, in the order of :meth:`samples`."""
         return [len(part[0]) for part in self.val_parts]
 
+    @property
+    def test_sizes(self) -> List[int]:
+        """Test structures per file, in the order of :meth:`test_samples`."""
+        return [len(part[0]) for part in self.test_parts]
+
     def samples(self, config: PETConfig) -> Tuple[List[Sample], List[Sample]]:
         """``(training, validation)`` samples for ``config``; errors name each
         structure by its index in its file."""
-        out = []
-        for parts, labels in ((self.train_parts, self.train_labels), (self.val_parts, self.val_labels)):
-            samples = []
-            for (frames, section, idx, _), label in zip(parts, labels):
-                samples += to_samples(frames, config, label, section["systems"]["read_from"], idx)
-            out.append(samples)
-        return out[0], out[1]
+        return (_samples(self.train_parts, self.train_labels, config),
+                _samples(self.val_parts, self.val_labels, config))
+
+    def test_samples(self, config: PETConfig) -> List[Sample]:
+        """The test set's samples for ``config`` (empty without ``test_set``)."""
+        return _samples(self.test_parts, self.test_labels, config)
+
+
+def _samples(parts, labels, config: PETConfig) -> List[Sample]:
+    samples = []
+    for (frames, section, idx, _), label in zip(parts, labels):
+        samples += to_samples(frames, config, label, section["systems"]["read_from"], idx)
+    return samples
 
 
 def read_training_files(options: Mapping, weights: LossWeights, explicit: set, seed: int,
                         ckpt: Optional[Mapping] = None, log: Callable[[str], None] = print) -> TrainingFiles:
-    """Read and split the ``training_set`` and ``validation_set`` of resolved
-    ``options`` (one dataset or a list of them; each file is split on its own).
+    """Read and split the ``training_set``, ``validation_set`` and ``test_set`` of
+    resolved ``options`` (one dataset or a list of them; each file is split on its
+    own).
 
     ``explicit`` names the loss terms the options ask for, whose labels must then be
     in some training file; a restart checkpoint ``ckpt`` brings its split.
@@ -310,6 +350,8 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
     train_sections = dataset_sections(options["training_set"])
     val_option = options["validation_set"]
     val_sections = None if isinstance(val_option, (int, float)) else dataset_sections(val_option)
+    test_option = options.get("test_set", 0.0)
+    test_sections = None if isinstance(test_option, (int, float)) else dataset_sections(test_option)
     many = len(train_sections) > 1
 
     def where(name, i):
@@ -322,31 +364,47 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
         # the whole file, before any validation split takes some of its structures
         check_info_keys(frames, section.get("extra_data") or {}, path, where("training_set", i) + ".extra_data.")
         files.append(frames)
-    val_files = []
-    for i, section in enumerate(val_sections or []):
-        path = section["systems"]["read_from"]
-        frames = read_frames(path, where("validation_set", i))
-        check_info_keys(frames, section.get("extra_data") or {}, path, where("validation_set", i) + ".extra_data.")
-        val_files.append(frames)
+    def separate_files(sections, name):
+        out = []
+        for i, section in enumerate(sections or []):
+            path = section["systems"]["read_from"]
+            frames = read_frames(path, where(name, i))
+            check_info_keys(frames, section.get("extra_data") or {}, path, where(name, i) + ".extra_data.")
+            out.append(frames)
+        return out
+
+    val_files = separate_files(val_sections, "validation_set")
+    test_files = separate_files(test_sections, "test_set")
     sizes = [len(f) for f in files]
     if ckpt is not None:  # a restart trains on the structures of the run it continues
         splits = restart_split(ckpt, sizes, None if val_sections else val_option, seed)
     else:
-        splits = split_datasets(sizes, None if val_sections else val_option, seed)
-    # (frames, section, file indices, option name) of every training and validation part
-    train_parts, val_parts = [], []
-    for i, (frames, section, (train_idx, val_idx)) in enumerate(zip(files, train_sections, splits)):
+        splits = split_datasets(sizes, None if val_sections else val_option, seed,
+                                None if test_sections else test_option)
+    # (frames, section, file indices, option name) of every training, validation and test part
+    train_parts, val_parts, test_parts = [], [], []
+    for i, (frames, section, (train_idx, val_idx, test_idx)) in enumerate(zip(files, train_sections, splits)):
         train_parts.append(([frames[j] for j in train_idx], section, train_idx, where("training_set", i)))
-        if val_sections is None and val_option > 0 and not len(val_idx):
-            log(f"warning: validation_set {val_option:g} of the {len(frames)} structures of "
-                f"{section['systems']['read_from']} is less than one; none of them is used for validation")
-        if val_sections is None and len(val_idx):
-            val_parts.append(([frames[j] for j in val_idx], section, val_idx, where("validation_set", i)))
-    for i, (frames, section) in enumerate(zip(val_files, val_sections or [])):
-        val_parts.append((frames, section, None, where("validation_set", i)))
+        for name, option, sections, idx, parts in (("validation_set", val_option, val_sections, val_idx, val_parts),
+                                                   ("test_set", test_option, test_sections, test_idx, test_parts)):
+            if sections is not None:
+                continue
+            use = "validation" if name == "validation_set" else "testing"
+            if option > 0 and not len(idx) and ckpt is None:
+                log(f"warning: {name} {option:g} of the {len(frames)} structures of "
+                    f"{section['systems']['read_from']} is less than one; none of them is used for {use}")
+            elif option > 0 and not len(idx):
+                log(f"warning: the split of the restarted run uses none of the structures of "
+                    f"{section['systems']['read_from']} for {use}; {name} {option:g} is ignored")
+            if len(idx):
+                parts.append(([frames[j] for j in idx], section, idx, where(name, i)))
+    for name, sections, separate, parts in (("validation_set", val_sections, val_files, val_parts),
+                                            ("test_set", test_sections, test_files, test_parts)):
+        for i, (frames, section) in enumerate(zip(separate, sections or [])):
+            parts.append((frames, section, None, where(name, i)))
     # file indices of every part, stored in checkpoints for restarts
-    split_json = {"training": [[int(j) for j in train] for train, _ in splits],
-                  "validation": [[int(j) for j in val] for _, val in splits]}
+    split_json = {name: [[int(j) for j in split[k]] for split in splits]
+                  for k, name in enumerate(("training", "validation", "test"))}
 
     # labels: a loss term the options ask for must have labels in some training file;
     # structures of files without them get NaN labels, which the loss skips
@@ -357,6 +415,7 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
             f, sec, _, w = train_parts[0]
             label_keys(f, sec, weights, {term}, w)  # raises, naming the first file
     val_labels = [label_keys(f, sec, weights, set(), w) for f, sec, _, w in val_parts]
+    test_labels = [label_keys(f, sec, weights, set(), w) for f, sec, _, w in test_parts]
     has = {name: any(getattr(lab, name) for lab in train_labels) for name in ("forces", "stress", "virial")}
     # terms without any training labels are dropped (no derivative is computed for them)
     weights = LossWeights(
@@ -365,4 +424,5 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
         weights.stress if (has["stress"] or has["virial"]) else LossTerm(0.0, weights.stress.type),
     )
 
-    return TrainingFiles(train_parts, val_parts, train_labels, val_labels, weights, split_json)
+    return TrainingFiles(train_parts, val_parts, train_labels, val_labels, weights, split_json,
+                         test_parts, test_labels)

@@ -534,29 +534,38 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     if not (device == "cpu" or device.startswith("cuda")):
         raise ValueError(f"option 'device' must be 'cpu' or 'cuda[:N]', got {device!r}")
     merged["device"] = device
-    if merged["test_set"] not in (None, 0, 0.0):
-        raise ValueError("option 'test_set' is not supported: evaluate with `petfunc eval CHECKPOINT FILE`")
-    merged.pop("test_set")
-
     if merged["training_set"] is None:
         raise ValueError("option 'training_set' is required (an extxyz file or a dataset section)")
     merged["training_set"] = _resolve_datasets(merged["training_set"], "training_set")
-    val = merged["validation_set"]
-    if isinstance(val, bool) or val is None:
-        raise ValueError("option 'validation_set' must be a fraction in [0, 1) or a dataset")
-    if isinstance(val, (int, float)):
-        merged["validation_set"] = _number(val, "validation_set", minimum=0.0)
-        if not merged["validation_set"] < 1.0:
-            raise ValueError(f"option 'validation_set' as a fraction must be below 1, got {val!r}")
-    else:
-        merged["validation_set"] = _resolve_datasets(val, "validation_set")
-        n_train, n_val = (len(x) if isinstance(x, list) else 1 for x in (merged["training_set"], merged["validation_set"]))
-        if n_train != n_val:
-            raise ValueError(
-                f"option 'validation_set' lists {n_val} dataset(s) but 'training_set' lists {n_train}: "
-                "give one validation dataset per training dataset (as metatrain does), or a fraction"
-            )
+    if merged["test_set"] is None:
+        merged["test_set"] = 0.0
+    for name in ("validation_set", "test_set"):
+        merged[name] = _held_out(merged[name], name, merged["training_set"])
+    fractions = [merged[n] for n in ("validation_set", "test_set") if isinstance(merged[n], float)]
+    if not sum(fractions) < 1.0:
+        raise ValueError(f"options 'validation_set' and 'test_set' take all of the data ({sum(fractions):g}); "
+                         "their fractions must add up to less than 1")
     return merged
+
+
+def _held_out(value, where: str, training):
+    """A validated ``validation_set``/``test_set``: a fraction in [0, 1) of every
+    training file, or one dataset per training dataset."""
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"option '{where}' must be a fraction in [0, 1) or a dataset")
+    if isinstance(value, (int, float)):
+        value = _number(value, where, minimum=0.0)
+        if not value < 1.0:
+            raise ValueError(f"option '{where}' as a fraction must be below 1, got {value!r}")
+        return float(value)
+    value = _resolve_datasets(value, where)
+    n_train, n_held = (len(x) if isinstance(x, list) else 1 for x in (training, value))
+    if n_train != n_held:
+        raise ValueError(
+            f"option '{where}' lists {n_held} dataset(s) but 'training_set' lists {n_train}: "
+            f"give one {where.split('_')[0]} dataset per training dataset (as metatrain does), or a fraction"
+        )
+    return value
 
 
 def _resolve_datasets(value, where: str):

@@ -113,6 +113,8 @@ class FitResult:
         files: name -> path of the written files.
         compiled_graphs: with ``compile: true``, how many graphs were compiled for
             the ``"train"`` and ``"eval"`` steps (1 each when no batch recompiled).
+        test_errors: RMSE and MAE of ``params`` on the ``test_set`` (keys as
+            :func:`error_metrics`; empty without a test set, and on ranks other than 0).
     """
 
     config: PETConfig
@@ -124,6 +126,7 @@ class FitResult:
     output_dir: Optional[Path]
     files: Dict[str, Path] = field(default_factory=dict)
     compiled_graphs: Dict[str, int] = field(default_factory=dict)
+    test_errors: Dict[str, float] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------
@@ -570,7 +573,7 @@ def _default_log(message: str) -> None:
 
 
 def _absolute_paths(options: dict) -> dict:
-    for name in ("training_set", "validation_set"):
+    for name in ("training_set", "validation_set", "test_set"):
         value = options.get(name)
         for section in value if isinstance(value, list) else [value]:
             if isinstance(section, dict):
@@ -692,6 +695,7 @@ def fit(
         config, params = _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log)
 
     train_samples, val_samples = files.samples(config)
+    test_samples = files.test_samples(config)
 
     # --- composition and scale -----------------------------------------------------------
     if ckpt is not None:
@@ -871,7 +875,9 @@ def fit(
     n_params = tree.count(trainable(params, train))
     log(
         f"training set: {len(train_samples)} structures ({sum(len(s) for s in train_samples)} atoms), "
-        f"validation set: {len(val_samples)} structures; atomic types {list(config.atomic_types)}"
+        f"validation set: {len(val_samples)} structures"
+        + (f", test set: {len(test_samples)} structures" if test_samples else "")
+        + f"; atomic types {list(config.atomic_types)}"
     )
     log(
         "loss terms: " + ", ".join(f"{t} ({getattr(weights, t).type}, weight {getattr(weights, t).weight:g})" for t in terms)
@@ -993,6 +999,12 @@ def fit(
         best_params = state.params
     best_cpu = tree.tree_map(lambda t: t.detach().to("cpu"), plain(best_params))
     last_cpu = tree.tree_map(lambda t: t.detach().to("cpu"), plain(state.params))
+    test_errors: Dict[str, float] = {}
+    if test_samples and is_main:
+        test_pred = predict(config, plain(best_params), test_samples, batch_size=batch_size)
+        test_errors = error_metrics(test_pred)
+        log(f"test set ({len(test_samples)} structures), best epoch {best_epoch}, RMSE/MAE: "
+            + _errors_line(test_errors))
     if files:
         from .io import save_params
 
@@ -1001,18 +1013,24 @@ def fit(
         pred = predict(config, plain(best_params), eval_samples, batch_size=batch_size)
         what = "validation" if val_samples else "training"
         parity_plot(pred, files["parity"], title=f"{what} set, best epoch {best_epoch}")
-        errors = error_metrics(pred)
-        units = {"energy_per_atom": ("energy/atom", "eV/atom"), "forces": ("forces", "eV/Å"), "stress": ("stress", "eV/Å³")}
-        log(
-            f"best epoch {best_epoch} ({training['best_model_metric']} {best_metric:.4g}); {what} set RMSE/MAE: "
-            + ", ".join(
-                f"{name} {errors[k + '_rmse']:.4g}/{errors[k + '_mae']:.4g} {unit}"
-                for k, (name, unit) in units.items() if k + "_rmse" in errors
-            )
-        )
+        if test_samples:
+            files["parity_test"] = output_dir / "parity_test.png"
+            parity_plot(test_pred, files["parity_test"], title=f"test set, best epoch {best_epoch}")
+        log(f"best epoch {best_epoch} ({training['best_model_metric']} {best_metric:.4g}); {what} set RMSE/MAE: "
+            + _errors_line(error_metrics(pred)))
         log(f"files in {output_dir}: " + ", ".join(sorted(p.name for p in files.values())))
     graphs = {name: fn.num_graphs for name, fn in (("train", step_fn), ("eval", eval_fn)) if hasattr(fn, "num_graphs")}
-    return FitResult(config, best_cpu, last_cpu, best_epoch, best_metric, history, output_dir, files, graphs)
+    return FitResult(config, best_cpu, last_cpu, best_epoch, best_metric, history, output_dir, files, graphs,
+                     test_errors)
+
+
+def _errors_line(errors: Mapping[str, float]) -> str:
+    units = {"energy_per_atom": ("energy/atom", "eV/atom"), "forces": ("forces", "eV/Å"),
+             "stress": ("stress", "eV/Å³")}
+    return ", ".join(
+        f"{name} {errors[k + '_rmse']:.4g}/{errors[k + '_mae']:.4g} {unit}"
+        for k, (name, unit) in units.items() if k + "_rmse" in errors
+    )
 
 
 def _version() -> str:

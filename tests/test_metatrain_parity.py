@@ -571,11 +571,25 @@ def test_validation_split_equals_mtt_train():
     assert sorted(train.tolist()) == list(range(5)) and len(val) == 0
     # two training files (21 and 18 structures), seed 7, validation_set: 0.3:
     # indices/training_{0,1}.txt and validation_{0,1}.txt of that mtt train run
-    (t0, v0), (t1, v1) = split_datasets([21, 18], 0.3, seed=7)
+    (t0, v0, _), (t1, v1, _) = split_datasets([21, 18], 0.3, seed=7)
     assert t0.tolist() == [6, 13, 11, 16, 12, 18, 9, 2, 20, 19, 0, 10, 8, 5, 1]
     assert v0.tolist() == [17, 14, 7, 3, 4, 15]
     assert t1.tolist() == [10, 11, 16, 0, 14, 6, 1, 2, 17, 3, 13, 4, 9]
     assert v1.tolist() == [7, 15, 8, 5, 12]
+    # with a test set: the training, validation and test .txt of mtt train runs
+    # (seed 7) with validation_set: 0.3 and test_set: 0.2 (one file of 21)...
+    (train, val, test), = split_datasets([21], 0.3, seed=7, test_fraction=0.2)
+    assert train.tolist() == [20, 5, 11, 2, 0, 8, 1, 12, 19, 16, 6]
+    assert val.tolist() == [17, 14, 7, 3, 4, 15] and test.tolist() == [13, 9, 10, 18]
+    # ... test_set: 0.15 of two files (21 and 18) ...
+    (t0, v0, s0), (t1, v1, s1) = split_datasets([21, 18], 0.3, seed=7, test_fraction=0.15)
+    assert t0.tolist() == [6, 13, 11, 16, 12, 18, 9, 2, 20, 19, 0, 10] and s0.tolist() == [8, 5, 1]
+    assert t1.tolist() == [10, 11, 16, 0, 14, 6, 1, 2, 17, 3, 13] and s1.tolist() == [4, 9]
+    assert v0.tolist() == [17, 14, 7, 3, 4, 15] and v1.tolist() == [7, 15, 8, 5, 12]
+    # ... and a separate validation file with test_set: 0.25
+    (train, val, test), = split_datasets([21], None, seed=7, test_fraction=0.25)
+    assert train.tolist() == [1, 5, 2, 18, 11, 13, 0, 19, 6, 20, 16, 12, 10, 9, 8, 17]
+    assert val.tolist() == [] and test.tolist() == [14, 7, 3, 4, 15]
 
 
 def test_several_training_files(tmp_path):
@@ -619,7 +633,7 @@ def test_several_training_files(tmp_path):
     assert np.isfinite(result.history[-1]["train_loss"]), result.history[-1]
 
     subsets = []
-    for path, (train, _) in zip((first, second), split_datasets([11, 9], 0.25, seed=5)):
+    for path, (train, _, _) in zip((first, second), split_datasets([11, 9], 0.25, seed=5)):
         target = {"quantity": "energy", "read_from": str(path), "reader": None, "key": "energy", "unit": "eV",
                   "per_atom": False, "type": "scalar", "num_subtargets": 1, "description": "",
                   "forces": False, "stress": False, "virial": False}

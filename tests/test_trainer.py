@@ -214,6 +214,60 @@ def test_restart_keeps_the_split(dataset, tmp_path):
         fit(options, tmp_path / "changed", restart=tmp_path / "edited.ckpt", progress=False, log=quiet())
 
 
+def test_test_set(dataset, tmp_path):
+    """``test_set``: split off as mtt train does (stored in the checkpoint, kept on a
+    restart), evaluated with the best model at the end: the RMSE equals one computed
+    here with the calculator on those file indices; a separate file works too."""
+    import ase.io
+
+    from petfunc.ase import PETCalculator
+
+    options = tiny_options(dataset, num_epochs=1)
+    options["base_precision"] = 64
+    options["test_set"] = 0.25
+    lines = []
+    result = fit(options, tmp_path / "run", progress=False, log=quiet(lines))
+    assert any("training set: 8 structures" in line and "validation set: 4 structures, test set: 4 structures"
+               in line for line in lines), lines
+    split = load_checkpoint(tmp_path / "run" / "last.ckpt")["split"]
+    test = split["test"][0]
+    assert len(test) == 4 and sorted(split["training"][0] + split["validation"][0] + test) == list(range(16))
+    frames = ase.io.read(dataset, ":")
+    calc = PETCalculator(result.config, result.params)
+    errors, forces = [], []
+    for i in test:
+        atoms = frames[i].copy()
+        reference_e, reference_f = frames[i].get_potential_energy(), frames[i].get_forces()
+        atoms.calc = calc
+        errors.append((atoms.get_potential_energy() - reference_e) / len(atoms))
+        forces.append(atoms.get_forces() - reference_f)
+    assert result.test_errors["energy_per_atom_rmse"] == pytest.approx(np.sqrt(np.mean(np.square(errors))), rel=1e-9)
+    assert result.test_errors["forces_rmse"] == pytest.approx(np.sqrt(np.mean(np.square(np.concatenate(forces)))),
+                                                               rel=1e-9)
+    assert any(line.startswith("test set (4 structures)") for line in lines)
+    assert (tmp_path / "run" / "parity_test.png").stat().st_size > 0
+
+    # a restart keeps the test set of the run it continues
+    options["architecture"]["training"]["num_epochs"] = 2
+    lines = []
+    fit(options, tmp_path / "restarted", restart=tmp_path / "run" / "last.ckpt", progress=False, log=quiet(lines))
+    assert any("test set: 4 structures" in line for line in lines)
+    assert load_checkpoint(tmp_path / "restarted" / "last.ckpt")["split"] == split
+
+    # a separate test file; fractions that leave nothing to train on are an error
+    options = tiny_options(dataset, num_epochs=1)
+    ase.io.write(tmp_path / "test.xyz", frames[:3])
+    options["test_set"] = str(tmp_path / "test.xyz")
+    result = fit(options, None, progress=False, log=quiet())
+    assert set(result.test_errors) >= {"energy_per_atom_rmse", "forces_rmse", "stress_rmse"}
+    options["test_set"] = 0.75
+    with pytest.raises(ValueError, match="'validation_set' and 'test_set' take all of the data"):
+        fit(options, None, progress=False, log=quiet())
+    options["test_set"] = [str(tmp_path / "test.xyz")] * 2
+    with pytest.raises(ValueError, match="option 'test_set' lists 2 dataset"):
+        fit(options, None, progress=False, log=quiet())
+
+
 def test_split_step_matches_fused(dataset, tmp_path):
     # grad_step + reduce_grads + apply_gradients (the data-parallel path) == train_step.
     options = tiny_options(dataset, num_epochs=1)
