@@ -114,10 +114,11 @@ metatrain trainer keys that only concern its logging or data loading
 (``num_workers``, ``log_mae``, ``log_separate_blocks``, ``distributed_port``) are
 accepted and ignored; ``atomic_baseline`` takes metatrain's ``{energy: w}`` and
 ``{energy: {Z: w, ...}}`` forms (fixed composition weights), ``fixed_scaling_weights``
-its ``{energy: c}`` form (a fixed energy scale); ``per_structure_targets``,
-``max_atoms_per_batch`` and ``min_atoms_per_batch`` are accepted only at their
-default values. A ``test_set`` is split off (as ``mtt train`` does) and evaluated
-with the best model at the end of training.
+its ``{energy: c}`` form (a fixed energy scale); ``max_atoms_per_batch`` (and
+``min_atoms_per_batch``) packs batches by atom count as metatrain does;
+``per_structure_targets`` is accepted only at its default value. A ``test_set`` is
+split off (as ``mtt train`` does) and evaluated with the best model at the end of
+training.
 
 Labels: a loss term is trained only if the training set has its labels. With
 ``forces: auto`` (the default) a dataset without forces trains on energies only;

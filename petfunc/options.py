@@ -25,6 +25,10 @@ from .loss import LossTerm, LossWeights
 #: petfunc's own keys (``augmentation``, ``compile``, ``compile_backend``).
 TRAINING_DEFAULTS: Dict[str, Any] = {
     "batch_size": 16,
+    # metatrain's packing by atom count (batch_size then only sets the composition
+    # fit's accumulation); batches under min_atoms_per_batch atoms are skipped
+    "max_atoms_per_batch": None,
+    "min_atoms_per_batch": 0,
     "num_epochs": 1000,
     "warmup_fraction": 0.01,
     "learning_rate": 1e-4,
@@ -53,8 +57,6 @@ IGNORED_METATRAIN_KEYS = ("num_workers", "log_mae", "log_separate_blocks", "dist
 #: metatrain trainer keys petfunc does not implement: accepted only at their default.
 UNSUPPORTED_METATRAIN_KEYS = {
     "per_structure_targets": [],
-    "max_atoms_per_batch": None,
-    "min_atoms_per_batch": 0,
 }
 
 TOP_LEVEL_DEFAULTS: Dict[str, Any] = {
@@ -479,6 +481,16 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     training["fixed_scaling_weights"] = _fixed_scaling_weights(training["fixed_scaling_weights"],
                                                                f"{t}.fixed_scaling_weights")
     training["batch_size"] = _number(training["batch_size"], f"{t}.batch_size", positive=True, integer=True)
+    if training["max_atoms_per_batch"] is not None:
+        training["max_atoms_per_batch"] = _number(training["max_atoms_per_batch"], f"{t}.max_atoms_per_batch",
+                                                  positive=True, integer=True)
+    training["min_atoms_per_batch"] = _number(training["min_atoms_per_batch"], f"{t}.min_atoms_per_batch",
+                                              minimum=0, integer=True)
+    if training["max_atoms_per_batch"] is None and training["min_atoms_per_batch"]:
+        raise ValueError(f"option '{t}.min_atoms_per_batch' needs '{t}.max_atoms_per_batch'")
+    if training["max_atoms_per_batch"] is not None and training["min_atoms_per_batch"] > training["max_atoms_per_batch"]:
+        raise ValueError(f"option '{t}.min_atoms_per_batch' ({training['min_atoms_per_batch']}) exceeds "
+                         f"'max_atoms_per_batch' ({training['max_atoms_per_batch']})")
     training["num_epochs"] = _number(training["num_epochs"], f"{t}.num_epochs", minimum=0, integer=True)
     training["warmup_fraction"] = _number(training["warmup_fraction"], f"{t}.warmup_fraction", minimum=0.0, maximum=1.0)
     training["learning_rate"] = _number(training["learning_rate"], f"{t}.learning_rate", minimum=0.0)

@@ -8,7 +8,8 @@ schema and :func:`petfunc.options.resolve_options`). :func:`fit`
 2. fits the composition weights and the energy scale on the training set
    (metatrain's ``CompositionModel`` and ``Scaler``) and stores them in the
    parameters (``composition_weights``, ``energy_scale``, never trained);
-3. trains with metatrain's recipe: shuffled batches (last partial batch dropped),
+3. trains with metatrain's recipe: shuffled batches (last partial batch dropped;
+   or packed by atom count with ``max_atoms_per_batch``; see :mod:`petfunc.batching`),
    random O(3) augmentation, Adam(W) with linear warm-up + cosine decay stepped per
    batch, global gradient-norm clipping;
 4. validates every ``log_interval`` epochs with the same loss (no augmentation, no
@@ -44,7 +45,7 @@ Keys: ``format``, ``format_version``, ``petfunc_version``, ``config`` (JSON),
 ``step``, ``best_epoch``, ``best_metric``, ``best_params``, ``composition``
 ({``atomic_types``, ``weights``}), ``energy_scale``, ``dtype``, ``rng`` (seed and
 torch's global RNG state), ``options`` (JSON), ``history`` (one dict per epoch),
-``split`` (file indices of the training and validation structures, per file).
+``split`` (file indices of the training, validation and test structures, per file).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ import numpy as np
 import torch
 
 from . import lora, tree
+from .batching import batch_plan, derived_seed
 from .config import PETConfig
 from .data import Sample, fit_composition, fit_scale, make_batch, random_rotations
 from .datafiles import read_labelled, read_training_files
@@ -282,67 +284,6 @@ def load_model(path, dtype: Optional[torch.dtype] = None, which: str = "best", d
 # batches
 
 
-def _derived_seed(*parts: int) -> int:
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, dtype=np.uint64)[0] >> 1)
-
-
-def batch_plan(
-    n: int,
-    batch_size: int,
-    epoch: int = 0,
-    seed: int = 0,
-    shuffle: bool = True,
-    drop_last: bool = True,
-    rank: int = 0,
-    world_size: int = 1,
-    even_shards: bool = True,
-    groups: Optional[Sequence[int]] = None,
-) -> List[np.ndarray]:
-    """Indices of the batches of one epoch for one rank.
-
-    All ranks draw the same permutation (from ``seed`` and ``epoch``) and take
-    ``perm[rank::world_size]``; that shard is cut into batches of ``batch_size``, the
-    last partial one dropped when ``drop_last`` (unless it is the only one), as
-    metatrain's training loader does.
-
-    With ``even_shards`` (training) the permutation is first truncated to a multiple
-    of ``world_size``, so that every rank runs the same number of steps (each step
-    all-reduces gradients). ``even_shards=False`` (evaluation, which has no per-batch
-    collectives) puts every structure in exactly one shard; shards may then differ by
-    one structure, and a rank may get none.
-
-    ``groups``: the sizes of consecutive blocks of the ``n`` indices (one per dataset
-    file, summing to ``n``). As metatrain's combined loader does, every batch then
-    comes from one block: each block is shuffled, sharded and cut on its own (its own
-    last partial batch dropped), and the order of all the batches is shuffled
-    (kept in block order when not ``shuffle``). One block is the plain rule above.
-    """
-    if groups is not None and len(groups) > 1:
-        if sum(groups) != n:
-            raise ValueError(f"groups {list(groups)} do not add up to {n} structures")
-        batches, start = [], 0
-        for g, size in enumerate(groups):
-            for b in batch_plan(size, batch_size, epoch, _derived_seed(seed, g, 0xF11E), shuffle,
-                                drop_last, rank, world_size, even_shards):
-                batches.append(b + start)
-            start += size
-        if shuffle:
-            order = np.random.default_rng(_derived_seed(seed, epoch, 0xBA7C)).permutation(len(batches))
-            batches = [batches[i] for i in order]
-        return batches
-    order = np.arange(n)
-    if shuffle:
-        order = np.random.default_rng(_derived_seed(seed, epoch, 0x5EED)).permutation(n)
-    if world_size > 1:
-        if even_shards:
-            order = order[: (n // world_size) * world_size]
-        order = order[rank::world_size]
-    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    if drop_last and len(batches) > 1 and len(batches[-1]) < batch_size:
-        batches = batches[:-1]
-    return batches
-
-
 def iterate_batches(
     samples: Sequence[Sample],
     config: PETConfig,
@@ -361,12 +302,15 @@ def iterate_batches(
     world_size: int = 1,
     even_shards: bool = True,
     groups: Optional[Sequence[int]] = None,
+    max_atoms: Optional[int] = None,
+    min_atoms: int = 0,
 ):
     """Yield ``(indices, Batch)`` for one epoch (see :func:`batch_plan`). Augmentation
     rotations come from a generator seeded by ``(seed, epoch, rank)``."""
-    generator = torch.Generator().manual_seed(_derived_seed(seed, epoch, rank, 0xA06))
+    generator = torch.Generator().manual_seed(derived_seed(seed, epoch, rank, 0xA06))
+    counts = [len(s) for s in samples] if max_atoms is not None else None
     for idx in batch_plan(len(samples), batch_size, epoch, seed, shuffle, drop_last, rank, world_size,
-                          even_shards, groups):
+                          even_shards, groups, counts, max_atoms, min_atoms):
         chosen = [samples[i] for i in idx]
         rotations = random_rotations(len(chosen), generator) if augment else None
         yield idx, make_batch(chosen, config, composition, scale, dtype, device, rotations)
@@ -737,8 +681,20 @@ def fit(
     augment = training["augmentation"]
     # every batch comes from one training file, as in metatrain
     train_groups, val_groups = files.train_sizes, files.val_sizes
+    max_atoms, min_atoms = training["max_atoms_per_batch"], training["min_atoms_per_batch"]
+    packing = {"max_atoms": max_atoms, "min_atoms": min_atoms}
     steps_per_epoch = len(batch_plan(len(train_samples), batch_size, 0, seed, True, True, rank, world_size,
-                                     groups=train_groups))
+                                     groups=train_groups, atom_counts=[len(s) for s in train_samples], **packing))
+    if max_atoms is not None:
+        oversized = sum(len(s) > max_atoms for s in train_samples)
+        if oversized:
+            log(f"warning: {oversized} training structure(s) have more than max_atoms_per_batch = {max_atoms} "
+                "atoms and are skipped (as in metatrain)")
+        if steps_per_epoch == 0:
+            raise ValueError(
+                f"max_atoms_per_batch = {max_atoms}, min_atoms_per_batch = {min_atoms}: no training batch is left"
+                + (f" for each of the {world_size} processes" if world_size > 1 else "")
+            )
     num_epochs = training["num_epochs"]
     total_steps = max(1, num_epochs * steps_per_epoch)
     schedule = warmup_cosine(training["learning_rate"], total_steps, training["warmup_fraction"])
@@ -913,7 +869,7 @@ def fit(
             batches = iterate_batches(
                 train_samples, config, composition, scale, batch_size, epoch=epoch, seed=seed,
                 shuffle=True, drop_last=True, augment=augment, dtype=dtype, device=device,
-                rank=rank, world_size=world_size, groups=train_groups,
+                rank=rank, world_size=world_size, groups=train_groups, **packing,
             )
             for idx, batch in batches:
                 if step_fn is None:
@@ -954,6 +910,7 @@ def fit(
                                 val_samples, config, composition, scale, batch_size, shuffle=False,
                                 drop_last=False, augment=False, dtype=dtype, device=device,
                                 rank=rank, world_size=world_size, even_shards=False, groups=val_groups,
+                                max_atoms=max_atoms,
                             )
                         ]
                     # every validation structure is evaluated once, on one rank; a

@@ -662,3 +662,39 @@ def test_several_training_files(tmp_path):
 
 def quiet_log(message):
     pass
+
+
+def test_max_atoms_per_batch_equals_metatrain_sampler():
+    """``max_atoms_per_batch``: the batches of every epoch (and of each of 2 ranks)
+    are those of metatrain's ``MaxAtomDistributedBatchSampler`` on the same atom
+    counts, with and without ``min_atoms``, oversized structures skipped."""
+    from metatrain.utils.data.samplers import MaxAtomDistributedBatchSampler
+
+    from petfunc.batching import batch_plan
+
+    class Counts(torch.utils.data.Dataset):
+        def __init__(self, counts):
+            self.counts = counts
+
+        def __len__(self):
+            return len(self.counts)
+
+        def get_num_atoms(self, i):
+            return int(self.counts[i])
+
+    counts = np.random.default_rng(4).integers(1, 40, size=57)
+    counts[[3, 30]] = 70  # larger than max_atoms: skipped in training
+    for max_atoms, min_atoms, world in ((64, 0, 1), (64, 30, 1), (100, 0, 2), (41, 10, 3)):
+        for rank in range(world):
+            sampler = MaxAtomDistributedBatchSampler(Counts(counts), max_atoms, num_replicas=world, rank=rank,
+                                                     shuffle=True, drop_last=True, min_atoms=min_atoms)
+            for epoch in (0, 1, 5):
+                sampler.set_epoch(epoch)
+                expected = [list(b) for b in sampler]
+                plan = batch_plan(len(counts), 8, epoch=epoch, seed=123, rank=rank, world_size=world,
+                                  atom_counts=counts, max_atoms=max_atoms, min_atoms=min_atoms)
+                assert [b.tolist() for b in plan] == expected, (max_atoms, min_atoms, world, rank, epoch)
+    # evaluation keeps every structure once, an oversized one alone
+    plan = batch_plan(len(counts), 8, shuffle=False, drop_last=False, atom_counts=counts, max_atoms=64)
+    assert sorted(np.concatenate(plan).tolist()) == list(range(len(counts)))
+    assert [3] in [b.tolist() for b in plan] and all(counts[b].sum() <= 64 for b in plan if len(b) > 1)

@@ -268,6 +268,32 @@ def test_test_set(dataset, tmp_path):
         fit(options, None, progress=False, log=quiet())
 
 
+def test_max_atoms_per_batch(dataset, tmp_path):
+    """Batches packed by atom count: the step count is the packing's (structures of
+    32 atoms are skipped with max_atoms_per_batch 30, with a warning), training runs;
+    bad values are errors that name the option."""
+    import ase.io
+
+    from petfunc.datafiles import split_datasets
+
+    options = tiny_options(dataset, num_epochs=2, max_atoms_per_batch=30)
+    lines = []
+    result = fit(options, None, progress=False, log=quiet(lines))
+    (train, _, _), = split_datasets([16], 0.25, seed=3)
+    counts = [len(ase.io.read(dataset, int(i))) for i in train]
+    steps = len(batch_plan(len(counts), 4, atom_counts=counts, max_atoms=30))
+    assert steps > 0 and any(f"{steps} steps per epoch" in line for line in lines), (steps, lines)
+    skipped = sum(c > 30 for c in counts)
+    assert skipped and any(f"warning: {skipped} training structure(s) have more than" in line for line in lines)
+    assert result.history[-1]["step"] == 2 * steps and np.isfinite(result.history[-1]["val_loss"])
+    for bad, message in (({"max_atoms_per_batch": 0}, "max_atoms_per_batch' must be positive"),
+                         ({"min_atoms_per_batch": 5}, "min_atoms_per_batch' needs"),
+                         ({"max_atoms_per_batch": 30, "min_atoms_per_batch": 31}, "exceeds"),
+                         ({"max_atoms_per_batch": 5}, "no training batch is left")):
+        with pytest.raises(ValueError, match=message):
+            fit(tiny_options(dataset, num_epochs=1, **bad), None, progress=False, log=quiet())
+
+
 def test_split_step_matches_fused(dataset, tmp_path):
     # grad_step + reduce_grads + apply_gradients (the data-parallel path) == train_step.
     options = tiny_options(dataset, num_epochs=1)
@@ -439,7 +465,7 @@ def test_unknown_species_when_finetuning(dataset, tmp_path):
         (lambda o: o["architecture"]["model"].update(dpet=3), "'architecture.model.dpet'"),
         (lambda o: o.update(training_set={"systems": "x.xyz", "targets": {"energy": {"kye": "e"}}}), "'training_set.targets.energy.kye'"),
         (lambda o: o["architecture"]["training"].update(loss={"energy": {"wieght": 2}}), "'architecture.training.loss.energy.wieght'"),
-        (lambda o: o["architecture"]["training"].update(max_atoms_per_batch=100), "max_atoms_per_batch.*not supported"),
+        (lambda o: o["architecture"]["training"].update(per_structure_targets=["energy"]), "per_structure_targets.*not supported"),
         (lambda o: o["architecture"]["training"].update(batch_size=0), "batch_size' must be positive"),
         (lambda o: o.update(base_precision=16), "base_precision"),
         (lambda o: o.update(validation_set=1.0), "validation_set"),
