@@ -63,6 +63,7 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
         #    energy:
         #      type: mse
         #      weight: 1.0
+        #      reduction: mean       # mean | sum over the batch's labels (per term)
         #      gradients:          # also accepted: forces/stress directly under energy
         #        positions: {type: mse, weight: 10.0}     # forces (alias: forces)
         #        strain: {type: mse, weight: 1.0}         # stress (aliases: stress, virial)

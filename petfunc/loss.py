@@ -9,7 +9,8 @@ the atoms of structure s, and targets from :class:`~petfunc.data.Batch`:
 
 ``L = w_E L_E + w_F L_F + w_S L_S`` where each ``l`` is ``mse``, ``mae`` or ``huber``
 (torch's ``HuberLoss`` with threshold ``delta``, 1 by default as in metatrain) and
-means run over non-NaN targets only. Derivatives come from
+means run over non-NaN targets only (a term with ``reduction="sum"`` sums them
+instead, as torch's and metatrain's ``reduction``). Derivatives come from
 ``torch.func.grad`` inside the loss (or, eagerly, ``torch.autograd.grad`` with
 ``autodiff="autograd"``), so the parameter gradient of the loss is a grad of a grad.
 """
@@ -26,20 +27,25 @@ from .derivatives import energy_and_forces, energy_forces_strain_derivative
 
 
 _TYPES = ("mse", "mae", "huber")
+_REDUCTIONS = ("mean", "sum")
 
 
 @dataclass(frozen=True)
 class LossTerm:
     """Weight and type (``mse``, ``mae``, ``huber``) of one loss term; ``delta`` is
-    the Huber threshold (in training units, as metatrain's), unused by the others."""
+    the Huber threshold (in training units, as metatrain's), unused by the others;
+    ``reduction``: ``"mean"`` or ``"sum"`` over the batch's labelled entries."""
 
     weight: float = 1.0
     type: str = "mse"
     delta: float = 1.0
+    reduction: str = "mean"
 
     def __post_init__(self):
         if self.type not in _TYPES:
             raise ValueError(f"loss type must be one of {_TYPES}, got {self.type!r}")
+        if self.reduction not in _REDUCTIONS:
+            raise ValueError(f"loss reduction must be one of {_REDUCTIONS}, got {self.reduction!r}")
         if not self.weight >= 0:
             raise ValueError(f"loss weight must be >= 0, got {self.weight!r}")
         if not self.delta > 0:
@@ -85,13 +91,16 @@ def _masked(pred: torch.Tensor, target: torch.Tensor):
 
 
 def _term(term: LossTerm, pred, target):
-    """(mean loss over valid entries, sum of squared errors, sum of abs errors, count)."""
+    """(loss: mean, or sum, over valid entries; sum of squared errors; sum of abs
+    errors; count)."""
     pred, target, valid = _masked(pred, target)
     count = valid.sum().to(pred.dtype)
     per_entry = _elementwise(term, pred, target)
-    mean = per_entry.sum() / count.clamp_min(1.0)
+    loss = per_entry.sum()
+    if term.reduction == "mean":
+        loss = loss / count.clamp_min(1.0)
     diff = pred - target
-    return mean, (diff * diff).sum(), diff.abs().sum(), count
+    return loss, (diff * diff).sum(), diff.abs().sum(), count
 
 
 def make_loss(energy_fn: Callable, weights: LossWeights = LossWeights(), autodiff: str = "func"):

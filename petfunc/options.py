@@ -361,13 +361,14 @@ def _loss_term(spec, where: str, default_type: str) -> LossTerm:
     if not isinstance(spec, Mapping):
         raise ValueError(f"option '{where}' must be a loss type, a weight or a mapping, got {spec!r}")
     _check_keys(spec, ("type", "weight", "reduction", "delta"), where)
-    if spec.get("reduction", "mean") != "mean":
-        raise ValueError(f"option '{where}.reduction': only 'mean' is supported")
+    if spec.get("reduction", "mean") not in ("mean", "sum"):
+        raise ValueError(f"option '{where}.reduction' must be 'mean' or 'sum', got {spec['reduction']!r}")
     try:
         return LossTerm(
             _number(spec.get("weight", 1.0), f"{where}.weight", minimum=0.0),
             spec.get("type", default_type),
             _number(spec.get("delta", 1.0), f"{where}.delta"),
+            spec.get("reduction", "mean"),
         )
     except ValueError as error:
         raise ValueError(f"option '{where}': {error}") from None

@@ -331,21 +331,29 @@ def test_loss_skips_nan_labels_and_supports_loss_types(dataset, fitted):
 
 
 def test_loss_types_equal_torch_losses(dataset, fitted):
-    """mse, mae and huber (any delta) equal torch.nn's losses, which metatrain uses."""
+    """mse, mae and huber (any delta), with reduction mean or sum, equal torch.nn's
+    losses on the labelled entries, which metatrain uses."""
     params = _params(fitted)
     model = petfunc.PET(CONFIG)
     batch = _batch(dataset, fitted, [0, 1, 2])
     _, f, _ = petfunc.energy_forces_strain_derivative(model.raw_energy)(
         params, batch.positions, batch.cell, batch.neighbors
     )
-    cases = [("mse", 1.0, torch.nn.MSELoss()), ("mae", 1.0, torch.nn.L1Loss())]
-    cases += [("huber", d, torch.nn.HuberLoss(delta=d)) for d in (0.01, 0.1, 1.0)]
-    for kind, delta, reference in cases:
-        term = petfunc.LossTerm(1.0, kind, delta)
-        weights = petfunc.LossWeights(petfunc.LossTerm(0.0), term, petfunc.LossTerm(0.0))
-        _, metrics = petfunc.make_loss(model, weights)(params, batch)
-        expected = reference(f, batch.forces).item()
-        assert math.isclose(metrics["forces_loss"].item(), expected, rel_tol=1e-12), (kind, delta)
+    forces = batch.forces.clone()
+    forces[:2] = float("nan")  # metatrain drops NaN labels, then applies the torch loss
+    batch = batch._replace(forces=forces)
+    for reduction in ("mean", "sum"):
+        cases = [("mse", 1.0, torch.nn.MSELoss(reduction=reduction)), ("mae", 1.0, torch.nn.L1Loss(reduction=reduction))]
+        cases += [("huber", d, torch.nn.HuberLoss(delta=d, reduction=reduction)) for d in (0.01, 0.1, 1.0)]
+        for kind, delta, reference in cases:
+            term = petfunc.LossTerm(1.0, kind, delta, reduction)
+            weights = petfunc.LossWeights(petfunc.LossTerm(0.0), term, petfunc.LossTerm(0.0))
+            loss, metrics = petfunc.make_loss(model, weights)(params, batch)
+            expected = reference(f[2:], forces[2:]).item()
+            assert math.isclose(metrics["forces_loss"].item(), expected, rel_tol=1e-12), (kind, delta, reduction)
+            assert math.isclose(loss.item(), expected, rel_tol=1e-12)
+    with pytest.raises(ValueError, match="reduction"):
+        petfunc.LossTerm(1.0, "mse", 1.0, "none")
 
 
 def test_energy_only_loss_does_not_differentiate_positions(dataset, fitted):

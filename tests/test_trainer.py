@@ -508,13 +508,15 @@ LOSS_FORMS = [
     {"energy": {"type": "huber", "delta": 0.1, "forces": {"type": "huber", "delta": 0.3}}},
     {"energy": {"weight": 2.0, "forces": "mae", "virial": {"weight": 0.5}}},
     {"energy": {"gradients": {"positions": "huber", "strain": {"type": "mae", "weight": 3.0}}}},
+    {"energy": {"reduction": "sum", "forces": {"reduction": "sum", "weight": 2.0}}},
+    {"energy": {"type": "huber", "gradients": {"strain": {"reduction": "sum"}}}},
 ]
 
 
 @pytest.mark.parametrize("form", LOSS_FORMS, ids=[str(f) for f in LOSS_FORMS])
 def test_loss_options_expand_like_metatrain(form):
-    """Every term's type, weight and Huber delta as metatrain's expand_loss_config
-    gives them, for an energy target with forces and stress."""
+    """Every term's type, weight, Huber delta and reduction as metatrain's
+    expand_loss_config gives them, for an energy target with forces and stress."""
     pytest.importorskip("metatrain")
     from omegaconf import OmegaConf
     from metatrain.utils.omegaconf import expand_loss_config
@@ -530,7 +532,8 @@ def test_loss_options_expand_like_metatrain(form):
     }
     for name, ref in reference.items():
         term = getattr(weights, name)
-        assert (term.type, term.weight, term.delta) == (ref["type"], ref["weight"], ref.get("delta", 1.0)), name
+        assert (term.type, term.weight, term.delta, term.reduction) == (
+            ref["type"], ref["weight"], ref.get("delta", 1.0), ref.get("reduction", "mean")), name
 
 
 @pytest.mark.slow
