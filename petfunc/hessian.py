@@ -14,7 +14,8 @@ For an energy function ``energy_fn(params, positions, cell, neighbors) ->
   memory of the derivative pass is that of k HVPs whatever the system size
   (the result itself is 9 n_atoms^2 numbers);
 * ``hessian(energy_fn, memory_budget=bytes)``: k chosen per call from the measured
-  memory of 2 and 4 rows, so that the pass and the matrix fit the budget.
+  memory of 2 and 4 rows (the 4 rows are kept as the first rows of the matrix),
+  so that the pass and the matrix fit the budget.
 
 **Cost.** A row costs about two force evaluations plus a share of the gradient
 graph, which is built once per call. On the 2-core CPU of this project (64-atom
@@ -149,37 +150,51 @@ def chunked_hessian(rows_fn: Callable, chunk_size: int) -> Callable:
 
     def fn(params, positions, cell, neighbors):
         n = positions.shape[0]
-        rows: List[torch.Tensor] = []
-        for start in range(0, 3 * n, k):
-            directions = _unit_vectors(n, start, k, positions)
-            rows.append(rows_fn(params, positions, cell, neighbors, directions))
-        return torch.cat(rows)[: 3 * n].reshape(n, 3, n, 3)
+        return _rows_from(rows_fn, k, 0, params, positions, cell, neighbors).reshape(n, 3, n, 3)
 
     return fn
+
+
+def _rows_from(rows_fn: Callable, k: int, first: int, params, positions, cell, neighbors) -> torch.Tensor:
+    """Rows ``first .. 3 n_atoms - 1`` of the Hessian, ``[3 n_atoms - first, n_atoms,
+    3]``, ``k`` rows per call (the last call padded with zero directions)."""
+    n = positions.shape[0]
+    rows: List[torch.Tensor] = []
+    for start in range(first, 3 * n, k):
+        directions = _unit_vectors(n, start, k, positions)
+        rows.append(rows_fn(params, positions, cell, neighbors, directions))
+    if not rows:
+        return positions.new_zeros((0, n, 3))
+    return torch.cat(rows)[: 3 * n - first]
 
 
 def working_memory(fn: Callable, *args) -> int:
     """Bytes of tensor memory ``fn(*args)`` allocates beyond what exists before the
     call, at its peak: CUDA's allocator statistics, or on CPU the profiler's
     allocation events (independent of allocator caching)."""
+    return _working_memory_and_output(fn, *args)[0]
+
+
+def _working_memory_and_output(fn: Callable, *args):
+    """``(working_memory(fn, *args), fn(*args))`` from one call."""
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-        fn(*args)
+        out = fn(*args)
         torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device) - before)
+        return int(torch.cuda.max_memory_allocated(device) - before), out
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn(*args)
+        out = fn(*args)
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     total = peak = 0
     for _, nbytes in events:
         total += nbytes
         peak = max(peak, total)
-    return int(peak)
+    return int(peak), out
 
 
 def chunk_size_for(rows_fn: Callable, params, positions, cell, neighbors, memory_budget: int) -> int:
@@ -187,12 +202,18 @@ def chunk_size_for(rows_fn: Callable, params, positions, cell, neighbors, memory
     itself, stays within ``memory_budget`` bytes: the memory of 2 and of 4 rows is
     measured (:func:`working_memory`) and extrapolated linearly. At least 2, at most
     3 n_atoms. Raises ``ValueError`` when not even 2 rows fit."""
+    return _chunk_size_and_first_rows(rows_fn, params, positions, cell, neighbors, memory_budget)[0]
+
+
+def _chunk_size_and_first_rows(rows_fn: Callable, params, positions, cell, neighbors, memory_budget: int):
+    """:func:`chunk_size_for`, and the Hessian rows 0-3 its second measurement
+    computed (``[4, n_atoms, 3]``), so that the Hessian does not compute them again."""
     n = positions.shape[0]
     result = 9 * n * n * positions.element_size()
     measured = {}
     for k in (2, 4):
         directions = _unit_vectors(n, 0, k, positions)
-        measured[k] = working_memory(rows_fn, params, positions, cell, neighbors, directions)
+        measured[k], first_rows = _working_memory_and_output(rows_fn, params, positions, cell, neighbors, directions)
     per_row = max((measured[4] - measured[2]) / 2, 1.0)
     base = max(measured[2] - 2 * per_row, 0.0)
     k = int((memory_budget - result - base) // per_row)
@@ -202,7 +223,7 @@ def chunk_size_for(rows_fn: Callable, params, positions, cell, neighbors, memory
             f"{n} atoms: the matrix takes {result / 2**20:.1f} MiB and 2 rows at a time "
             f"{measured[2] / 2**20:.1f} MiB more (measured)"
         )
-    return min(k, 3 * n)
+    return min(k, 3 * n), first_rows
 
 
 def hessian(energy_fn: Callable, chunk_size: Optional[int] = None, mode: str = "reverse",
@@ -220,7 +241,8 @@ def hessian(energy_fn: Callable, chunk_size: Optional[int] = None, mode: str = "
         mode: ``"reverse"`` or ``"forward"`` (see the module docstring).
         memory_budget: bytes (instead of ``chunk_size``): each call measures the
             working memory of 2 and 4 rows on its inputs and takes as many rows at a
-            time as fit, the matrix itself included (:func:`chunk_size_for`).
+            time as fit, the matrix itself included (:func:`chunk_size_for`); the 4
+            measured rows are kept, so 2 rows of extra work in all.
     """
     rows_fn = hessian_rows(energy_fn, mode)
     if memory_budget is not None:
@@ -228,8 +250,11 @@ def hessian(energy_fn: Callable, chunk_size: Optional[int] = None, mode: str = "
             raise ValueError("give chunk_size or memory_budget, not both")
 
         def budgeted(params, positions, cell, neighbors):
-            k = chunk_size_for(rows_fn, params, positions, cell, neighbors, memory_budget)
-            return chunked_hessian(rows_fn, k)(params, positions, cell, neighbors)
+            k, first = _chunk_size_and_first_rows(rows_fn, params, positions, cell, neighbors, memory_budget)
+            n = positions.shape[0]
+            # rows 0-3 come from the measurement; the rest in chunks of k
+            rest = _rows_from(rows_fn, k, 4, params, positions, cell, neighbors)
+            return torch.cat([first, rest])[: 3 * n].reshape(n, 3, n, 3)
 
         return budgeted
     if chunk_size is not None:

@@ -2,7 +2,9 @@
 
 import dataclasses
 
+import ase
 import ase.build
+import numpy as np
 import pytest
 import torch
 
@@ -111,10 +113,12 @@ def test_batch_hessian_is_block_diagonal():
         start = stop
 
 
-def test_memory_budget_picks_the_chunk_size():
+def test_memory_budget_picks_the_chunk_size(monkeypatch):
     """The budgeted Hessian equals the full one; the chosen chunk grows with the
-    budget, its measured memory stays within it, and a budget too small for two
-    rows is refused with the sizes in the message."""
+    budget, its measured memory stays within it, the 4 measured rows are not
+    computed again, and a budget too small for two rows is refused with the sizes in
+    the message."""
+    import petfunc.hessian as hessian_module
     from petfunc.hessian import chunk_size_for, working_memory
 
     energy_fn, params, (x, cell, nbrs) = _setup([_molecule()])
@@ -129,8 +133,25 @@ def test_memory_budget_picks_the_chunk_size():
     k = chunk_size_for(rows, params, x, cell, nbrs, budget)
     assert 4 <= k <= 8, k
     assert chunk_size_for(rows, params, x, cell, nbrs, 100 * budget) == 3 * n
+    calls = []
+
+    def counting_rows(fn, mode="reverse"):
+        inner = hessian_rows(fn, mode)
+
+        def rows_fn(params, positions, cell, neighbors, directions):
+            calls.append(directions.shape[0])
+            return inner(params, positions, cell, neighbors, directions)
+
+        return rows_fn
+
+    monkeypatch.setattr(hessian_module, "hessian_rows", counting_rows)
     budgeted = hessian(energy_fn, memory_budget=budget)(params, x, cell, nbrs)
     assert float((budgeted - full).abs().max()) <= 1e-13 * float(full.abs().max())
+    assert calls[:2] == [2, 4] and set(calls[2:]) == {k}
+    assert sum(calls) == 2 + 4 + -(-(3 * n - 4) // k) * k  # rows 0-3 only once
+    one_atom = _setup([ase.Atoms("C", positions=[[0.1, 0.2, 0.3]], cell=np.eye(3) * 2.6, pbc=True)])
+    assert torch.allclose(hessian(energy_fn, memory_budget=100 * budget)(params, *one_atom[2]),
+                          hessian(energy_fn)(params, *one_atom[2]), rtol=1e-12, atol=1e-14)
     with pytest.raises(ValueError, match=r"memory_budget 0.0 MiB is too small for the Hessian of \d+ atoms"):
         hessian(energy_fn, memory_budget=1000)(params, x, cell, nbrs)
     with pytest.raises(ValueError, match="chunk_size or memory_budget"):
