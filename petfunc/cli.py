@@ -286,6 +286,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--energy-unit", default="eV")
     ev.add_argument("--length-unit", default="angstrom")
     ev.add_argument("--json", metavar="FILE", help="also write the metrics as JSON")
+    ev.add_argument("--output", "-o", metavar="FILE",
+                    help="also write the predictions as extxyz (energy, forces, stress of each structure)")
     ev.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
 
     ex = sub.add_parser(
@@ -452,7 +454,7 @@ def _eval(args) -> int:
         args.model, args.dataset, batch_size=args.batch_size, dtype=dtype, device=args.device,
         which=args.which, energy_key=args.energy_key, forces_key=args.forces_key, stress_key=args.stress_key,
         energy_unit=args.energy_unit, length_unit=args.length_unit,
-        charge_key=args.charge_key, spin_multiplicity_key=args.spin_key,
+        charge_key=args.charge_key, spin_multiplicity_key=args.spin_key, output=args.output,
     )
     print(f"{args.dataset}: {metrics['n_structures']} structures, {metrics['n_atoms']} atoms")
     print(f"{'':16s}{'RMSE':>12s}{'MAE':>12s}  unit      labels")
@@ -464,6 +466,8 @@ def _eval(args) -> int:
                   f"{unit:8s}  {metrics[f'{key}_count']}")
     if args.json:
         Path(args.json).write_text(json.dumps(metrics, indent=2))
+    if args.output:
+        print(f"predictions written to {args.output}")
     return 0
 
 

@@ -71,7 +71,7 @@ from .batching import batch_plan, derived_seed
 from .config import PETConfig
 from .data import Sample, fit_composition, fit_scale, make_batch, random_rotations
 from .datafiles import read_labelled, read_training_files
-from .derivatives import energy_and_forces, energy_forces_stress
+from .derivatives import energy_and_forces, energy_forces_strain_derivative
 from .io import atomic_save
 from .loss import make_loss
 from .model import PET
@@ -384,23 +384,15 @@ def _all_finite(params) -> bool:
 # prediction and evaluation (eV units)
 
 
-def predict(config: PETConfig, params, samples: Sequence[Sample], batch_size: int = 16, stress: bool = True) -> dict:
-    """Energies, forces and stresses of ``samples`` next to their labels (eV, Å).
-
-    Returns a dict of numpy arrays: ``energy_per_atom``/``energy_per_atom_ref``
-    ``[n]`` (NaN where unlabelled), ``forces``/``forces_ref`` ``[n_labelled_atoms, 3]``,
-    ``stress``/``stress_ref`` ``[n_labelled_periodic, 3, 3]`` (eV/Å^3), and ``n_atoms``.
-    """
+def _evaluate_structures(config: PETConfig, params, samples: Sequence[Sample], batch_size: int, stress: bool):
+    """Yield ``(sample, energy, forces, strain_derivative)`` for every sample (eV, eV/Å,
+    eV; the strain derivative ``None`` without ``stress`` and for structures that are
+    not periodic in all three directions, whose stress is undefined), in batches."""
     model = PET(config)
     leaves = tree.flatten(params)
     dtype = next(v.dtype for k, v in leaves.items() if k not in ("composition_weights", "energy_scale"))
     device = next(iter(leaves.values())).device
-    want_stress = stress and any(s.stress is not None or s.virial is not None for s in samples)
-    if want_stress:
-        fn = energy_forces_stress(model.energy, "autograd")
-    else:
-        fn = energy_and_forces(model.energy, "autograd")
-    out = {k: [] for k in ("energy_per_atom", "energy_per_atom_ref", "forces", "forces_ref", "stress", "stress_ref", "n_atoms")}
+    fn = (energy_forces_strain_derivative if stress else energy_and_forces)(model.energy, "autograd")
     for start in range(0, len(samples), batch_size):
         chunk = list(samples[start : start + batch_size])
         positions, cell, neighbors = collate([s.structure for s in chunk], config, dtype=dtype, device=device)
@@ -409,18 +401,33 @@ def predict(config: PETConfig, params, samples: Sequence[Sample], batch_size: in
         forces = result[1].detach().to("cpu", torch.float64).numpy()
         offsets = np.cumsum([0] + [len(s) for s in chunk])
         for k, s in enumerate(chunk):
-            n = len(s)
-            out["n_atoms"].append(n)
-            out["energy_per_atom"].append(energies[k] / n)
-            out["energy_per_atom_ref"].append(s.energy / n if s.energy is not None else math.nan)
-            if s.forces is not None:
-                out["forces"].append(forces[offsets[k] : offsets[k + 1]])
-                out["forces_ref"].append(np.asarray(s.forces))
-            if want_stress and (s.stress is not None or s.virial is not None):
-                volume = abs(np.linalg.det(s.structure.cell))
-                if volume > 0:
-                    out["stress"].append(result[2][k].detach().to("cpu", torch.float64).numpy())
-                    out["stress_ref"].append(s.strain_derivative() / volume)
+            strain = None
+            if stress and np.all(s.structure.pbc) and abs(np.linalg.det(s.structure.cell)) > 0:
+                strain = result[2][k].detach().to("cpu", torch.float64).numpy()
+            yield s, float(energies[k]), forces[offsets[k] : offsets[k + 1]], strain
+
+
+def predict(config: PETConfig, params, samples: Sequence[Sample], batch_size: int = 16, stress: bool = True) -> dict:
+    """Energies, forces and stresses of ``samples`` next to their labels (eV, Å).
+
+    Returns a dict of numpy arrays: ``energy_per_atom``/``energy_per_atom_ref``
+    ``[n]`` (NaN where unlabelled), ``forces``/``forces_ref`` ``[n_labelled_atoms, 3]``,
+    ``stress``/``stress_ref`` ``[n_labelled_periodic, 3, 3]`` (eV/Å^3), and ``n_atoms``.
+    """
+    want_stress = stress and any(s.stress is not None or s.virial is not None for s in samples)
+    out = {k: [] for k in ("energy_per_atom", "energy_per_atom_ref", "forces", "forces_ref", "stress", "stress_ref", "n_atoms")}
+    for s, energy, forces, strain in _evaluate_structures(config, params, samples, batch_size, want_stress):
+        n = len(s)
+        out["n_atoms"].append(n)
+        out["energy_per_atom"].append(energy / n)
+        out["energy_per_atom_ref"].append(s.energy / n if s.energy is not None else math.nan)
+        if s.forces is not None:
+            out["forces"].append(forces)
+            out["forces_ref"].append(np.asarray(s.forces))
+        if strain is not None and (s.stress is not None or s.virial is not None):
+            volume = abs(np.linalg.det(s.structure.cell))
+            out["stress"].append(strain / volume)
+            out["stress_ref"].append(s.strain_derivative() / volume)
     result = {}
     for key, values in out.items():
         if key.startswith("forces"):
@@ -430,6 +437,37 @@ def predict(config: PETConfig, params, samples: Sequence[Sample], batch_size: in
         else:
             result[key] = np.asarray(values, dtype=np.float64)
     return result
+
+
+def write_predictions(config: PETConfig, params, samples: Sequence[Sample], path, batch_size: int = 16) -> Path:
+    """Write the model's predictions for ``samples`` to the extxyz file ``path``: one
+    frame per structure (its atoms, positions, cell and pbc) whose results are the
+    predicted ``energy`` (eV), ``forces`` (eV/Å) and, for periodic cells,
+    ``stress`` (eV/Å^3, ASE's Voigt order, symmetrised as
+    :class:`petfunc.ase.PETCalculator` does), so ``ase.io.read`` gives them back as
+    ``atoms.get_potential_energy()`` etc. Written atomically."""
+    import ase
+    import ase.io
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    from .ase import _voigt
+
+    frames = []
+    for s, energy, forces, strain in _evaluate_structures(config, params, samples, batch_size, stress=True):
+        structure = s.structure
+        cell = np.asarray(structure.cell, dtype=np.float64)
+        atoms = ase.Atoms(numbers=np.asarray(structure.numbers), positions=np.asarray(structure.positions),
+                          cell=cell, pbc=np.asarray(structure.pbc))
+        results = {"energy": energy, "forces": forces}
+        if strain is not None:
+            results["stress"] = _voigt(strain / abs(np.linalg.det(cell)))
+        atoms.calc = SinglePointCalculator(atoms, **results)
+        frames.append(atoms)
+    path = Path(path)
+    text = _io.StringIO()
+    ase.io.write(text, frames, format="extxyz")
+    _atomic_write_text(text.getvalue(), path)
+    return path
 
 
 def error_metrics(pred: dict) -> Dict[str, float]:
@@ -493,13 +531,17 @@ def parity_plot(pred: dict, path, title: str = "") -> None:
 
 
 def evaluate(model_path, dataset_path, batch_size: int = 16, dtype: Optional[torch.dtype] = None, device=None,
-             which: str = "best", **label_options) -> Tuple[Dict[str, float], dict]:
+             which: str = "best", output=None, **label_options) -> Tuple[Dict[str, float], dict]:
     """Errors of a saved model on an extxyz file: ``(metrics, predictions)`` (see
     :func:`error_metrics`, :func:`predict`). ``which`` picks a training checkpoint's
-    best or last parameters; ``label_options`` go to :func:`read_labelled`."""
+    best or last parameters; ``label_options`` go to :func:`read_labelled`;
+    ``output``: also write every structure's predictions there
+    (:func:`write_predictions`)."""
     config, params = load_model(model_path, dtype=dtype, which=which, device=device)
     samples = read_labelled(dataset_path, config, **label_options)
     pred = predict(config, params, samples, batch_size=batch_size)
+    if output is not None:
+        write_predictions(config, params, samples, output, batch_size=batch_size)
     metrics = error_metrics(pred)
     metrics["n_structures"] = len(samples)
     metrics["n_atoms"] = int(np.sum(pred["n_atoms"]))

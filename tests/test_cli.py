@@ -76,6 +76,38 @@ def test_eval(demo_run, capsys):
     assert metrics["forces_count"] == 3 * metrics["n_atoms"] and metrics["energy_per_atom_rmse"] > 0
 
 
+def test_eval_writes_predictions(demo_run, tmp_path, capsys):
+    """``petfunc eval --output``: one frame per structure with the predicted energy,
+    forces and (periodic cells only) stress, equal to the calculator's."""
+    import ase.build
+    import ase.io
+    import numpy as np
+
+    from petfunc.ase import PETCalculator
+    from petfunc.trainer import load_model
+
+    frames = ase.io.read(demo_run / "dataset.xyz", ":3")
+    molecule = ase.Atoms("Cu2", positions=[[0, 0, 0], [0, 0, 2.3]])
+    dataset = tmp_path / "mixed.xyz"
+    ase.io.write(dataset, frames + [molecule])
+    out = tmp_path / "predictions.xyz"
+    assert main(["eval", str(demo_run / "best.ckpt"), str(dataset), "-o", str(out)]) == 0
+    assert f"predictions written to {out}" in capsys.readouterr().out
+    predicted = ase.io.read(out, ":")
+    assert len(predicted) == 4
+    config, params = load_model(demo_run / "best.ckpt")
+    for atoms, reference in zip(predicted, frames + [molecule]):
+        np.testing.assert_array_equal(atoms.numbers, reference.numbers)
+        np.testing.assert_allclose(atoms.positions, reference.positions, atol=1e-8)
+        reference = reference.copy()
+        reference.calc = PETCalculator(config, params)
+        assert atoms.get_potential_energy() == pytest.approx(reference.get_potential_energy(), rel=1e-5)
+        np.testing.assert_allclose(atoms.get_forces(), reference.get_forces(), rtol=1e-4, atol=1e-5)
+        if reference.pbc.all():
+            np.testing.assert_allclose(atoms.get_stress(), reference.get_stress(), rtol=1e-4, atol=1e-6)
+    assert "stress" not in predicted[3].calc.results
+
+
 def test_eval_errors(demo_run, tmp_path, capsys):
     assert main(["eval", str(demo_run / "best.ckpt"), str(tmp_path / "missing.xyz")]) == 2
     assert "not found" in capsys.readouterr().err
