@@ -117,7 +117,8 @@ accepted and ignored; ``atomic_baseline`` takes metatrain's ``{energy: w}`` and
 ``{energy: {Z: w, ...}}`` forms (fixed composition weights), ``fixed_scaling_weights``
 its ``{energy: c}`` form (a fixed energy scale); ``max_atoms_per_batch`` (and
 ``min_atoms_per_batch``) packs batches by atom count as metatrain does;
-``per_structure_targets`` is accepted only at its default value. A ``test_set`` is
+``per_structure_targets: [energy]`` compares energies (and strain derivatives) per
+structure instead of per atom, in the loss, the metrics and the scale. A ``test_set`` is
 split off (as ``mtt train`` does) and evaluated with the best model at the end of
 training.
 

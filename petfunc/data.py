@@ -231,11 +231,13 @@ def fit_composition(
     return w.numpy()
 
 
-def fit_scale(samples: Sequence[Sample], composition: np.ndarray, config: Optional[PETConfig] = None) -> float:
+def fit_scale(samples: Sequence[Sample], composition: np.ndarray, config: Optional[PETConfig] = None,
+              per_atom: bool = True) -> float:
     """Energy scale c: the uncentred RMS of the per-atom residual (E - sum w)/N
-    (minus the ZBL energy too with a ``config`` whose ``zbl`` is on)."""
+    (minus the ZBL energy too with a ``config`` whose ``zbl`` is on); of the
+    residual itself without ``per_atom`` (metatrain's ``per_structure_targets``)."""
     residuals = [
-        (s.energy - composition[s.structure.species].sum() - _baseline_energy(s, config)) / len(s)
+        (s.energy - composition[s.structure.species].sum() - _baseline_energy(s, config)) / (len(s) if per_atom else 1)
         for s in samples
         if s.energy is not None and np.isfinite(s.energy)
     ]

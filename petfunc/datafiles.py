@@ -10,6 +10,7 @@ structures, same order). :func:`read_training_files` does all of it for the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -418,10 +419,10 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
     test_labels = [label_keys(f, sec, weights, set(), w) for f, sec, _, w in test_parts]
     has = {name: any(getattr(lab, name) for lab in train_labels) for name in ("forces", "stress", "virial")}
     # terms without any training labels are dropped (no derivative is computed for them)
-    weights = LossWeights(
-        weights.energy,
-        weights.forces if has["forces"] else LossTerm(0.0, weights.forces.type),
-        weights.stress if (has["stress"] or has["virial"]) else LossTerm(0.0, weights.stress.type),
+    weights = dataclasses.replace(
+        weights,
+        forces=weights.forces if has["forces"] else LossTerm(0.0, weights.forces.type),
+        stress=weights.stress if (has["stress"] or has["virial"]) else LossTerm(0.0, weights.stress.type),
     )
 
     return TrainingFiles(train_parts, val_parts, train_labels, val_labels, weights, split_json,

@@ -28,7 +28,7 @@ from torch.func import grad, vjp, vmap
 from ._vmap_rules import symbolic_vmap_rules
 from .data import Batch
 from .derivatives import energy_forces_strain_derivative
-from .loss import LossTerm, LossWeights, _term
+from .loss import LossTerm, LossWeights, _term, atoms_per_structure
 from .train import grad_step_of, train_step_of
 
 
@@ -131,9 +131,7 @@ def make_hessian_loss(
             energies, forces, de_deps, hd = _derivatives_and_hvp(
                 energy_fn, params, batch, hbatch.directions, with_strain=weights.stress.weight > 0
             )
-        n_atoms = torch.zeros_like(energies).scatter_add(
-            0, batch.neighbors.structure_index, torch.ones_like(batch.positions[:, 0])
-        )
+        n_atoms = atoms_per_structure(weights, energies, batch)
         metrics: Dict[str, torch.Tensor] = {}
         loss = torch.zeros((), dtype=energies.dtype, device=energies.device)
         terms = [("energy", weights.energy, energies / n_atoms, batch.energy / n_atoms)]

@@ -7,6 +7,9 @@ the atoms of structure s, and targets from :class:`~petfunc.data.Batch`:
 * forces:  ``L_F = mean_{i,a} l(-dE/dx_ia, F_ia / c)``
 * stress:  ``L_S = mean_{s,a,b} l(dE/d eps_sab / N_s, Sigma_sab / (c N_s))``
 
+(without the divisions by N_s when ``per_atom`` is off: metatrain's
+``per_structure_targets: [energy]``)
+
 ``L = w_E L_E + w_F L_F + w_S L_S`` where each ``l`` is ``mse``, ``mae`` or ``huber``
 (torch's ``HuberLoss`` with threshold ``delta``, 1 by default as in metatrain) and
 means run over non-NaN targets only (a term with ``reduction="sum"`` sums them
@@ -55,20 +58,23 @@ class LossTerm:
 @dataclass(frozen=True)
 class LossWeights:
     """Which terms the loss has. A term with weight 0 is not computed at all
-    (no forces are differentiated for an energy-only loss)."""
+    (no forces are differentiated for an energy-only loss). ``per_atom``: compare
+    energies and strain derivatives per atom (metatrain's default); ``False`` compares
+    them per structure (metatrain's ``per_structure_targets: [energy]``)."""
 
     energy: LossTerm = LossTerm()
     forces: LossTerm = LossTerm()
     stress: LossTerm = LossTerm()
+    per_atom: bool = True
 
     @classmethod
-    def make(cls, energy=1.0, forces=1.0, stress=1.0, type: str = "mse") -> "LossWeights":
+    def make(cls, energy=1.0, forces=1.0, stress=1.0, type: str = "mse", per_atom: bool = True) -> "LossWeights":
         """Convenience constructor: floats become terms of one ``type``."""
 
         def term(x):
             return x if isinstance(x, LossTerm) else LossTerm(float(x), type)
 
-        return cls(term(energy), term(forces), term(stress))
+        return cls(term(energy), term(forces), term(stress), per_atom)
 
 
 def _elementwise(term: LossTerm, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -101,6 +107,16 @@ def _term(term: LossTerm, pred, target):
         loss = loss / count.clamp_min(1.0)
     diff = pred - target
     return loss, (diff * diff).sum(), diff.abs().sum(), count
+
+
+def atoms_per_structure(weights: LossWeights, energies: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """``[n_structures]`` what the energy and strain-derivative terms divide by: the
+    atom counts, or ones when ``weights.per_atom`` is off."""
+    if not weights.per_atom:
+        return torch.ones_like(energies)
+    return torch.zeros_like(energies).scatter_add(
+        0, batch.neighbors.structure_index, torch.ones_like(batch.positions[:, 0])
+    )
 
 
 def make_loss(energy_fn: Callable, weights: LossWeights = LossWeights(), autodiff: str = "func"):
@@ -137,9 +153,7 @@ def make_loss(energy_fn: Callable, weights: LossWeights = LossWeights(), autodif
         else:
             out = derivatives(*args)
             energies, forces = out[0], out[1]
-        n_atoms = torch.zeros_like(energies).scatter_add(
-            0, batch.neighbors.structure_index, torch.ones_like(batch.positions[:, 0])
-        )
+        n_atoms = atoms_per_structure(weights, energies, batch)
         metrics: Dict[str, torch.Tensor] = {}
         loss = torch.zeros((), dtype=energies.dtype, device=energies.device)
 

@@ -29,6 +29,9 @@ TRAINING_DEFAULTS: Dict[str, Any] = {
     # fit's accumulation); batches under min_atoms_per_batch atoms are skipped
     "max_atoms_per_batch": None,
     "min_atoms_per_batch": 0,
+    # metatrain's targets whose loss (and scale) compare whole structures, not per
+    # atom: [] or [energy]
+    "per_structure_targets": [],
     "num_epochs": 1000,
     "warmup_fraction": 0.01,
     "learning_rate": 1e-4,
@@ -53,11 +56,6 @@ TRAINING_DEFAULTS: Dict[str, Any] = {
 #: metatrain trainer keys that only affect metatrain's logging or data loading:
 #: accepted and ignored.
 IGNORED_METATRAIN_KEYS = ("num_workers", "log_mae", "log_separate_blocks", "distributed_port")
-
-#: metatrain trainer keys petfunc does not implement: accepted only at their default.
-UNSUPPORTED_METATRAIN_KEYS = {
-    "per_structure_targets": [],
-}
 
 TOP_LEVEL_DEFAULTS: Dict[str, Any] = {
     "seed": 0,
@@ -469,11 +467,8 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     arch["model"] = model
 
     training = dict(arch.get("training") or {})
-    allowed = tuple(TRAINING_DEFAULTS) + IGNORED_METATRAIN_KEYS + tuple(UNSUPPORTED_METATRAIN_KEYS)
+    allowed = tuple(TRAINING_DEFAULTS) + IGNORED_METATRAIN_KEYS
     _check_keys(training, allowed, "architecture.training")
-    for key, default in UNSUPPORTED_METATRAIN_KEYS.items():
-        if key in training and training.pop(key) != default:
-            raise ValueError(f"option 'architecture.training.{key}' (metatrain) is not supported by petfunc")
     for key in IGNORED_METATRAIN_KEYS:
         training.pop(key, None)
     training = _merge(TRAINING_DEFAULTS, training)
@@ -487,6 +482,15 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
                                                   positive=True, integer=True)
     training["min_atoms_per_batch"] = _number(training["min_atoms_per_batch"], f"{t}.min_atoms_per_batch",
                                               minimum=0, integer=True)
+    per_structure = training["per_structure_targets"]
+    if per_structure is None:
+        per_structure = []
+    if not isinstance(per_structure, (list, tuple)) or any(not isinstance(n, str) for n in per_structure):
+        raise ValueError(f"option '{t}.per_structure_targets' must be a list of target names, got {per_structure!r}")
+    unknown = sorted(set(per_structure) - {"energy"})
+    if unknown:
+        raise ValueError(f"option '{t}.per_structure_targets': unknown target(s) {unknown}; the only target is 'energy'")
+    training["per_structure_targets"] = sorted(set(per_structure))
     if training["max_atoms_per_batch"] is None and training["min_atoms_per_batch"]:
         raise ValueError(f"option '{t}.min_atoms_per_batch' needs '{t}.max_atoms_per_batch'")
     if training["max_atoms_per_batch"] is not None and training["min_atoms_per_batch"] > training["max_atoms_per_batch"]:

@@ -51,6 +51,7 @@ torch's global RNG state), ``options`` (JSON), ``history`` (one dict per epoch),
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io as _io
 import json
 import math
@@ -92,8 +93,6 @@ CHECKPOINT_FORMAT = "petfunc.checkpoint"
 CHECKPOINT_VERSION = 1
 TERMS = ("energy", "forces", "stress")
 
-#: units of the metrics (stress in the training metrics is V sigma / N: eV/atom)
-UNITS = {"energy": "eV/atom", "forces": "eV/Å", "stress": "eV/atom"}
 
 
 class TrainingError(RuntimeError):
@@ -651,6 +650,8 @@ def fit(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("option 'device' is 'cuda' but torch sees no CUDA device")
     weights, explicit = parse_loss(training["loss"])
+    # metatrain's per_structure_targets: energy (and strain derivative) per structure
+    weights = dataclasses.replace(weights, per_atom="energy" not in training["per_structure_targets"])
 
     # Global RNGs too (metatrain seeds torch, numpy and random); petfunc itself uses
     # only private generators.
@@ -693,9 +694,9 @@ def fit(
             # accumulated per batch of each file in turn, as metatrain's loaders do
             composition = fit_composition(train_samples, config.num_species, training["batch_size"], config,
                                           dataset_sizes=files.train_sizes)
-            scale = fit_scale(train_samples, composition, config)
+            scale = fit_scale(train_samples, composition, config, per_atom=weights.per_atom)
         else:
-            composition, scale = fixed, fit_scale(train_samples, fixed, config)
+            composition, scale = fixed, fit_scale(train_samples, fixed, config, per_atom=weights.per_atom)
         if "energy" in training["fixed_scaling_weights"]:
             scale = training["fixed_scaling_weights"]["energy"]
         if not training["scale_targets"]:  # as in metatrain, this wins over a fixed scale
@@ -890,10 +891,13 @@ def fit(
         f"{steps_per_epoch} steps per epoch, epochs {start_epoch + 1}..{num_epochs}"
         + (f", compile {backend}" if compile_on else "")
     )
-    log(
-        "per epoch: mean batch loss (training units) and RMSE of E: energy per atom (eV/atom), "
-        "F: forces (eV/Å), S: strain derivative per atom V·σ/N (eV/atom)"
-    )
+    if weights.per_atom:
+        log("per epoch: mean batch loss (training units) and RMSE of E: energy per atom (eV/atom), "
+            "F: forces (eV/Å), S: strain derivative per atom V·σ/N (eV/atom)")
+    else:
+        log("per epoch: mean batch loss (training units) and RMSE of E: energy per structure (eV), "
+            "F: forces (eV/Å), S: strain derivative V·σ (eV) (per_structure_targets: [energy])")
+    energy_label = "E(eV/atom)" if weights.per_atom else "E(eV)"
 
     # --- loop -----------------------------------------------------------------------------
     from tqdm import tqdm
@@ -932,7 +936,7 @@ def fit(
                 running = sums.summary(scale)
                 postfix = {"epoch": epoch + 1, "loss": f"{running['loss']:.4g}"}
                 if "energy" in terms:
-                    postfix["E(eV/atom)"] = f"{running['energy_rmse']:.3g}"
+                    postfix[energy_label] = f"{running['energy_rmse']:.3g}"
                 if "forces" in terms:
                     postfix["F(eV/Å)"] = f"{running['forces_rmse']:.3g}"
                 bar.set_postfix(postfix, refresh=False)

@@ -430,12 +430,14 @@ def _conditioned(config, batch, rng):
     return config, batch
 
 
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("autodiff", ["func", "autograd"])
-def test_random_architecture_training_gradients(seed, autodiff):
+@pytest.mark.parametrize("seed,autodiff,per_atom", [(seed, autodiff, True) for seed in range(4) for autodiff in ("func", "autograd")]
+                         + [(4, "func", False), (5, "autograd", False)])
+def test_random_architecture_training_gradients(seed, autodiff, per_atom):
     """Parameter gradients of the energy + forces + strain-derivative loss equal
     metatrain's training-mode gradients (its evaluate_model, create_graph=True,
-    loss.backward) for random architectures on random labelled batches."""
+    loss.backward) for random architectures on random labelled batches; with
+    ``per_atom=False`` the energy and strain terms compare whole structures
+    (metatrain's per_structure_targets: average_by_num_atoms leaves them whole)."""
     import random
 
     from metatomic.torch import systems_to_torch
@@ -462,7 +464,7 @@ def test_random_architecture_training_gradients(seed, autodiff):
     flat = petfunc.tree.flatten(params)
     batch = make_batch(samples, config, flat["composition_weights"].numpy(), float(flat["energy_scale"]),
                        dtype=torch.float64, pad=False)
-    weights = petfunc.LossWeights.make(energy=1.0, forces=2.0, stress=0.5)
+    weights = petfunc.LossWeights.make(energy=1.0, forces=2.0, stress=0.5, per_atom=per_atom)
     grads, metrics = petfunc.make_grad_step(petfunc.PET(config), weights, autodiff)(params, batch)
 
     model = ref.make_model(config)
@@ -476,6 +478,8 @@ def test_random_architecture_training_gradients(seed, autodiff):
                                   add_position_gradients=True, add_strain_gradients=True)
     out = evaluate_model(model, systems, {"energy": info}, is_training=True)["energy"].block()
     n = torch.tensor([len(a) for a in frames], dtype=torch.float64)
+    if not per_atom:
+        n = torch.ones_like(n)
     loss = (
         ((out.values[:, 0] - batch.energy) / n).pow(2).mean()
         + 2.0 * (out.gradient("positions").values[:, :, 0] + batch.forces).pow(2).mean()
@@ -552,6 +556,14 @@ def test_composition_and_scale_equal_metatrain(tmp_path, names, batch_size):
     assert np.array_equal(w, expected_w.numpy()), (w, expected_w)
     assert w[-1] == 0.0  # Si never appears
     assert fit_scale(samples, w) == pytest.approx(float(expected_c), rel=1e-14)
+    # per_structure_targets: [energy]: the RMS of the per-structure residual
+    model = ref.make_model(config)
+    train_or_load_composition_model(model.additive_models[0], {}, [dataset], [], batch_size, False)
+    train_or_load_scaler(model.scaler, [dataset], model.additive_models, batch_size, False,
+                         per_structure_targets=["energy"])
+    expected_c = mts.load_buffer(model.scaler.energy_per_target_scaler_buffer).block().values.flatten()[0]
+    assert fit_scale(samples, w, per_atom=False) == pytest.approx(float(expected_c), rel=1e-14)
+    assert abs(fit_scale(samples, w, per_atom=False) / fit_scale(samples, w) - 1) > 0.5  # a different scale
 
 
 def test_validation_split_equals_mtt_train():

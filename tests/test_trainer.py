@@ -268,6 +268,41 @@ def test_test_set(dataset, tmp_path):
         fit(options, None, progress=False, log=quiet())
 
 
+def test_per_structure_targets(dataset, tmp_path):
+    """``per_structure_targets: [energy]``: the scale is the RMS of the per-structure
+    residual and the logged validation energy RMSE is per structure: it equals one
+    computed here with the calculator (eV, float64)."""
+    import ase.io
+
+    from petfunc.data import fit_scale, sample_from_atoms
+    from petfunc.ase import PETCalculator
+
+    options = tiny_options(dataset, num_epochs=1, per_structure_targets=["energy"])
+    options["base_precision"] = 64
+    lines = []
+    result = fit(options, tmp_path / "run", progress=False, log=quiet(lines))
+    assert any("energy per structure (eV)" in line for line in lines), lines
+    split = load_checkpoint(tmp_path / "run" / "last.ckpt")["split"]
+    frames = ase.io.read(dataset, ":")
+    config = result.config
+    train = [sample_from_atoms(frames[i], config) for i in split["training"][0]]
+    composition = result.last_params["composition_weights"].numpy()
+    scale = float(result.last_params["energy_scale"])
+    assert scale == pytest.approx(fit_scale(train, composition, per_atom=False), rel=1e-14)
+    assert abs(scale / fit_scale(train, composition) - 1) > 0.5
+    calc = PETCalculator(config, result.last_params)
+    errors = []
+    for i in split["validation"][0]:
+        atoms = frames[i].copy()
+        reference = frames[i].get_potential_energy()
+        atoms.calc = calc
+        errors.append(atoms.get_potential_energy() - reference)
+    expected = float(np.sqrt(np.mean(np.square(errors))))
+    assert result.history[-1]["val_energy_rmse"] == pytest.approx(expected, rel=1e-9)
+    with pytest.raises(ValueError, match=r"per_structure_targets': unknown target\(s\) \['forces'\]"):
+        fit(tiny_options(dataset, per_structure_targets=["forces"]), None, progress=False, log=quiet())
+
+
 def test_max_atoms_per_batch(dataset, tmp_path):
     """Batches packed by atom count: the step count is the packing's (structures of
     32 atoms are skipped with max_atoms_per_batch 30, with a warning), training runs;
@@ -465,7 +500,6 @@ def test_unknown_species_when_finetuning(dataset, tmp_path):
         (lambda o: o["architecture"]["model"].update(dpet=3), "'architecture.model.dpet'"),
         (lambda o: o.update(training_set={"systems": "x.xyz", "targets": {"energy": {"kye": "e"}}}), "'training_set.targets.energy.kye'"),
         (lambda o: o["architecture"]["training"].update(loss={"energy": {"wieght": 2}}), "'architecture.training.loss.energy.wieght'"),
-        (lambda o: o["architecture"]["training"].update(per_structure_targets=["energy"]), "per_structure_targets.*not supported"),
         (lambda o: o["architecture"]["training"].update(batch_size=0), "batch_size' must be positive"),
         (lambda o: o.update(base_precision=16), "base_precision"),
         (lambda o: o.update(validation_set=1.0), "validation_set"),
