@@ -82,6 +82,8 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
           #   rank: 4
           #   alpha: 8
           #   target_modules: [input_linear, output_linear]
+          inherit_heads: {}       # {energy: NAME}: start the heads from target NAME
+                                  # of a metatrain checkpoint with several targets
         # petfunc additions:
         augmentation: true        # random O(3) rotations of training structures
         compile: false            # trace + torch.compile the train and eval steps

@@ -517,8 +517,16 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     finetune.setdefault("method", "full")
     if finetune["method"] not in ("full", "heads", "lora"):
         raise ValueError(f"option '{t}.finetune.method' must be 'full', 'heads' or 'lora', got {finetune['method']!r}")
-    if finetune.get("inherit_heads"):
-        raise ValueError(f"option '{t}.finetune.inherit_heads' is not supported by petfunc (one energy target)")
+    inherit = finetune.get("inherit_heads") or {}
+    if not isinstance(inherit, Mapping):
+        raise ValueError(f"option '{t}.finetune.inherit_heads' must be a mapping {{energy: SOURCE_TARGET}}")
+    _check_keys(inherit, ("energy",), f"{t}.finetune.inherit_heads")
+    if inherit and not isinstance(inherit["energy"], str):
+        raise ValueError(f"option '{t}.finetune.inherit_heads.energy' must be the name of a target of the "
+                         f"checkpoint, got {inherit['energy']!r}")
+    if inherit and not finetune.get("read_from"):
+        raise ValueError(f"option '{t}.finetune.inherit_heads' needs '{t}.finetune.read_from'")
+    finetune["inherit_heads"] = dict(inherit)
     if finetune["method"] == "full" and finetune.get("config"):
         raise ValueError(f"option '{t}.finetune.config' is only used with methods 'heads' and 'lora'")
     if finetune["method"] != "full" and not finetune.get("read_from"):

@@ -226,12 +226,15 @@ def load_checkpoint(path) -> dict:
     return payload
 
 
-def load_model(path, dtype: Optional[torch.dtype] = None, which: str = "best", device=None):
+def load_model(path, dtype: Optional[torch.dtype] = None, which: str = "best", device=None,
+               target: Optional[str] = None):
     """``(config, params)`` from a training checkpoint, a :func:`petfunc.save_params`
     file, or (with metatrain installed) a metatrain checkpoint / exported model.
 
     ``which`` picks the parameters of a training checkpoint: ``"best"`` (default;
-    ``best_params`` when present) or ``"last"``.
+    ``best_params`` when present) or ``"last"``. ``target``: which energy target of
+    a metatrain checkpoint (see :func:`petfunc.from_metatrain`); petfunc files have
+    one, ``"energy"``.
     """
     from .io import from_metatrain, load_params
 
@@ -242,6 +245,9 @@ def load_model(path, dtype: Optional[torch.dtype] = None, which: str = "best", d
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:
         payload = None
+    is_petfunc = isinstance(payload, dict) and payload.get("format") in (CHECKPOINT_FORMAT, "petfunc.params")
+    if is_petfunc and target not in (None, "energy"):
+        raise ValueError(f"{str(path)!r} is a petfunc file, whose only target is 'energy', not {target!r}")
     if isinstance(payload, dict) and payload.get("format") == CHECKPOINT_FORMAT:
         payload = load_checkpoint(path)
         config = PETConfig.from_hypers(json.loads(payload["config"]))
@@ -263,7 +269,7 @@ def load_model(path, dtype: Optional[torch.dtype] = None, which: str = "best", d
                 "file, or a metatrain checkpoint)"
             )
         try:
-            config, params = from_metatrain(path)
+            config, params = from_metatrain(path, target=target)
         except ImportError:
             raise ValueError(
                 f"{str(path)!r} is neither a petfunc checkpoint nor a petfunc parameter file "
@@ -570,15 +576,27 @@ def _absolute_paths(options: dict) -> dict:
 
 
 def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log):
-    finetune = options["architecture"]["training"]["finetune"].get("read_from")
+    finetune_options = options["architecture"]["training"]["finetune"]
+    finetune = finetune_options.get("read_from")
     if finetune:
         if model_hypers and set(model_hypers) != {"atomic_types"}:
             raise ValueError(
                 "option 'architecture.model' must be empty when fine-tuning: the architecture "
                 f"comes from {finetune!r}"
             )
-        config, params = load_model(finetune, dtype=dtype, device=device)
-        log(f"fine-tuning from {finetune} ({len(config.atomic_types)} atomic types {config.atomic_types})")
+        # metatrain's inherit_heads {energy: SOURCE}: the energy heads start from the
+        # source target's heads
+        source = (finetune_options.get("inherit_heads") or {}).get("energy")
+        try:
+            config, params = load_model(finetune, dtype=dtype, device=device, target=source)
+        except ValueError as error:
+            if source is None and "pass target=" in str(error):
+                raise ValueError(str(error).replace(
+                    "pass target=...", "choose one with 'architecture.training.finetune.inherit_heads: "
+                    "{energy: NAME}'")) from None
+            raise
+        log(f"fine-tuning from {finetune} ({len(config.atomic_types)} atomic types {config.atomic_types})"
+            + (f", heads of its target {source!r}" if source else ""))
         return config, params
     hypers = dict(model_hypers)
     hypers.setdefault("atomic_types", atomic_types)

@@ -260,13 +260,52 @@ def test_lora_finetuning_writes_plain_models_and_resumes(base, tmp_path):
     ({"method": "full", "config": {"rank": 2}}, r"only used with methods 'heads' and 'lora'"),
     ({"config": {"head_module": ["node_heads"]}}, r"finetune.config.head_module' .*did you mean 'head_modules'"),
     ({"config": {"head_modules": "node_heads"}}, r"must be a list of module names"),
-    ({"inherit_heads": {"energy2": "energy"}}, r"inherit_heads' is not supported"),
+    ({"inherit_heads": {"energy2": "energy"}}, r"unknown option .*inherit_heads.energy2'"),
+    ({"inherit_heads": {"energy": 3}}, r"inherit_heads.energy' must be the name of a target"),
     ({"read_from": None}, r"method: heads' needs .*finetune.read_from"),
 ])
 def test_bad_finetune_sections(base, finetune, match):
     data, checkpoint = base
     with pytest.raises(ValueError, match=match):
         resolve_options(_heads_options(data, checkpoint, **finetune))
+
+
+def test_inherit_heads_picks_the_source_target(base, tmp_path):
+    """``inherit_heads: {energy: NAME}`` fine-tunes from target NAME of a metatrain
+    checkpoint with several energy targets: the initial heads are NAME's; without it
+    the error names the option; a petfunc file has only 'energy'."""
+    from metatrain.pet import PET as MetatrainPET
+    from metatrain.utils.data import DatasetInfo
+    from metatrain.utils.data.target_info import get_energy_target_info
+
+    from petfunc.trainer import _initial_model
+
+    data, checkpoint = base
+    config, _ = load_model(checkpoint)
+    targets = {name: get_energy_target_info(name, {"quantity": "energy", "unit": "eV"}) for name in ("mtt::a", "mtt::b")}
+    info = DatasetInfo(length_unit="angstrom", atomic_types=list(config.atomic_types), targets=targets)
+    model = MetatrainPET(ref.make_model(config).hypers, info)
+    path = tmp_path / "two_targets.ckpt"
+    torch.save(model.get_checkpoint(), path)
+    state = model.state_dict()
+
+    options = resolve_options(_heads_options(data, path, inherit_heads={"energy": "mtt::b"}))
+    lines = []
+    _, params = _initial_model(options, {}, [], torch.float64, "cpu", 0, lines.append)
+    flat = tree.flatten(params)
+    assert torch.equal(flat["node_heads.energy.0.0.weight"], state["backend.node_heads.mtt::b.0.0.weight"].double())
+    assert not torch.equal(flat["node_heads.energy.0.0.weight"], state["backend.node_heads.mtt::a.0.0.weight"].double())
+    assert "heads of its target 'mtt::b'" in lines[-1]
+    result = fit(_heads_options(data, path, inherit_heads={"energy": "mtt::b"}), None, progress=False,
+                 log=lambda m: None)
+    assert np.isfinite(result.history[-1]["val_loss"])
+    with pytest.raises(ValueError, match=r"inherit_heads: \{energy: NAME\}"):
+        fit(_heads_options(data, path), None, progress=False, log=lambda m: None)
+    with pytest.raises(ValueError, match=r"no target 'mtt::c'"):
+        fit(_heads_options(data, path, inherit_heads={"energy": "mtt::c"}), None, progress=False, log=lambda m: None)
+    with pytest.raises(ValueError, match=r"only target is 'energy', not 'mtt::b'"):
+        fit(_heads_options(data, checkpoint, inherit_heads={"energy": "mtt::b"}), None, progress=False,
+            log=lambda m: None)
 
 
 def test_heads_that_match_nothing(base, tmp_path):
