@@ -288,6 +288,8 @@ def _parser() -> argparse.ArgumentParser:
                          "default: spin_multiplicity, else spin)")
     ev.add_argument("--energy-unit", default="eV")
     ev.add_argument("--length-unit", default="angstrom")
+    ev.add_argument("--target", metavar="NAME",
+                    help="energy target of a metatrain checkpoint with several (default: 'energy')")
     ev.add_argument("--json", metavar="FILE", help="also write the metrics as JSON")
     ev.add_argument("--output", "-o", metavar="FILE",
                     help="also write the predictions as extxyz (energy, forces, stress of each structure)")
@@ -458,6 +460,7 @@ def _eval(args) -> int:
         which=args.which, energy_key=args.energy_key, forces_key=args.forces_key, stress_key=args.stress_key,
         energy_unit=args.energy_unit, length_unit=args.length_unit,
         charge_key=args.charge_key, spin_multiplicity_key=args.spin_key, output=args.output,
+        target=args.target,
     )
     print(f"{args.dataset}: {metrics['n_structures']} structures, {metrics['n_atoms']} atoms")
     print(f"{'':16s}{'RMSE':>12s}{'MAE':>12s}  unit      labels")

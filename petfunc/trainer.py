@@ -536,13 +536,14 @@ def parity_plot(pred: dict, path, title: str = "") -> None:
 
 
 def evaluate(model_path, dataset_path, batch_size: int = 16, dtype: Optional[torch.dtype] = None, device=None,
-             which: str = "best", output=None, **label_options) -> Tuple[Dict[str, float], dict]:
+             which: str = "best", output=None, target: Optional[str] = None,
+             **label_options) -> Tuple[Dict[str, float], dict]:
     """Errors of a saved model on an extxyz file: ``(metrics, predictions)`` (see
     :func:`error_metrics`, :func:`predict`). ``which`` picks a training checkpoint's
     best or last parameters; ``label_options`` go to :func:`read_labelled`;
     ``output``: also write every structure's predictions there
-    (:func:`write_predictions`)."""
-    config, params = load_model(model_path, dtype=dtype, which=which, device=device)
+    (:func:`write_predictions`); ``target``: see :func:`load_model`."""
+    config, params = load_model(model_path, dtype=dtype, which=which, device=device, target=target)
     samples = read_labelled(dataset_path, config, **label_options)
     pred = predict(config, params, samples, batch_size=batch_size)
     if output is not None:

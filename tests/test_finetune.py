@@ -303,6 +303,11 @@ def test_inherit_heads_picks_the_source_target(base, tmp_path):
         fit(_heads_options(data, path), None, progress=False, log=lambda m: None)
     with pytest.raises(ValueError, match=r"no target 'mtt::c'"):
         fit(_heads_options(data, path, inherit_heads={"energy": "mtt::c"}), None, progress=False, log=lambda m: None)
+    # petfunc eval --target reads that head too
+    from petfunc.cli import main
+
+    assert main(["eval", str(path), str(data), "--target", "mtt::b", "--json", str(tmp_path / "m.json")]) == 0
+    assert main(["eval", str(path), str(data)]) == 2
     with pytest.raises(ValueError, match=r"only target is 'energy', not 'mtt::b'"):
         fit(_heads_options(data, checkpoint, inherit_heads={"energy": "mtt::b"}), None, progress=False,
             log=lambda m: None)
