@@ -3,6 +3,11 @@ PETCalculator: the same relaxations (same steps, same final positions to round-o
 timed side by side, alternating A B A B.
 
     python benchmarks/relax.py --threads 2 [--structures 32] [--compile]
+    python benchmarks/relax.py --threads 2 --cells     # crystals, FrechetCellFilter
+
+``--cells``: strained, rattled small crystals (fcc, bcc, diamond, rocksalt-like
+mixtures of H, C, N, O) relaxed with their cells through ASE's FrechetCellFilter,
+in both variants.
 """
 
 import argparse
@@ -13,6 +18,7 @@ import ase.build
 import numpy as np
 import torch
 from ase.collections import g2
+from ase.filters import FrechetCellFilter
 from ase.optimize import FIRE as AseFIRE
 
 import petfunc
@@ -31,6 +37,26 @@ def structures(n, seed=0):
     return frames
 
 
+def crystals(n, seed=0):
+    """Small strained crystals of C, N, O and H (2 to 16 atoms)."""
+    rng = np.random.default_rng(seed)
+    frames = []
+    for i in range(n):
+        kind = ["fcc", "bcc", "diamond", "sc"][i % 4]
+        a = {"fcc": 3.6, "bcc": 2.9, "diamond": 3.57, "sc": 2.5}[kind]
+        atoms = ase.build.bulk("C", kind, a=a, cubic=bool(rng.integers(2)))
+        if len(atoms) < 4:
+            atoms = atoms * (2, 1, 1)
+        numbers = atoms.numbers.copy()
+        numbers[rng.random(len(numbers)) < 0.3] = rng.choice([1, 7, 8])
+        atoms.numbers = numbers
+        strain = np.eye(3) + rng.normal(0, 0.03, (3, 3))
+        atoms.set_cell(atoms.cell[:] @ strain, scale_atoms=True)
+        atoms.rattle(0.05, seed=i)
+        frames.append(atoms)
+    return frames
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--structures", type=int, default=32)
@@ -40,13 +66,16 @@ def main():
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--d-pet", type=int, default=128)
     parser.add_argument("--compile", action="store_true", help="compile both (inductor)")
+    parser.add_argument("--cells", action="store_true", help="crystals with FrechetCellFilter")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     petfunc.allocator.keep_freed_memory()
     config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), d_pet=args.d_pet, d_node=2 * args.d_pet)
     params = petfunc.PET(config).init(seed=0, dtype=torch.float32)
-    frames = structures(args.structures)
-    print(f"# {len(frames)} molecules ({sum(len(a) for a in frames)} atoms), PET d_pet {args.d_pet}, float32, "
+    frames = crystals(args.structures) if args.cells else structures(args.structures)
+    cell_filter = FrechetCellFilter if args.cells else None
+    what = "crystals (FrechetCellFilter)" if args.cells else "molecules"
+    print(f"# {len(frames)} {what} ({sum(len(a) for a in frames)} atoms), PET d_pet {args.d_pet}, float32, "
           f"{args.threads} threads, fmax {args.fmax}, at most {args.steps} steps, compile={args.compile}")
     calc = PETCalculator(config, params, compile=args.compile)
 
@@ -55,13 +84,14 @@ def main():
         for atoms in frames:
             atoms = atoms.copy()
             atoms.calc = calc
-            optimizer = AseFIRE(atoms, logfile=None)
+            optimizer = AseFIRE(atoms if cell_filter is None else cell_filter(atoms), logfile=None)
             optimizer.run(fmax=args.fmax, steps=args.steps)
             out.append((atoms.positions.copy(), optimizer.nsteps))
         return out
 
     def batched():
-        result = fire(config, params, frames, fmax=args.fmax, steps=args.steps, compile=args.compile)
+        result = fire(config, params, frames, fmax=args.fmax, steps=args.steps, compile=args.compile,
+                      cell_filter=cell_filter)
         return [(a.positions.copy(), s) for a, s in zip(result.atoms, result.steps)]
 
     variants = {"ASE FIRE, one structure at a time": loop, "petfunc.relax.fire, batched": batched}
