@@ -32,13 +32,8 @@ import numpy as np
 import torch
 from ase.calculators.singlepoint import SinglePointCalculator
 
+from .batched import BatchEvaluator
 from .config import PETConfig
-from .data import padding_sample
-from .derivatives import energy_and_forces, energy_forces_strain_derivative
-from .ase import _voigt
-from .io import cast_params, network_dtype
-from .model import PET
-from .structures import collate, prepare_atoms
 
 __all__ = ["FIRE", "RelaxResult", "fire"]
 
@@ -162,28 +157,9 @@ def fire(
         raise ValueError(f"fmax must be positive, got {fmax!r}")
     if int(steps) != steps or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
-    if max_atoms is not None and max_atoms < 1:
-        raise ValueError(f"max_atoms must be positive, got {max_atoms!r}")
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    dtype = dtype or network_dtype(params)
-    params = cast_params(params, dtype, device)
-    model = PET(config)
-    padding = padding_sample(config).structure
-    # with a cell filter the model also gives dE/d strain, from the same pass
-    derivatives = energy_and_forces if cell_filter is None else energy_forces_strain_derivative
-    if compile:
-        evaluate = None
-    else:
-        evaluate = derivatives(model.energy, "autograd")
-
-    for i, atoms in enumerate(frames):
-        if len(atoms) == 0:
-            raise ValueError(f"structure {i} has no atoms")
-        if cell_filter is not None and not abs(atoms.cell.volume) > 0.0:
-            raise ValueError(
-                f"structure {i}: its cell has zero volume (pbc={atoms.pbc.tolist()}); a cell "
-                "filter needs a periodic cell, and the stress of one"
-            )
+    evaluate = BatchEvaluator(config, params, stress=cell_filter is not None, max_atoms=max_atoms, compile=compile,
+                              backend=backend, dtype=dtype, device=device, cache_tag="petfunc.relax")
+    evaluate.check(frames)
     states = [_State(atoms.copy(), parameters, cell_filter) for atoms in frames]
     final = [None] * len(states)
     bar = None
@@ -195,45 +171,22 @@ def fire(
         moving = [i for i, s in enumerate(states) if not s.done]
         if not moving:
             break
-        for chunk in _chunks(moving, [len(states[i].atoms) for i in moving], max_atoms):
-            structures = [prepare_atoms(states[i].atoms, config, label=f"structure {i}") for i in chunk]
-            # the dummy molecule keeps every size >= 2: one compiled graph for all
-            positions, cell, neighbors = collate(structures + [padding], config, dtype=dtype, device=device)
-            if compile and evaluate is None:
-                from .compile import compile as petfunc_compile
-
-                evaluate = petfunc_compile(
-                    derivatives(model.energy), params, positions, cell, neighbors,
-                    backend=backend, static_argnums=(0,),
-                    cache_key=f"petfunc.relax {derivatives.__name__} {config!r}",
-                )
-            with torch.no_grad():
-                outputs = evaluate(params, positions, cell, neighbors)
-            energies = outputs[0].double().cpu().numpy()
-            forces = outputs[1].double().cpu().numpy()
-            strain = outputs[2].double().cpu().numpy() if cell_filter is not None else None
-            start = 0
-            for k, i in enumerate(chunk):
-                state = states[i]
-                n = len(state.atoms)
-                # the results, as PETCalculator would give them: the atoms (and a
-                # filter through them) then compute constraints and cell forces as ASE does
-                results = {"energy": float(energies[k]), "free_energy": float(energies[k]),
-                           "forces": forces[start : start + n].copy()}
-                if strain is not None:
-                    results["stress"] = _voigt(strain[k] / state.atoms.cell.volume)
-                start += n
-                state.atoms.calc = SinglePointCalculator(state.atoms, **results)
-                f = state.optimised.get_forces()
-                converged = np.linalg.norm(f.reshape(-1, 3), axis=1).max() < fmax
-                if converged or state.nsteps >= steps:
-                    state.done = True
-                    final[i] = bool(converged)
-                    if bar is not None:
-                        bar.update(1)
-                    continue
-                state.step(f, parameters)
-                state.nsteps += 1
+        results = evaluate([states[i].atoms for i in moving], [f"structure {i}" for i in moving])
+        for i, result in zip(moving, results):
+            state = states[i]
+            # the results, as PETCalculator would give them: the atoms (and a filter
+            # through them) then apply constraints and make cell forces as ASE does
+            state.atoms.calc = SinglePointCalculator(state.atoms, **result)
+            f = state.optimised.get_forces()
+            converged = np.linalg.norm(f.reshape(-1, 3), axis=1).max() < fmax
+            if converged or state.nsteps >= steps:
+                state.done = True
+                final[i] = bool(converged)
+                if bar is not None:
+                    bar.update(1)
+                continue
+            state.step(f, parameters)
+            state.nsteps += 1
     if bar is not None:
         bar.close()
 
@@ -243,23 +196,5 @@ def fire(
         converged=final,
         steps=[s.nsteps for s in states],
         energies=[s.atoms.get_potential_energy() for s in states],
-        compiled_graphs=evaluate.num_graphs if compile and evaluate is not None else 0,
+        compiled_graphs=evaluate.num_graphs,
     )
-
-
-def _chunks(indices: List[int], sizes: List[int], max_atoms: Optional[int]) -> List[List[int]]:
-    """Consecutive groups of ``indices`` with at most ``max_atoms`` atoms each (a
-    structure larger than that is a group of its own)."""
-    if max_atoms is None:
-        return [indices]
-    groups, current, atoms = [], [], 0
-    for index, size in zip(indices, sizes):
-        if current and atoms + size > max_atoms:
-            groups.append(current)
-            current, atoms = [], 0
-        current.append(index)
-        atoms += size
-    if current:
-        groups.append(current)
-    return groups
-

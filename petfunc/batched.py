@@ -1,0 +1,133 @@
+"""One model call for many ``ase.Atoms``: the evaluation behind batched relaxation and
+batched molecular dynamics.
+
+:class:`BatchEvaluator` turns a list of structures into batches (all at once, or of
+at most ``max_atoms`` atoms), adds the padding molecule that keeps every size >= 2,
+and returns per-structure results as :class:`petfunc.ase.PETCalculator` computes
+them: energy (eV), forces (eV/Å) and, when asked, the stress (eV/Å^3, ASE's Voigt
+order, symmetrised). With ``compile=True`` one compiled graph serves every batch.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .ase import _voigt
+from .config import PETConfig
+from .data import padding_sample
+from .derivatives import energy_and_forces, energy_forces_strain_derivative
+from .io import cast_params, network_dtype
+from .model import PET
+from .structures import collate, prepare_atoms
+
+__all__ = ["BatchEvaluator", "chunks"]
+
+
+class BatchEvaluator:
+    """``evaluator(atoms_list) -> [{"energy", "free_energy", "forces"[, "stress"]}, ...]``.
+
+    Args:
+        config, params: the model.
+        stress: also compute the stress (every structure needs a cell of non-zero
+            volume then).
+        max_atoms: most atoms in one model call (``None``: all structures at once).
+        compile: evaluate through :func:`petfunc.compile` (one graph for every batch).
+        backend, dtype, device: as for :class:`petfunc.ase.PETCalculator`.
+        cache_tag: names the caller in the compiled trace's cache key.
+    """
+
+    def __init__(self, config: PETConfig, params, stress: bool = False, max_atoms: Optional[int] = None,
+                 compile: bool = False, backend="inductor", dtype: Optional[torch.dtype] = None, device=None,
+                 cache_tag: str = "petfunc.batched"):
+        if max_atoms is not None and max_atoms < 1:
+            raise ValueError(f"max_atoms must be positive, got {max_atoms!r}")
+        self.config = config
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.dtype = dtype or network_dtype(params)
+        self.params = cast_params(params, self.dtype, self.device)
+        self.stress = stress
+        self.max_atoms = max_atoms
+        self.compile = compile
+        self.backend = backend
+        self.cache_tag = cache_tag
+        # with stress the model also gives dE/d strain, from the same pass
+        self._derivatives = energy_forces_strain_derivative if stress else energy_and_forces
+        self._model = PET(config)
+        self._padding = padding_sample(config).structure
+        self._compiled = None
+        self._eager = None if compile else self._derivatives(self._model.energy, "autograd")
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs compiled so far (0 when eager)."""
+        return 0 if self._compiled is None else self._compiled.num_graphs
+
+    def check(self, frames: Sequence, labels: Optional[Sequence[str]] = None) -> None:
+        """Raise a ``ValueError`` naming the structure for an empty one, or (with
+        stress) one whose cell has zero volume."""
+        for i, atoms in enumerate(frames):
+            label = labels[i] if labels is not None else f"structure {i}"
+            if len(atoms) == 0:
+                raise ValueError(f"{label} has no atoms")
+            if self.stress and not abs(atoms.cell.volume) > 0.0:
+                raise ValueError(
+                    f"{label}: its cell has zero volume (pbc={atoms.pbc.tolist()}); the stress needs a "
+                    "periodic cell"
+                )
+
+    def __call__(self, frames: Sequence, labels: Optional[Sequence[str]] = None) -> List[Dict[str, np.ndarray]]:
+        labels = list(labels) if labels is not None else [f"structure {i}" for i in range(len(frames))]
+        results: List[Dict[str, np.ndarray]] = []
+        for group in chunks(list(range(len(frames))), [len(a) for a in frames], self.max_atoms):
+            structures = [prepare_atoms(frames[i], self.config, label=labels[i]) for i in group]
+            # the dummy molecule keeps every size >= 2: one compiled graph for all
+            positions, cell, neighbors = collate(structures + [self._padding], self.config, dtype=self.dtype,
+                                                 device=self.device)
+            with torch.no_grad():
+                outputs = self._evaluate(positions, cell, neighbors)
+            energies = outputs[0].double().cpu().numpy()
+            forces = outputs[1].double().cpu().numpy()
+            strain = outputs[2].double().cpu().numpy() if self.stress else None
+            start = 0
+            for k, i in enumerate(group):
+                n = len(frames[i])
+                result = {"energy": float(energies[k]), "free_energy": float(energies[k]),
+                          "forces": forces[start : start + n].copy()}
+                if strain is not None:
+                    result["stress"] = _voigt(strain[k] / abs(frames[i].cell.volume))
+                start += n
+                results.append(result)
+        return results
+
+    def _evaluate(self, positions, cell, neighbors):
+        if not self.compile:
+            return self._eager(self.params, positions, cell, neighbors)
+        if self._compiled is None:
+            from .compile import compile as petfunc_compile
+
+            self._compiled = petfunc_compile(
+                self._derivatives(self._model.energy), self.params, positions, cell, neighbors,
+                backend=self.backend, static_argnums=(0,),
+                cache_key=f"{self.cache_tag} {self._derivatives.__name__} {self.config!r}",
+            )
+        return self._compiled(self.params, positions, cell, neighbors)
+
+
+def chunks(indices: List[int], sizes: List[int], max_atoms: Optional[int]) -> List[List[int]]:
+    """Consecutive groups of ``indices`` with at most ``max_atoms`` atoms each (a
+    structure larger than that is a group of its own)."""
+    if max_atoms is None:
+        return [indices]
+    groups, current, atoms = [], [], 0
+    for index, size in zip(indices, sizes):
+        if current and atoms + size > max_atoms:
+            groups.append(current)
+            current, atoms = [], 0
+        current.append(index)
+        atoms += size
+    if current:
+        groups.append(current)
+    return groups
