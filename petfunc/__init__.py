@@ -27,7 +27,7 @@ from .train import (
     warmup_cosine,
 )
 from .trainer import fit
-from . import llpr, lora, relax
+from . import dynamics, llpr, lora, relax
 from . import hessian  # callable: petfunc.hessian(energy_fn) (see petfunc.hessian)
 from .hessian import hvp
 

@@ -1,0 +1,233 @@
+"""Batched molecular dynamics: ASE's velocity Verlet and Langevin integrators on many
+structures at once.
+
+Running many independent trajectories (sampling, active learning, screening at
+temperature) one ASE ``Dynamics`` at a time pays one small model call per structure
+and step. :func:`run` advances a list of structures together: every step evaluates
+the forces of all of them in one batch (or in batches of at most ``max_atoms``
+atoms), with one compiled graph for every batch shape when ``compile=True``. Each
+structure follows exactly the update of ``ase.md.verlet.VelocityVerlet`` or
+``ase.md.langevin.Langevin`` (same formulas, same order of random draws from its own
+generator), so one structure run here takes the trajectory ASE's integrator takes
+with :class:`petfunc.ase.PETCalculator`, to round-off. Constraints act as in ASE
+(RATTLE-style: on the position update, then the momenta are recomputed).
+
+Units are ASE's: ``timestep`` in ASE time units (``ase.units.fs``), temperatures in
+Kelvin, ``friction`` in inverse ASE time units. Cells are fixed. Initial momenta are
+those of the input atoms (for example from
+``ase.md.velocitydistribution.MaxwellBoltzmannDistribution``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+import torch
+from ase import units
+from ase.calculators.singlepoint import SinglePointCalculator
+
+from .batched import BatchEvaluator
+from .config import PETConfig
+
+__all__ = ["Langevin", "VelocityVerlet", "DynamicsResult", "run"]
+
+
+@dataclass(frozen=True)
+class VelocityVerlet:
+    """NVE: ASE's ``VelocityVerlet`` update."""
+
+
+@dataclass(frozen=True)
+class Langevin:
+    """NVT: ASE's ``Langevin`` update (Vanden-Eijnden and Ciccotti's propagator).
+
+    Attributes:
+        temperature_K: target temperature (K).
+        friction: friction coefficient (inverse ASE time units, e.g. ``0.01 / units.fs``).
+        fix_com: keep the centre of mass fixed, as ASE's ``fixcm`` (ASE's default is
+            True, deprecated since ASE 3.28; here the default is False).
+    """
+
+    temperature_K: float
+    friction: float
+    fix_com: bool = False
+
+    def __post_init__(self):
+        if not self.temperature_K >= 0:
+            raise ValueError(f"temperature_K must be >= 0, got {self.temperature_K!r}")
+        if not self.friction >= 0:
+            raise ValueError(f"friction must be >= 0, got {self.friction!r}")
+
+
+@dataclass
+class DynamicsResult:
+    """What :func:`run` returns.
+
+    Attributes:
+        atoms: the final structures (copies), with their momenta and a
+            ``SinglePointCalculator`` holding the final energy (eV) and forces (eV/Å).
+        potential_energy, kinetic_energy: ``[steps + 1, n_structures]`` (eV) at every
+            step, the initial state first.
+        compiled_graphs: graphs compiled with ``compile=True`` (0 when eager).
+    """
+
+    atoms: list
+    potential_energy: np.ndarray
+    kinetic_energy: np.ndarray
+    compiled_graphs: int = 0
+
+
+class _Langevin:
+    """One structure's Langevin coefficients and random stream (ASE's ``updatevars``)."""
+
+    def __init__(self, atoms, dt: float, thermostat: Langevin, rng):
+        self.masses = atoms.get_masses()[:, None]
+        self.rng = rng
+        self.fix_com = thermostat.fix_com
+        temperature = units.kB * thermostat.temperature_K
+        friction = thermostat.friction
+        sigma = np.sqrt(2 * temperature * friction / self.masses)
+        self.c1 = dt / 2.0 - dt * dt * friction / 8.0
+        self.c2 = dt * friction / 2 - dt * dt * friction * friction / 8.0
+        self.c3 = np.sqrt(dt) * sigma / 2.0 - dt**1.5 * friction * sigma / 8.0
+        self.c5 = dt**1.5 * sigma / (2 * np.sqrt(3))
+        self.c4 = friction / 2.0 * self.c5
+
+    def kicks(self, atoms):
+        """The random position and velocity increments of one step."""
+        n = len(atoms)
+        xi = self.rng.standard_normal(size=(n, 3))
+        eta = self.rng.standard_normal(size=(n, 3))
+        for constraint in atoms.constraints:
+            if hasattr(constraint, "redistribute_forces_md"):
+                constraint.redistribute_forces_md(atoms, xi, rand=True)
+                constraint.redistribute_forces_md(atoms, eta, rand=True)
+        rnd_pos = self.c5 * eta
+        rnd_vel = self.c3 * xi - self.c4 * eta
+        if self.fix_com:
+            factor = np.sqrt(n / (n - 1.0))
+            rnd_pos -= rnd_pos.sum(axis=0) / n
+            rnd_vel -= (rnd_vel * self.masses).sum(axis=0) / (self.masses * n)
+            rnd_pos *= factor
+            rnd_vel *= factor
+        return rnd_pos, rnd_vel
+
+
+def run(
+    config: PETConfig,
+    params,
+    frames: Sequence,
+    steps: int,
+    timestep: float,
+    integrator=VelocityVerlet(),
+    rngs: Optional[Sequence] = None,
+    seed: int = 0,
+    max_atoms: Optional[int] = None,
+    compile: bool = False,
+    backend="inductor",
+    dtype: Optional[torch.dtype] = None,
+    device=None,
+    observer: Optional[Callable[[int, List], None]] = None,
+    progress: bool = False,
+) -> DynamicsResult:
+    """Advance ``frames`` (``ase.Atoms``, not modified) by ``steps`` steps together.
+
+    Args:
+        config, params: the model.
+        steps: number of steps.
+        timestep: ASE time units (``2 * ase.units.fs``).
+        integrator: :class:`VelocityVerlet` (default) or :class:`Langevin`.
+        rngs: Langevin: one random generator per structure (anything with numpy's
+            ``standard_normal``; pass the same ``np.random.default_rng(s)`` objects an
+            ASE ``Langevin(..., rng=...)`` would get to reproduce it). Default:
+            ``np.random.default_rng([seed, i])`` for structure i.
+        max_atoms: most atoms in one model call (``None``: all at once).
+        compile: evaluate through :func:`petfunc.compile` (one graph for every batch).
+        backend, dtype, device: as for :class:`petfunc.ase.PETCalculator`.
+        observer: called as ``observer(step, atoms_list)`` after the initial
+            evaluation (step 0) and after every step; each structure's calculator
+            then holds its energy and forces (e.g. to write a trajectory).
+        progress: show a tqdm bar of the steps.
+    """
+    if int(steps) != steps or steps < 0:
+        raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
+    if not timestep > 0:
+        raise ValueError(f"timestep must be positive, got {timestep!r}")
+    if not isinstance(integrator, (VelocityVerlet, Langevin)):
+        raise TypeError(f"integrator must be petfunc.dynamics.VelocityVerlet() or Langevin(...), got {integrator!r}")
+    evaluate = BatchEvaluator(config, params, max_atoms=max_atoms, compile=compile, backend=backend, dtype=dtype,
+                              device=device, cache_tag="petfunc.dynamics")
+    evaluate.check(frames)
+    atoms_list = [atoms.copy() for atoms in frames]
+    labels = [f"structure {i}" for i in range(len(atoms_list))]
+    thermostats = None
+    if isinstance(integrator, Langevin):
+        if rngs is None:
+            rngs = [np.random.default_rng([seed, i]) for i in range(len(atoms_list))]
+        if len(rngs) != len(atoms_list):
+            raise ValueError(f"{len(rngs)} random generators for {len(atoms_list)} structures")
+        thermostats = [_Langevin(a, timestep, integrator, r) for a, r in zip(atoms_list, rngs)]
+
+    def evaluate_all():
+        forces = []
+        for atoms, result in zip(atoms_list, evaluate(atoms_list, labels)):
+            atoms.calc = SinglePointCalculator(atoms, **result)
+            forces.append(atoms.get_forces(md=True))
+        return forces
+
+    def record(step):
+        potential[step] = [a.get_potential_energy() for a in atoms_list]
+        kinetic[step] = [a.get_kinetic_energy() for a in atoms_list]
+        if observer is not None:
+            observer(step, atoms_list)
+
+    potential = np.zeros((steps + 1, len(atoms_list)))
+    kinetic = np.zeros((steps + 1, len(atoms_list)))
+    forces = evaluate_all()
+    record(0)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, desc="MD", unit="step")
+    for step in range(1, steps + 1):
+        # first half: every structure moves (ASE's order of operations), then one
+        # batched force call, then the second half
+        starts, kicks = [], []
+        for k, atoms in enumerate(atoms_list):
+            r = atoms.get_positions()
+            if thermostats is None:
+                masses = atoms.get_masses()[:, None]
+                p = atoms.get_momenta() + 0.5 * timestep * forces[k]
+                atoms.set_positions(r + timestep * p / masses)
+                if atoms.constraints:
+                    p = (atoms.get_positions() - r) * masses / timestep
+                atoms.set_momenta(p, apply_constraint=False)
+                kicks.append(None)
+            else:
+                t = thermostats[k]
+                rnd_pos, rnd_vel = t.kicks(atoms)
+                v = atoms.get_velocities()
+                v = v + (t.c1 * forces[k] / t.masses - t.c2 * v + rnd_vel)
+                atoms.set_positions(r + timestep * v + rnd_pos)
+                # velocities after the constraints moved the positions
+                v = (atoms.get_positions() - r - rnd_pos) / timestep
+                kicks.append((v, rnd_vel))
+            starts.append(r)
+        forces = evaluate_all()
+        for k, atoms in enumerate(atoms_list):
+            if thermostats is None:
+                atoms.set_momenta(atoms.get_momenta() + 0.5 * timestep * forces[k])
+            else:
+                t = thermostats[k]
+                v, rnd_vel = kicks[k]
+                v = v + (t.c1 * forces[k] / t.masses - t.c2 * v + rnd_vel)
+                atoms.set_momenta(v * t.masses)
+        record(step)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return DynamicsResult(atoms_list, potential, kinetic, evaluate.num_graphs)
