@@ -97,3 +97,53 @@ def emt_carbon_frames(n: int = 64, alternate_size: bool = False):
         atoms.calc = None
         frames.append(atoms)
     return frames
+
+
+def g2_molecules(n: int, rattle: float, seed: int = 0):
+    """``n`` rattled G2 molecules of H, C, N and O with at least 3 atoms (the batched
+    relaxation and MD benchmarks)."""
+    import ase.build
+    import numpy as np
+    from ase.collections import g2
+
+    names = [name for name in g2.names if set(g2[name].numbers) <= {1, 6, 7, 8} and len(g2[name]) >= 3]
+    rng = np.random.default_rng(seed)
+    frames = []
+    for i in range(n):
+        atoms = ase.build.molecule(names[rng.integers(len(names))])
+        atoms.rattle(rattle, seed=i)
+        frames.append(atoms)
+    return frames
+
+
+def batched_vs_loop(args):
+    """The setup the batched relaxation and MD benchmarks share: torch threads, glibc
+    keeping freed memory, and a float32 PET of width ``args.d_pet`` for H, C, N, O.
+    Returns ``(config, params)``."""
+    import torch
+
+    import petfunc
+
+    torch.set_num_threads(args.threads)
+    petfunc.allocator.keep_freed_memory()
+    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), d_pet=args.d_pet, d_node=2 * args.d_pet)
+    return config, petfunc.PET(config).init(seed=0, dtype=torch.float32)
+
+
+def interleaved(variants: dict, repeats: int):
+    """A first (untimed, compiling) call of each variant, then ``repeats`` rounds
+    A B A B. Returns ``(outputs of the last round, {name: [seconds]})`` and prints
+    the median table, speed-ups against the first variant."""
+    outputs = {name: fn() for name, fn in variants.items()}
+    times = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            outputs[name] = fn()
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(next(iter(times.values())))
+    print("| variant | median s | speed-up |")
+    print("|---|---|---|")
+    for name, t in times.items():
+        print(f"| {name} | {statistics.median(t):.2f} | {base / statistics.median(t):.2f}x |")
+    return outputs, times

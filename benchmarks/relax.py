@@ -11,30 +11,19 @@ in both variants.
 """
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import ase.build
 import numpy as np
-import torch
-from ase.collections import g2
 from ase.filters import FrechetCellFilter
 from ase.optimize import FIRE as AseFIRE
 
-import petfunc
 from petfunc.ase import PETCalculator
 from petfunc.relax import fire
 
-
-def structures(n, seed=0):
-    names = [name for name in g2.names if set(g2[name].numbers) <= {1, 6, 7, 8} and len(g2[name]) >= 3]
-    rng = np.random.default_rng(seed)
-    frames = []
-    for i in range(n):
-        atoms = ase.build.molecule(names[rng.integers(len(names))])
-        atoms.rattle(0.1, seed=i)
-        frames.append(atoms)
-    return frames
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import batched_vs_loop, g2_molecules, interleaved  # noqa: E402
 
 
 def crystals(n, seed=0):
@@ -68,11 +57,8 @@ def main():
     parser.add_argument("--compile", action="store_true", help="compile both (inductor)")
     parser.add_argument("--cells", action="store_true", help="crystals with FrechetCellFilter")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    petfunc.allocator.keep_freed_memory()
-    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), d_pet=args.d_pet, d_node=2 * args.d_pet)
-    params = petfunc.PET(config).init(seed=0, dtype=torch.float32)
-    frames = crystals(args.structures) if args.cells else structures(args.structures)
+    config, params = batched_vs_loop(args)
+    frames = crystals(args.structures) if args.cells else g2_molecules(args.structures, rattle=0.1)
     cell_filter = FrechetCellFilter if args.cells else None
     what = "crystals (FrechetCellFilter)" if args.cells else "molecules"
     print(f"# {len(frames)} {what} ({sum(len(a) for a in frames)} atoms), PET d_pet {args.d_pet}, float32, "
@@ -95,23 +81,11 @@ def main():
         return [(a.positions.copy(), s) for a, s in zip(result.atoms, result.steps)]
 
     variants = {"ASE FIRE, one structure at a time": loop, "petfunc.relax.fire, batched": batched}
-    # a first call of each (compiles when --compile)
-    outputs = {name: fn() for name, fn in variants.items()}
-    times = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            outputs[name] = fn()
-            times[name].append(time.perf_counter() - start)
+    outputs, _ = interleaved(variants, args.repeats)
     (a, b) = outputs.values()
     same_steps = sum(x[1] == y[1] for x, y in zip(a, b))
     max_dx = max(float(np.abs(x[0] - y[0]).max()) for x, y in zip(a, b))
     total = sum(s for _, s in a)
-    base = statistics.median(times["ASE FIRE, one structure at a time"])
-    print("| variant | median s | speed-up |")
-    print("|---|---|---|")
-    for name, t in times.items():
-        print(f"| {name} | {statistics.median(t):.2f} | {base / statistics.median(t):.2f}x |")
     print(f"# {total} FIRE steps in all; same step count for {same_steps}/{len(a)} structures; "
           f"largest position difference {max_dx:.1e} Å (float32)")
 
