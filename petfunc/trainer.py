@@ -3,7 +3,7 @@
 ``options`` is a metatrain-style options mapping (see :mod:`petfunc.cli` for the
 schema and :func:`petfunc.options.resolve_options`). :func:`fit`
 
-1. reads the training (and validation) extxyz files with ASE, splits them as
+1. reads the training (validation, test) extxyz files with ASE, splits them as
    ``mtt train`` does (:mod:`petfunc.datafiles`) and builds the neighbour lists once;
 2. fits the composition weights and the energy scale on the training set
    (metatrain's ``CompositionModel`` and ``Scaler``) and stores them in the
@@ -15,7 +15,9 @@ schema and :func:`petfunc.options.resolve_options`). :func:`fit`
 4. validates every ``log_interval`` epochs with the same loss (no augmentation, no
    optimizer), keeps the best parameters by ``best_model_metric``, and writes
    ``last.ckpt``, ``best.ckpt``, ``metrics.csv`` and, at the end, ``parity.png``
-   and ``best_params.pt`` (a :func:`petfunc.save_params` file).
+   and ``best_params.pt`` (a :func:`petfunc.save_params` file);
+5. evaluates the best parameters on the test set, if any (log, ``parity_test.png``,
+   :attr:`FitResult.test_errors`).
 
 Step structure (the seam for data-parallel training)::
 
