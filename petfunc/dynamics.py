@@ -28,7 +28,7 @@ import torch
 from ase import units
 from ase.calculators.singlepoint import SinglePointCalculator
 
-from .batched import BatchEvaluator
+from .ase_batch import BatchEvaluator
 from .config import PETConfig
 
 __all__ = ["Langevin", "VelocityVerlet", "DynamicsResult", "run"]

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from ase.calculators.singlepoint import SinglePointCalculator
 
-from .batched import BatchEvaluator
+from .ase_batch import BatchEvaluator
 from .config import PETConfig
 
 __all__ = ["FIRE", "RelaxResult", "fire"]

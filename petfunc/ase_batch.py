@@ -41,7 +41,7 @@ class BatchEvaluator:
 
     def __init__(self, config: PETConfig, params, stress: bool = False, max_atoms: Optional[int] = None,
                  compile: bool = False, backend="inductor", dtype: Optional[torch.dtype] = None, device=None,
-                 cache_tag: str = "petfunc.batched"):
+                 cache_tag: str = "petfunc.ase_batch"):
         if max_atoms is not None and max_atoms < 1:
             raise ValueError(f"max_atoms must be positive, got {max_atoms!r}")
         self.config = config
