@@ -23,7 +23,7 @@ from .io import cast_params, network_dtype
 from .model import PET
 from .structures import collate, prepare_atoms
 
-__all__ = ["BatchEvaluator", "chunks"]
+__all__ = ["BatchEvaluator"]
 
 
 class BatchEvaluator:
@@ -81,7 +81,7 @@ class BatchEvaluator:
     def __call__(self, frames: Sequence, labels: Optional[Sequence[str]] = None) -> List[Dict[str, np.ndarray]]:
         labels = list(labels) if labels is not None else [f"structure {i}" for i in range(len(frames))]
         results: List[Dict[str, np.ndarray]] = []
-        for group in chunks(list(range(len(frames))), [len(a) for a in frames], self.max_atoms):
+        for group in _chunks([len(a) for a in frames], self.max_atoms):
             structures = [prepare_atoms(frames[i], self.config, label=labels[i]) for i in group]
             # the dummy molecule keeps every size >= 2: one compiled graph for all
             positions, cell, neighbors = collate(structures + [self._padding], self.config, dtype=self.dtype,
@@ -116,13 +116,13 @@ class BatchEvaluator:
         return self._compiled(self.params, positions, cell, neighbors)
 
 
-def chunks(indices: List[int], sizes: List[int], max_atoms: Optional[int]) -> List[List[int]]:
-    """Consecutive groups of ``indices`` with at most ``max_atoms`` atoms each (a
-    structure larger than that is a group of its own)."""
+def _chunks(sizes: List[int], max_atoms: Optional[int]) -> List[List[int]]:
+    """Consecutive groups of structure indices with at most ``max_atoms`` atoms each
+    (a structure larger than that is a group of its own)."""
     if max_atoms is None:
-        return [indices]
+        return [list(range(len(sizes)))]
     groups, current, atoms = [], [], 0
-    for index, size in zip(indices, sizes):
+    for index, size in enumerate(sizes):
         if current and atoms + size > max_atoms:
             groups.append(current)
             current, atoms = [], 0

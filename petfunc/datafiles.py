@@ -315,11 +315,6 @@ class TrainingFiles:
         """Validation structures per file, in the order of :meth:`samples`."""
         return [len(part[0]) for part in self.val_parts]
 
-    @property
-    def test_sizes(self) -> List[int]:
-        """Test structures per file, in the order of :meth:`test_samples`."""
-        return [len(part[0]) for part in self.test_parts]
-
     def samples(self, config: PETConfig) -> Tuple[List[Sample], List[Sample]]:
         """``(training, validation)`` samples for ``config``; errors name each
         structure by its index in its file."""

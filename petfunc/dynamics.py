@@ -195,7 +195,7 @@ def run(
     for step in range(1, steps + 1):
         # first half: every structure moves (ASE's order of operations), then one
         # batched force call, then the second half
-        starts, kicks = [], []
+        kicks = []  # Langevin: each structure's velocity and random kick until the second half
         for k, atoms in enumerate(atoms_list):
             r = atoms.get_positions()
             if thermostats is None:
@@ -215,7 +215,6 @@ def run(
                 # velocities after the constraints moved the positions
                 v = (atoms.get_positions() - r - rnd_pos) / timestep
                 kicks.append((v, rnd_vel))
-            starts.append(r)
         forces = evaluate_all()
         for k, atoms in enumerate(atoms_list):
             if thermostats is None:
