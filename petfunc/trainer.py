@@ -422,8 +422,14 @@ def predict(config: PETConfig, params, samples: Sequence[Sample], batch_size: in
     ``stress``/``stress_ref`` ``[n_labelled_periodic, 3, 3]`` (eV/Å^3), and ``n_atoms``.
     """
     want_stress = stress and any(s.stress is not None or s.virial is not None for s in samples)
+    return _error_arrays(_evaluate_structures(config, params, samples, batch_size, want_stress))
+
+
+def _error_arrays(evaluated) -> dict:
+    """:func:`predict`'s arrays from ``(sample, energy, forces, strain_derivative)``
+    tuples (:func:`_evaluate_structures`)."""
     out = {k: [] for k in ("energy_per_atom", "energy_per_atom_ref", "forces", "forces_ref", "stress", "stress_ref", "n_atoms")}
-    for s, energy, forces, strain in _evaluate_structures(config, params, samples, batch_size, want_stress):
+    for s, energy, forces, strain in evaluated:
         n = len(s)
         out["n_atoms"].append(n)
         out["energy_per_atom"].append(energy / n)
@@ -453,6 +459,12 @@ def write_predictions(config: PETConfig, params, samples: Sequence[Sample], path
     ``stress`` (eV/Å^3, ASE's Voigt order, symmetrised as
     :class:`petfunc.ase.PETCalculator` does), so ``ase.io.read`` gives them back as
     ``atoms.get_potential_energy()`` etc. Written atomically."""
+    return _write_results(_evaluate_structures(config, params, samples, batch_size, stress=True), path)
+
+
+def _write_results(evaluated, path) -> Path:
+    """:func:`write_predictions` from ``(sample, energy, forces, strain_derivative)``
+    tuples (:func:`_evaluate_structures` with ``stress=True``)."""
     import ase
     import ase.io
     from ase.calculators.singlepoint import SinglePointCalculator
@@ -460,7 +472,7 @@ def write_predictions(config: PETConfig, params, samples: Sequence[Sample], path
     from .ase import _voigt
 
     frames = []
-    for s, energy, forces, strain in _evaluate_structures(config, params, samples, batch_size, stress=True):
+    for s, energy, forces, strain in evaluated:
         structure = s.structure
         cell = np.asarray(structure.cell, dtype=np.float64)
         atoms = ase.Atoms(numbers=np.asarray(structure.numbers), positions=np.asarray(structure.positions),
@@ -547,9 +559,13 @@ def evaluate(model_path, dataset_path, batch_size: int = 16, dtype: Optional[tor
     (:func:`write_predictions`); ``target``: see :func:`load_model`."""
     config, params = load_model(model_path, dtype=dtype, which=which, device=device, target=target)
     samples = read_labelled(dataset_path, config, **label_options)
-    pred = predict(config, params, samples, batch_size=batch_size)
-    if output is not None:
-        write_predictions(config, params, samples, output, batch_size=batch_size)
+    if output is None:
+        pred = predict(config, params, samples, batch_size=batch_size)
+    else:
+        # one pass (with the stress of every periodic cell) serves the errors and the file
+        evaluated = list(_evaluate_structures(config, params, samples, batch_size, stress=True))
+        pred = _error_arrays(evaluated)
+        _write_results(evaluated, output)
     metrics = error_metrics(pred)
     metrics["n_structures"] = len(samples)
     metrics["n_atoms"] = int(np.sum(pred["n_atoms"]))
