@@ -116,10 +116,25 @@ def g2_molecules(n: int, rattle: float, seed: int = 0):
     return frames
 
 
+def batched_vs_loop_parser(description: str, steps: int):
+    """The options the batched relaxation and MD benchmarks share (``--structures``,
+    ``--steps``, ``--threads``, ``--repeats``, ``--d-pet``, ``--compile``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--structures", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--d-pet", type=int, default=128)
+    parser.add_argument("--compile", action="store_true", help="compile both (inductor)")
+    return parser
+
+
 def batched_vs_loop(args):
     """The setup the batched relaxation and MD benchmarks share: torch threads, glibc
-    keeping freed memory, and a float32 PET of width ``args.d_pet`` for H, C, N, O.
-    Returns ``(config, params)``."""
+    keeping freed memory, and a float32 PET of width ``args.d_pet`` for H, C, N, O
+    (``args`` from :func:`batched_vs_loop_parser`). Returns ``(config, params)``."""
     import torch
 
     import petfunc

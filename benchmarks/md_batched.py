@@ -4,7 +4,6 @@ with PETCalculator: the same trajectories, timed side by side, alternating A B A
     python benchmarks/md_batched.py --threads 2 [--structures 32] [--steps 50] [--compile]
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from petfunc.ase import PETCalculator
 from petfunc.dynamics import run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import batched_vs_loop, g2_molecules, interleaved  # noqa: E402
+from _measure import batched_vs_loop, batched_vs_loop_parser, g2_molecules, interleaved  # noqa: E402
 
 
 def structures(n, seed=0):
@@ -30,14 +29,7 @@ def structures(n, seed=0):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--structures", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--d-pet", type=int, default=128)
-    parser.add_argument("--compile", action="store_true", help="compile both (inductor)")
-    args = parser.parse_args()
+    args = batched_vs_loop_parser(__doc__.splitlines()[0], steps=50).parse_args()
     config, params = batched_vs_loop(args)
     frames = structures(args.structures)
     dt = 0.5 * units.fs

@@ -10,7 +10,6 @@ mixtures of H, C, N, O) relaxed with their cells through ASE's FrechetCellFilter
 in both variants.
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from petfunc.ase import PETCalculator
 from petfunc.relax import fire
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import batched_vs_loop, g2_molecules, interleaved  # noqa: E402
+from _measure import batched_vs_loop, batched_vs_loop_parser, g2_molecules, interleaved  # noqa: E402
 
 
 def crystals(n, seed=0):
@@ -47,14 +46,8 @@ def crystals(n, seed=0):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--structures", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser = batched_vs_loop_parser(__doc__.splitlines()[0], steps=100)
     parser.add_argument("--fmax", type=float, default=0.05)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--d-pet", type=int, default=128)
-    parser.add_argument("--compile", action="store_true", help="compile both (inductor)")
     parser.add_argument("--cells", action="store_true", help="crystals with FrechetCellFilter")
     args = parser.parse_args()
     config, params = batched_vs_loop(args)
