@@ -181,13 +181,15 @@ def main(argv=None):
 
     config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), long_range={"enable": args.long_range})
     params = petfunc.init(config, seed=0, dtype=dtype)
+    keep = args.malloc == "keep"  # the calculator would keep freed memory by default
     calculators = {
         "metatomic": metatomic_calculator(config, params, dtype, args.skin),
-        "petfunc eager": PETCalculator(config, params, dtype=dtype),
+        "petfunc eager": PETCalculator(config, params, dtype=dtype, keep_freed_memory=keep),
     }
     compiled = None
     if not args.no_compile:
-        compiled = PETCalculator(config, params, dtype=dtype, compile=True, backend=args.backend)
+        compiled = PETCalculator(config, params, dtype=dtype, compile=True, backend=args.backend,
+                                 keep_freed_memory=keep)
         calculators["petfunc compiled"] = compiled
 
     print(
@@ -210,7 +212,7 @@ def main(argv=None):
         start = time.perf_counter()
         path = export(config, params, Path(scratch) / "model.pt2", dtype=dtype)
         print(f"petfunc export (torch.export + AOTInductor): {time.perf_counter() - start:.1f} s")
-        calculators["petfunc AOTI"] = PETCalculator.from_exported(path)
+        calculators["petfunc AOTI"] = PETCalculator.from_exported(path, keep_freed_memory=keep)
 
     rows, edges = [], {}
     for name in args.systems:

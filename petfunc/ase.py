@@ -58,12 +58,13 @@ import torch
 from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
 from ase.data import chemical_symbols
 
-from . import tree
+from . import allocator, tree
 from .config import PETConfig
 from .data import padding_sample
 from .derivatives import energy_terms_forces_strain_derivative
 from .io import cast_params, load_params, network_dtype
 from .model import PET
+from .remat import remat as remat_fn
 from .structures import collate, prepare_atoms, state_from_info
 
 
@@ -123,6 +124,19 @@ class PETCalculator(Calculator):
             come from the LLPR ensemble (compiled too with ``compile``; the
             members' forces only when one of the last three is asked for, as they
             cost one pullback per member).
+        remat: recompute the transformer layers in the backward pass instead of
+            keeping their activations (:func:`petfunc.remat`): the same numbers,
+            about half the peak memory of a large system, at the cost of one more
+            forward pass of the layers (plus glibc's page faults, below). Eager only
+            (not with ``compile`` or ``exported``); applies to ``params``, not to a
+            committee.
+        keep_freed_memory: call :func:`petfunc.allocator.keep_freed_memory`, so that
+            each step reuses the memory the last one freed instead of page-faulting
+            it in again (process-wide; default: ``not remat``). For 1728 carbon
+            atoms (eager, float32, 2 threads) a step took 6.9 s instead of 23 s,
+            with a peak resident size of 7.6 GiB instead of 5.4 GiB (the heap keeps
+            fragments). ``remat`` leaves it off by default: its memory saving would
+            stay in the heap.
         **kwargs: passed to :class:`ase.calculators.calculator.Calculator`.
     """
 
@@ -150,11 +164,20 @@ class PETCalculator(Calculator):
         ensemble_params=None,
         exported=None,
         llpr=None,
+        remat: bool = False,
+        keep_freed_memory: Optional[bool] = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
         if not isinstance(config, PETConfig):
             raise TypeError(f"config must be a PETConfig, got {type(config).__name__}")
+        if remat and (compile or exported is not None):
+            raise ValueError(
+                "remat recomputes layers through torch.autograd, so it needs the eager "
+                "calculator: give it without compile=True and without an exported model"
+            )
+        if keep_freed_memory if keep_freed_memory is not None else not remat:
+            allocator.keep_freed_memory()
         self.exported = exported
         if exported is not None:
             if params is not None or ensemble_params is not None or compile:
@@ -177,7 +200,8 @@ class PETCalculator(Calculator):
         # energy, per-atom energies, forces, strain derivative: one forward pass;
         # traced (torch.func) when compiled, by autograd when eager (faster there)
         self._efs = energy_terms_forces_strain_derivative(self.model.energy_terms)
-        self._efs_eager = energy_terms_forces_strain_derivative(self.model.energy_terms, "autograd")
+        terms = remat_fn(self.model.energy_terms) if remat else self.model.energy_terms
+        self._efs_eager = energy_terms_forces_strain_derivative(terms, "autograd")
         self._compiled = None
         self._padding = padding_sample(config).structure
         self.llpr = None

@@ -28,6 +28,7 @@ from .config import PETConfig
 from .cutoff import switching_function
 from .neighbors import Neighbors
 from .permute import permute_rows
+from .remat import call as remat_call
 
 
 TARGET = "energy"
@@ -178,7 +179,8 @@ def _gnn_layer(params, config, layer: int, nodes, messages, geometry, species_nb
         )
     edges = nn.mlp2(params["compress"], tokens)
     for layer_params in params["trans"]["layers"]:
-        nodes, edges = transformer.layer(layer_params, config, nodes, edges, grid)
+        # inside petfunc.remat the backward pass recomputes the layer's internals
+        nodes, edges = remat_call(transformer.layer, layer_params, config, nodes, edges, grid)
     return nodes, edges
 
 

@@ -1,0 +1,80 @@
+"""Rematerialisation: PET's transformer layers recomputed in the backward pass.
+
+Forces and stress are a backward pass through the whole network, which needs the
+activations of every layer. For the default PET these are about 2.7 MiB per atom
+(float32, 70 neighbours per atom: 176 MiB for 64 carbon atoms), and they set the
+memory of large systems. Inside a function wrapped by :func:`remat`, each
+transformer layer keeps only its inputs for the backward pass and computes its
+internals again when the backward pass reaches it (``torch.utils.checkpoint``,
+non-reentrant). The derivatives are the same, bit for bit (the same operations
+run on the same inputs); the price is one more forward pass of the transformer
+layers, about a third of a force evaluation.
+
+Measured (``benchmarks/memory.py``; default PET, float32, eager forces and stress,
+2 threads): the activations kept for the backward pass fall 4.6x, the peak
+resident memory of a 1728-atom carbon cell about 2x (see the README for the
+table). Other memory (one layer's recomputed internals, gradients, the neighbour
+list) is not reduced.
+
+Works with ``torch.autograd`` (``autodiff="autograd"``, eager), double backward
+included. ``torch.func`` transforms refuse the saved-tensor hooks that
+``torch.utils.checkpoint`` relies on, so inside them, under ``make_fx``
+(:func:`petfunc.compile`, ``petfunc export``) and under ``torch.compile``,
+rematerialisation raises a ``RuntimeError`` instead of running.
+
+    >>> fn = energy_terms_forces_strain_derivative(remat(model.energy_terms), "autograd")
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+_ACTIVE = contextvars.ContextVar("petfunc_remat", default=False)
+
+
+def remat(fn):
+    """``fn`` with its PET transformer layers rematerialised (same signature and values)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        token = _ACTIVE.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+
+    return wrapped
+
+
+def active() -> bool:
+    """Whether the current call runs inside a :func:`remat` function."""
+    return _ACTIVE.get()
+
+
+def call(layer, *args):
+    """``layer(*args)``, checkpointed inside :func:`remat` when autograd records.
+
+    Without grad mode there is no backward pass to save activations for, so the
+    layer runs as is.
+    """
+    if not _ACTIVE.get() or not torch.is_grad_enabled():
+        return layer(*args)
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    if (
+        torch._C._functorch.peek_interpreter_stack() is not None
+        or get_proxy_mode() is not None
+        or torch.compiler.is_compiling()
+    ):
+        raise RuntimeError(
+            "petfunc.remat recomputes layers with torch.utils.checkpoint, which runs with "
+            "torch.autograd only (autodiff='autograd', eager): torch.func transforms, make_fx "
+            "(petfunc.compile, petfunc export) and torch.compile do not support it, nor does "
+            "torch.inference_mode, where petfunc's derivatives fall back to torch.func"
+        )
+    # PET layers draw no random numbers: no RNG state to stash and restore
+    return checkpoint(layer, *args, use_reentrant=False, preserve_rng_state=False)
