@@ -17,8 +17,15 @@ of the process (``ru_maxrss``: torch's own ~0.4 GiB included), its rise over the
 size before the first step, and the activations autograd keeps for the backward
 pass (unique storages seen by a saved-tensor hook, MiB; exact, not timed).
 
+With ``--train``, the same for one eager training step (``petfunc.make_train_step``
+with ``autodiff="autograd"``, energy + forces + stress loss, Adam) on a batch of
+``--batch`` copies of the cell (random labels): variants ``glibc`` and
+``remat`` (``petfunc.remat`` around the step, as ``remat: true`` in
+``petfunc train``), each with glibc's defaults, and ``keep`` and ``remat+keep``.
+
     python benchmarks/memory.py --threads 2                    # C64 and C512
-    python benchmarks/memory.py --threads 2 --systems C1728    # ~10 minutes
+    python benchmarks/memory.py --threads 2 --systems C1728    # ~5 minutes
+    python benchmarks/memory.py --threads 2 --train --systems C64 --batch 8
 """
 
 from __future__ import annotations
@@ -96,6 +103,63 @@ def worker(args) -> None:
     }))
 
 
+def train_worker(args) -> None:
+    import ase.build
+    import numpy as np
+    import torch
+
+    import petfunc
+    from petfunc import allocator
+    from petfunc.data import sample_from_atoms
+
+    torch.set_num_threads(args.threads)
+    variant = VARIANTS[args.worker]
+    if variant.get("keep_freed_memory", not variant.get("remat", False)):
+        allocator.keep_freed_memory()
+    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8))
+    model = petfunc.PET(config)
+    params = model.init(seed=0, dtype=torch.float32)
+    rng = np.random.default_rng(0)
+    samples = []
+    for index in range(args.batch):
+        atoms = ase.build.bulk("C", "diamond", a=3.567, cubic=True).repeat((SYSTEMS[args.worker_system],) * 3)
+        atoms.rattle(0.05, seed=index)
+        atoms.info["energy"] = float(rng.normal()) * len(atoms)
+        atoms.arrays["forces"] = rng.normal(size=(len(atoms), 3))
+        atoms.info["stress"] = rng.normal(size=6) * 1e-2
+        samples.append(sample_from_atoms(atoms, config))
+    batch = petfunc.make_batch(samples, config, [0.0] * 4, 1.0, dtype=torch.float32)
+    optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(1e-4, 100, 0.0))
+    weights = petfunc.LossWeights.make(forces=0.0, stress=0.0) if args.energy_only else petfunc.LossWeights()
+    step = petfunc.make_train_step(model, optimizer, weights, autodiff="autograd")
+    if variant.get("remat"):
+        step = petfunc.remat(step)
+    state = petfunc.init_state(params, optimizer)
+    before = _rss_mib()
+
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        _, metrics = step(state, batch)
+    times = []
+    for index in range(1 + args.steps):  # one untimed step
+        start = time.perf_counter()
+        new_state, metrics = step(state, batch)  # the same state: comparable steps
+        if index:
+            times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    print(json.dumps({
+        "time_ms": 1e3 * statistics.median(times), "peak_mib": peak, "rise_mib": peak - before,
+        "saved_mib": sum(saved.values()) / 2**20, "atoms": int(batch.positions.shape[0]),
+        "energy": float(metrics["loss"]),
+    }))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", nargs="+", default=["C64", "C512"], choices=list(SYSTEMS))
@@ -103,14 +167,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per process")
     parser.add_argument("--rounds", type=int, default=1, help="processes per variant (alternating)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--train", action="store_true", help="an eager training step instead of the calculator")
+    parser.add_argument("--batch", type=int, default=8, help="cells per training batch (--train)")
+    parser.add_argument("--energy-only", action="store_true", help="an energy-only loss (--train)")
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--worker-system", choices=list(SYSTEMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args)
+        (train_worker if args.train else worker)(args)
         return
 
-    print(f"# eager PETCalculator, default PET, float32, E + F + stress, {args.threads} threads, "
+    what = f"eager training step on {args.batch} cells" if args.train else "eager PETCalculator"
+    print(f"# {what}, default PET, float32, E + F + stress, {args.threads} threads, "
           f"{args.steps} timed steps per process, {args.rounds} process(es) per variant")
     print(f"{'system':8} {'variant':11} {'step (ms)':>10} {'vs keep':>8} {'peak RSS (MiB)':>15} "
           f"{'rise (MiB)':>11} {'saved (MiB)':>12}")
@@ -119,7 +187,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for name in args.variants:
                 command = [sys.executable, __file__, "--worker", name, "--worker-system", system,
-                           "--steps", str(args.steps), "--threads", str(args.threads)]
+                           "--steps", str(args.steps), "--threads", str(args.threads), "--batch", str(args.batch)]
+                command += (["--train"] if args.train else []) + (["--energy-only"] if args.energy_only else [])
                 out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
                 results[name].append(json.loads(out.strip().splitlines()[-1]))
         summary = {
@@ -127,11 +196,12 @@ def main() -> None:
             for name, runs in results.items()
         }
         reference = summary.get("keep", next(iter(summary.values())))
-        energies = {round(s["energy"], 6) for s in summary.values()}
+        energies = {round(s["energy"], 6) for s in summary.values()}  # the loss with --train
         for name, s in summary.items():
             print(f"{system:8} {name:11} {s['time_ms']:10.0f} {s['time_ms'] / reference['time_ms']:7.2f}x "
                   f"{s['peak_mib']:15.0f} {s['rise_mib']:11.0f} {s['saved_mib']:12.0f}")
-        print(f"# {system}: {int(reference['atoms'])} atoms; energies of the variants: {sorted(energies)}")
+        print(f"# {system}: {int(reference['atoms'])} atoms; {'losses' if args.train else 'energies'} "
+              f"of the variants: {sorted(energies)}")
 
 
 if __name__ == "__main__":

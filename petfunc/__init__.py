@@ -30,7 +30,7 @@ from .trainer import fit
 from . import dynamics, llpr, lora, relax
 from . import hessian  # callable: petfunc.hessian(energy_fn) (see petfunc.hessian)
 from .hessian import hvp
-from .remat import remat
+from . import remat  # callable: petfunc.remat(fn) (see petfunc.remat)
 
 
 __version__ = "0.1.0"

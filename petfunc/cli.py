@@ -88,6 +88,9 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
         augmentation: true        # random O(3) rotations of training structures
         compile: false            # trace + torch.compile the train and eval steps
         compile_backend: inductor # inductor | aot_eager | eager
+        remat: false              # recompute layers in the backward pass: less
+                                  # memory for energy-only losses, more time
+                                  # (eager steps only)
     training_set:                 # or just a file name: training_set: data.xyz
       systems:
         read_from: data.xyz       # anything ase.io.read reads (extxyz)
@@ -253,6 +256,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--no-compile", dest="compile", action="store_false")
     train.add_argument("--backend", choices=("inductor", "aot_eager", "eager"),
                        help="architecture.training.compile_backend")
+    train.add_argument("--remat", action="store_true", default=None,
+                       help="recompute the transformer layers in the backward pass (less memory for energy-only losses; not with --compile)")
     train.add_argument("--no-augmentation", dest="augmentation", action="store_false", default=None,
                        help="no random rotations of training structures")
     train.add_argument("--finetune", metavar="MODEL",
@@ -346,6 +351,7 @@ def _overrides(args) -> List[tuple]:
         ("device", "device", None),
         ("compile", f"{t}.compile", None),
         ("backend", f"{t}.compile_backend", None),
+        ("remat", f"{t}.remat", None),
         ("augmentation", f"{t}.augmentation", None),
         ("finetune", f"{t}.finetune.read_from", None),
         ("finetune_method", f"{t}.finetune.method", None),

@@ -22,7 +22,7 @@ from .loss import LossTerm, LossWeights
 
 
 #: ``architecture.training`` defaults: metatrain's PET trainer (v2026.4) plus
-#: petfunc's own keys (``augmentation``, ``compile``, ``compile_backend``).
+#: petfunc's own keys (``augmentation``, ``compile``, ``compile_backend``, ``remat``).
 TRAINING_DEFAULTS: Dict[str, Any] = {
     "batch_size": 16,
     # metatrain's packing by atom count (batch_size then only sets the composition
@@ -51,6 +51,9 @@ TRAINING_DEFAULTS: Dict[str, Any] = {
     "augmentation": True,
     "compile": False,
     "compile_backend": "inductor",
+    # recompute the transformer layers in the backward pass (petfunc.remat): less
+    # memory for energy-only losses, more time; eager steps only
+    "remat": False,
 }
 
 #: metatrain trainer keys that only affect metatrain's logging or data loading:
@@ -507,9 +510,14 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     training["checkpoint_interval"] = _number(training["checkpoint_interval"], f"{t}.checkpoint_interval", positive=True, integer=True)
     if training["best_model_metric"] not in ("mae_prod", "rmse_prod", "loss"):
         raise ValueError(f"option '{t}.best_model_metric' must be 'mae_prod', 'rmse_prod' or 'loss', got {training['best_model_metric']!r}")
-    for key in ("augmentation", "compile", "scale_targets"):
+    for key in ("augmentation", "compile", "scale_targets", "remat"):
         if not isinstance(training[key], bool):
             raise ValueError(f"option '{t}.{key}' must be true or false, got {training[key]!r}")
+    if training["remat"] and training["compile"]:
+        raise ValueError(
+            f"options '{t}.remat' and '{t}.compile' exclude each other: rematerialisation "
+            "runs with torch.autograd in eager steps (torch.func and compiled steps do not support it)"
+        )
     if training["compile_backend"] not in ("inductor", "aot_eager", "eager"):
         raise ValueError(f"option '{t}.compile_backend' must be 'inductor', 'aot_eager' or 'eager', got {training['compile_backend']!r}")
     finetune = training["finetune"]

@@ -78,6 +78,7 @@ from .derivatives import energy_and_forces, energy_forces_strain_derivative
 from .io import atomic_save
 from .loss import make_loss
 from .model import PET
+from .remat import remat
 from .options import fixed_composition, parse_loss, resolve_options, trained_parameters
 from .structures import collate
 from .train import (
@@ -810,6 +811,11 @@ def fit(
     # gradient 20-30 % faster (petfunc.derivatives)
     autodiff = "func" if compile_on else "autograd"
     loss_fn = make_loss(model, weights, autodiff)
+    if training["remat"]:  # eager only (options.py); the layers of validation recomputed too
+        loss_fn = remat(loss_fn)
+        if weights.forces.weight or weights.stress.weight:
+            log("remat: the force and stress terms differentiate the recomputed layers again, "
+                "which keeps their activations: expect little memory saved (it helps energy-only losses)")
     if split:
         raw_step = make_grad_step(model, weights, autodiff, train)
     else:
@@ -821,6 +827,8 @@ def fit(
         raw_step = DataParallel(model, optimizer, weights, clip, compile=compile_on, backend=backend,
                                 metrics="share", train=train)  # compiles itself on the first batch
     # <<< petfunc.distributed
+    if training["remat"]:
+        raw_step = remat(raw_step)
     step_fn = None
     eval_fn = None
     # the trace cache key (petfunc.compile) must name everything the traced step bakes

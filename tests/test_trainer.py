@@ -345,6 +345,27 @@ def test_split_step_matches_fused(dataset, tmp_path):
     assert params_equal(fused.last_params, split.last_params)
 
 
+def test_remat_training_equals_plain(dataset, monkeypatch):
+    # recomputed transformer layers (petfunc.remat): the same training, float64,
+    # through the train step and the validation loss
+    from petfunc import remat as remat_module
+
+    options = tiny_options(dataset, num_epochs=2)
+    options["base_precision"] = 64
+    options["architecture"]["model"]["num_attention_layers"] = 2
+    plain = fit(options, None, progress=False, log=quiet())
+    checkpointed = []
+    original = remat_module.checkpoint
+    monkeypatch.setattr(remat_module, "checkpoint", lambda *a, **k: checkpointed.append(1) or original(*a, **k))
+    options["architecture"]["training"]["remat"] = True
+    recomputed = fit(options, None, progress=False, log=quiet())
+    assert checkpointed  # the layers did go through torch.utils.checkpoint
+    fa, fb = tree.flatten(plain.last_params), tree.flatten(recomputed.last_params)
+    for key in fa:
+        torch.testing.assert_close(fa[key], fb[key], rtol=1e-12, atol=1e-14, msg=key)
+    assert plain.history[-1]["val_loss"] == pytest.approx(recomputed.history[-1]["val_loss"], rel=1e-12)
+
+
 def test_batch_plan_shards():
     # Every rank draws the same permutation and takes a disjoint shard.
     full = batch_plan(23, 4, epoch=2, seed=5, drop_last=False)
@@ -503,6 +524,8 @@ def test_unknown_species_when_finetuning(dataset, tmp_path):
         (lambda o: o["architecture"]["training"].update(batch_size=0), "batch_size' must be positive"),
         (lambda o: o.update(base_precision=16), "base_precision"),
         (lambda o: o.update(validation_set=1.0), "validation_set"),
+        (lambda o: o["architecture"]["training"].update(remat=True, compile=True), "'architecture.training.remat' and .*compile.* exclude"),
+        (lambda o: o["architecture"]["training"].update(remat="yes"), "'architecture.training.remat' must be true or false"),
     ],
 )
 def test_bad_options(change, message):
