@@ -119,8 +119,11 @@ metatrain.
 metatrain trainer keys that only concern its logging or data loading
 (``num_workers``, ``log_mae``, ``log_separate_blocks``, ``distributed_port``) are
 accepted and ignored; ``atomic_baseline`` takes metatrain's ``{energy: w}`` and
-``{energy: {Z: w, ...}}`` forms (fixed composition weights), ``fixed_scaling_weights``
-its ``{energy: c}`` form (a fixed energy scale); ``max_atoms_per_batch`` (and
+``{energy: {Z: w, ...}}`` forms (fixed composition weights) or the path of a
+checkpoint of metatrain's ``composition`` architecture, ``fixed_scaling_weights``
+its ``{energy: c}`` form (a fixed energy scale) or the path of a checkpoint of its
+``scaler`` architecture (fitted with that composition checkpoint in its
+``additive_models``; reading checkpoints needs metatrain installed); ``max_atoms_per_batch`` (and
 ``min_atoms_per_batch``) packs batches by atom count as metatrain does;
 ``per_structure_targets: [energy]`` compares energies (and strain derivatives) per
 structure instead of per atom, in the loss, the metrics and the scale. A ``test_set`` is

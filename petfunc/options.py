@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -294,12 +295,15 @@ def _extra_data(section, where: str, read_from: str) -> dict:
 
 
 def _atomic_baseline(value, where: str) -> dict:
-    """``{}`` or ``{"energy": float | {Z: float}}`` (metatrain's forms, energy only)."""
-    if isinstance(value, str):
-        raise ValueError(f"option '{where}': loading a composition model from a file is not supported; "
-                         "give the weights as {energy: {Z: w}}")
+    """``{}``, ``{"energy": float | {Z: float}}`` (metatrain's forms, energy only), or
+    ``{"file": path}`` for a metatrain composition model checkpoint."""
+    if isinstance(value, (str, os.PathLike)):
+        return {"file": os.fspath(value)}
+    if isinstance(value, Mapping) and set(value) == {"file"}:  # resolved before (a restart)
+        return {"file": os.fspath(value["file"])}
     if not isinstance(value, Mapping):
-        raise ValueError(f"option '{where}' must be a mapping like {{energy: {{1: -13.6, 8: -2041.3}}}}, got {value!r}")
+        raise ValueError(f"option '{where}' must be a mapping like {{energy: {{1: -13.6, 8: -2041.3}}}} "
+                         f"or the path of a metatrain composition model checkpoint, got {value!r}")
     _check_keys(value, ("energy",), where)
     if "energy" not in value:
         return {}
@@ -315,12 +319,15 @@ def _atomic_baseline(value, where: str) -> dict:
 
 
 def _fixed_scaling_weights(value, where: str) -> dict:
-    """``{}`` or ``{"energy": c}`` with c > 0 (metatrain's form for a per-structure target)."""
-    if isinstance(value, str):
-        raise ValueError(f"option '{where}': loading a scaler from a file is not supported; give the scale "
-                         "as {energy: c}")
+    """``{}``, ``{"energy": c}`` with c > 0 (metatrain's form for a per-structure
+    target), or ``{"file": path}`` for a metatrain scaler checkpoint."""
+    if isinstance(value, (str, os.PathLike)):
+        return {"file": os.fspath(value)}
+    if isinstance(value, Mapping) and set(value) == {"file"}:  # resolved before (a restart)
+        return {"file": os.fspath(value["file"])}
     if not isinstance(value, Mapping):
-        raise ValueError(f"option '{where}' must be a mapping like {{energy: 0.5}}, got {value!r}")
+        raise ValueError(f"option '{where}' must be a mapping like {{energy: 0.5}} or the path of a "
+                         f"metatrain scaler checkpoint, got {value!r}")
     _check_keys(value, ("energy",), where)
     if "energy" not in value:
         return {}
@@ -479,6 +486,9 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     training["atomic_baseline"] = _atomic_baseline(training["atomic_baseline"], f"{t}.atomic_baseline")
     training["fixed_scaling_weights"] = _fixed_scaling_weights(training["fixed_scaling_weights"],
                                                                f"{t}.fixed_scaling_weights")
+    if "file" in training["fixed_scaling_weights"] and "file" not in training["atomic_baseline"]:
+        raise ValueError(f"option '{t}.fixed_scaling_weights' names a scaler checkpoint, which needs "
+                         f"'{t}.atomic_baseline' to name a composition checkpoint too (as in metatrain)")
     training["batch_size"] = _number(training["batch_size"], f"{t}.batch_size", positive=True, integer=True)
     if training["max_atoms_per_batch"] is not None:
         training["max_atoms_per_batch"] = _number(training["max_atoms_per_batch"], f"{t}.max_atoms_per_batch",

@@ -75,11 +75,11 @@ from .config import PETConfig
 from .data import Sample, fit_composition, fit_scale, make_batch, random_rotations
 from .datafiles import read_labelled, read_training_files
 from .derivatives import energy_and_forces, energy_forces_strain_derivative
-from .io import atomic_save
+from .io import atomic_save, read_metatrain_baseline
 from .loss import make_loss
 from .model import PET
 from .remat import remat
-from .options import fixed_composition, parse_loss, resolve_options, trained_parameters
+from .options import dataset_sections, fixed_composition, parse_loss, resolve_options, trained_parameters
 from .structures import collate
 from .train import (
     TrainState,
@@ -589,9 +589,13 @@ def _absolute_paths(options: dict) -> dict:
         for section in value if isinstance(value, list) else [value]:
             if isinstance(section, dict):
                 section["systems"]["read_from"] = str(Path(section["systems"]["read_from"]).expanduser().resolve())
-    finetune = options["architecture"]["training"]["finetune"]
+    training = options["architecture"]["training"]
+    finetune = training["finetune"]
     if finetune.get("read_from"):
         finetune["read_from"] = str(Path(finetune["read_from"]).expanduser().resolve())
+    for key in ("atomic_baseline", "fixed_scaling_weights"):  # metatrain checkpoints
+        if "file" in training[key]:
+            training[key]["file"] = str(Path(training[key]["file"]).expanduser().resolve())
     return options
 
 
@@ -727,7 +731,19 @@ def fit(
         composition = np.asarray(ckpt["composition"]["weights"], dtype=np.float64)
         scale = float(ckpt["energy_scale"])
     else:
-        fixed = fixed_composition(training["atomic_baseline"], config.atomic_types)
+        baseline, scaler = training["atomic_baseline"], training["fixed_scaling_weights"]
+        if "file" in baseline or "file" in scaler:
+            # metatrain's composition and scaler checkpoints: fitted on data in one unit
+            units = {section["targets"]["energy"]["unit"] for section in dataset_sections(options["training_set"])}
+            if len(units) > 1:
+                raise ValueError(f"the training files have energies in several units ({sorted(units)}); "
+                                 "a composition or scaler checkpoint needs one")
+            (unit,) = units
+        if "file" in baseline:
+            fixed = read_metatrain_baseline(baseline["file"], "composition", config.atomic_types, unit)
+            log(f"composition weights from {baseline['file']}")
+        else:
+            fixed = fixed_composition(baseline, config.atomic_types)
         if fixed is None:
             # accumulated per batch of each file in turn, as metatrain's loaders do
             composition = fit_composition(train_samples, config.num_species, training["batch_size"], config,
@@ -735,8 +751,12 @@ def fit(
             scale = fit_scale(train_samples, composition, config, per_atom=weights.per_atom)
         else:
             composition, scale = fixed, fit_scale(train_samples, fixed, config, per_atom=weights.per_atom)
-        if "energy" in training["fixed_scaling_weights"]:
-            scale = training["fixed_scaling_weights"]["energy"]
+        if "file" in scaler:
+            additive = ("CompositionModel",) + (("ZBL",) if config.zbl else ())
+            scale = float(read_metatrain_baseline(scaler["file"], "scaler", config.atomic_types, unit, additive))
+            log(f"energy scale from {scaler['file']}")
+        elif "energy" in scaler:
+            scale = scaler["energy"]
         if not training["scale_targets"]:  # as in metatrain, this wins over a fixed scale
             scale = 1.0
         params["composition_weights"] = torch.as_tensor(composition, dtype=torch.float64, device=device)

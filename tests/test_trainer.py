@@ -118,8 +118,70 @@ def test_atomic_baseline_fixes_the_composition(dataset):
     with pytest.raises(ValueError, match=r"no weight for atomic type\(s\) \[28\]"):
         fit(tiny_options(dataset, num_epochs=0, atomic_baseline={"energy": {13: -3.5, 29: -4.0}}), None,
             progress=False, log=quiet())
-    with pytest.raises(ValueError, match="not supported"):
-        resolve_options({"training_set": "x.xyz", "architecture": {"training": {"atomic_baseline": "comp.ckpt"}}})
+    with pytest.raises(FileNotFoundError, match="no composition checkpoint at"):
+        fit(tiny_options(dataset, num_epochs=0, atomic_baseline="missing.ckpt"), None, progress=False, log=quiet())
+
+
+def _mtt_train(tmp_path, name, architecture, dataset, cwd):
+    """``mtt train`` (metatrain's command) on ``dataset``; returns its checkpoint."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    options = {"seed": 7, "architecture": architecture, "validation_set": 0.25, "test_set": 0.0,
+               "training_set": {"systems": str(dataset), "targets": {"energy": {"key": "energy", "unit": "eV"}}}}
+    (cwd / f"{name}.yaml").write_text(yaml.safe_dump(options))
+    subprocess.run([sys.executable, "-m", "metatrain", "train", f"{name}.yaml", "-o", f"{name}.pt"], cwd=cwd,
+                   check=True, capture_output=True)
+    return cwd / f"{name}.ckpt"
+
+
+def test_composition_and_scaler_checkpoints_like_mtt_train(dataset, tmp_path):
+    """metatrain's atomic_baseline: composition.ckpt and fixed_scaling_weights:
+    scaler.ckpt (checkpoints of mtt train's composition and scaler architectures):
+    the composition and scale petfunc trains with equal those mtt train's PET gets."""
+    pytest.importorskip("metatrain")
+    import petfunc
+
+    composition = _mtt_train(tmp_path, "composition", {"name": "composition"}, dataset, tmp_path)
+    scaler = _mtt_train(tmp_path, "scaler", {"name": "scaler", "training": {"additive_models": [str(composition)]}},
+                        dataset, tmp_path)
+    model = dict(TINY_MODEL)
+    training = {"num_epochs": 1, "batch_size": 4, "atomic_baseline": str(composition),
+                "fixed_scaling_weights": str(scaler)}
+    reference = _mtt_train(tmp_path, "pet", {"name": "pet", "model": model, "training": training}, dataset, tmp_path)
+    _, expected = petfunc.from_metatrain(reference)
+
+    options = tiny_options(dataset, **{**training, "num_epochs": 0})
+    result = fit(options, None, progress=False, log=quiet())
+    assert torch.equal(result.params["composition_weights"], expected["composition_weights"])
+    assert float(result.params["energy_scale"]) == float(expected["energy_scale"])
+    own = fit(tiny_options(dataset, num_epochs=0), None, progress=False, log=quiet()).params  # another split
+    assert not torch.equal(own["composition_weights"], expected["composition_weights"])
+    assert float(own["energy_scale"]) != float(expected["energy_scale"])
+
+    # the composition alone: the scale is fitted on its residual, as with fixed weights
+    fixed = {int(z): float(w) for z, w in zip(result.config.atomic_types, expected["composition_weights"])}
+    alone = fit(tiny_options(dataset, num_epochs=0, atomic_baseline=str(composition)), None, progress=False,
+                log=quiet()).params
+    by_value = fit(tiny_options(dataset, num_epochs=0, atomic_baseline={"energy": fixed}), None, progress=False,
+                   log=quiet()).params
+    assert float(alone["energy_scale"]) == float(by_value["energy_scale"])
+
+    # metatrain's checks, with petfunc's messages
+    unscaled = _mtt_train(tmp_path, "plain_scaler", {"name": "scaler"}, dataset, tmp_path)
+    with pytest.raises(ValueError, match=r"fitted after subtracting the additive models \[\]"):
+        fit(tiny_options(dataset, num_epochs=0, atomic_baseline=str(composition), fixed_scaling_weights=str(unscaled)),
+            None, progress=False, log=quiet())
+    with pytest.raises(ValueError, match="holds a Scaler, not a metatrain CompositionModel"):
+        fit(tiny_options(dataset, num_epochs=0, atomic_baseline=str(scaler)), None, progress=False, log=quiet())
+    with pytest.raises(ValueError, match="fitted on energies in 'eV', the training data are in 'Hartree'"):
+        hartree = tiny_options(dataset, num_epochs=0, atomic_baseline=str(composition))
+        hartree["training_set"] = {"systems": str(dataset), "targets": {"energy": {"unit": "Hartree"}}}
+        fit(hartree, None, progress=False, log=quiet())
+    with pytest.raises(ValueError, match="needs 'architecture.training.atomic_baseline' to name a composition"):
+        resolve_options({"training_set": "x.xyz", "architecture": {"training": {"fixed_scaling_weights": "s.ckpt"}}})
 
 
 def test_fixed_scaling_weights(dataset):
@@ -134,7 +196,7 @@ def test_fixed_scaling_weights(dataset):
                  None, progress=False, log=quiet())
     assert float(result.params["energy_scale"]) == 1.0
     for bad, message in (({"energy": {13: 1.0}}, "per-structure energy target"), ({"energy": 0.0}, "positive"),
-                         ("scaler.ckpt", "not supported"), ({"forces": 1.0}, "forces")):
+                         ({"forces": 1.0}, "forces")):
         with pytest.raises(ValueError, match=message):
             resolve_options({"training_set": "x.xyz", "architecture": {"training": {"fixed_scaling_weights": bad}}})
 
