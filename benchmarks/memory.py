@@ -74,32 +74,32 @@ def worker(args) -> None:
     calc = PETCalculator(config, params, **VARIANTS[args.worker])
     atoms.calc = calc
     rng = np.random.default_rng(0)
-    before = _rss_mib()
-
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        atoms.get_forces()
-        atoms.get_stress()
-
-    times = []
-    for step in range(1 + args.steps):  # one untimed step
+    def step():
         atoms.positions += rng.normal(0.0, 0.01, atoms.positions.shape)
-        start = time.perf_counter()
         atoms.get_forces()
         atoms.get_stress()
-        if step:
+        return float(atoms.get_potential_energy())
+
+    _measure_worker(step, args.steps, len(atoms))
+
+
+def _measure_worker(step, steps: int, atoms: int) -> None:
+    """Print the JSON line of one variant: ``step()`` once under a saved-tensor hook
+    (the bytes autograd keeps), once untimed, then ``steps`` timed calls."""
+    from petfunc.remat import saved_tensor_bytes
+
+    before = _rss_mib()
+    value, saved = saved_tensor_bytes(step)
+    times = []
+    for index in range(1 + steps):  # one untimed step
+        start = time.perf_counter()
+        value = step()
+        if index:
             times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     print(json.dumps({
         "time_ms": 1e3 * statistics.median(times), "peak_mib": peak, "rise_mib": peak - before,
-        "saved_mib": sum(saved.values()) / 2**20, "atoms": len(atoms),
-        "energy": float(atoms.get_potential_energy()),
+        "saved_mib": saved / 2**20, "atoms": atoms, "energy": value,
     }))
 
 
@@ -135,29 +135,12 @@ def train_worker(args) -> None:
     if variant.get("remat"):
         step = petfunc.remat(step)
     state = petfunc.init_state(params, optimizer)
-    before = _rss_mib()
 
-    saved = {}
+    def train_step():
+        _, metrics = step(state, batch)  # the same state every time: comparable steps
+        return float(metrics["loss"])
 
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        _, metrics = step(state, batch)
-    times = []
-    for index in range(1 + args.steps):  # one untimed step
-        start = time.perf_counter()
-        new_state, metrics = step(state, batch)  # the same state: comparable steps
-        if index:
-            times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    print(json.dumps({
-        "time_ms": 1e3 * statistics.median(times), "peak_mib": peak, "rise_mib": peak - before,
-        "saved_mib": sum(saved.values()) / 2**20, "atoms": int(batch.positions.shape[0]),
-        "energy": float(metrics["loss"]),
-    }))
+    _measure_worker(train_step, args.steps, int(batch.positions.shape[0]))
 
 
 def main() -> None:

@@ -65,16 +65,7 @@ def test_remat_gives_the_same_derivatives(featurizer):
 
 def saved_bytes(fn, *args):
     """Bytes of the unique storages autograd saves for the backward pass of ``fn``."""
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        fn(*args)
-    return sum(saved.values())
+    return petfunc.remat.saved_tensor_bytes(fn, *args)[1]
 
 
 def test_remat_keeps_fewer_activations():
