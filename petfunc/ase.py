@@ -133,9 +133,9 @@ class PETCalculator(Calculator):
         keep_freed_memory: call :func:`petfunc.allocator.keep_freed_memory`, so that
             each step reuses the memory the last one freed instead of page-faulting
             it in again (process-wide; default: ``not remat``). For 1728 carbon
-            atoms (eager, float32, 2 threads) a step took 6.9 s instead of 23 s,
-            with a peak resident size of 7.6 GiB instead of 5.4 GiB (the heap keeps
-            fragments). ``remat`` leaves it off by default: its memory saving would
+            atoms (eager, float32, 2 threads, ``benchmarks/memory.py``) a step took
+            7.0 s instead of 23.4 s, with a peak resident size of 8.1 GiB instead of
+            5.5 GiB (the heap keeps fragments). ``remat`` leaves it off by default: its memory saving would
             stay in the heap.
         **kwargs: passed to :class:`ase.calculators.calculator.Calculator`.
     """

@@ -8,7 +8,7 @@ transformer layer keeps only its inputs for the backward pass and computes its
 internals again when the backward pass reaches it (``torch.utils.checkpoint``,
 non-reentrant). The derivatives are the same, bit for bit (the same operations
 run on the same inputs); the price is one more forward pass of the transformer
-layers, about a third of a force evaluation.
+layers (measured: a force and stress step 1.35-1.65x slower).
 
 Measured (``benchmarks/memory.py``; default PET, float32, eager forces and stress,
 2 threads): the activations kept for the backward pass fall 4.8x, the peak
