@@ -293,6 +293,23 @@ def _merge_lora(state: Dict[str, torch.Tensor], scaling_of) -> Dict[str, torch.T
     return out
 
 
+def _split_lora(state: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """``(state with every LoRA-wrapped linear's X.linear.* renamed X.*, the adapters
+    X.lora_A/B.weight)``: the base weights and the adapters kept apart."""
+    out, adapters = {}, {}
+    wrapped = {k[: -len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight")}
+    for key, value in state.items():
+        if ".lora_A." in key or ".lora_B." in key:
+            adapters[key] = value
+            continue
+        for prefix in wrapped:
+            if key.startswith(prefix + ".linear."):
+                key = prefix + "." + key[len(prefix + ".linear."):]
+                break
+        out[key] = value
+    return out, adapters
+
+
 def _network_params(state: Mapping[str, torch.Tensor], target: str) -> Dict[str, torch.Tensor]:
     """``backend.*`` weights without prefix, the chosen target's heads renamed to
     petfunc's ``energy`` / ``energy___0``, other targets' heads dropped."""
@@ -490,11 +507,17 @@ def from_metatrain(
     return config, params
 
 
-def _read_metatrain(source, dtype=None, target=None, llpr: Optional[str] = None):
+def _read_metatrain(source, dtype=None, target=None, llpr: Optional[str] = None,
+                    lora_out: Optional[dict] = None):
     """``(config, params, uncertainty)`` of a metatrain checkpoint or exported model,
     read once. ``llpr``: ``None`` (``uncertainty`` is ``None``), ``"if present"``
     (an LLPR checkpoint's uncertainty quantities, see :mod:`petfunc.llpr`) or
-    ``"required"`` (anything else is an error)."""
+    ``"required"`` (anything else is an error).
+
+    LoRA adapters of a checkpoint fine-tuned with ``method: lora`` are merged into
+    the weights, unless ``lora_out`` is a dict: the adapters then stay apart, in
+    ``params["lora"]`` (:mod:`petfunc.lora`'s layout), and ``lora_out`` receives the
+    source's ``{"rank", "alpha", "targets"}``."""
     metatrain_pet = _require_metatrain()
     if isinstance(source, Mapping):
         label = "the checkpoint"
@@ -549,15 +572,31 @@ def _read_metatrain(source, dtype=None, target=None, llpr: Optional[str] = None)
     if not state:
         raise ValueError(f"{label} holds no model weights (no model_state_dict)")
     finetune = state.pop("finetune_config", None) or latest_state.get("finetune_config") or {}
+    adapters = {}
     if finetune.get("method") == "lora":
-        alpha = float(dict(finetune.get("config") or {}).get("alpha", 8))  # metatrain's default
-        state = _merge_lora(state, lambda prefix, rank: alpha / rank)
+        lora_config = dict(finetune.get("config") or {})
+        alpha = float(lora_config.get("alpha", 8))  # metatrain's default
+        if lora_out is None:
+            state = _merge_lora(state, lambda prefix, rank: alpha / rank)
+        else:
+            state, adapters = _split_lora(state)
     elif any(k.endswith(".lora_A.weight") for k in state):
         raise ValueError(f"{label} has LoRA weights but its finetune_config is not 'lora'")
 
     network = _network_params(state, target)
     weights, scale = _composition_and_scale(state, target, config.atomic_types)
     params = _assemble(config, network, weights, scale, dtype, label)
+    if adapters:
+        from . import lora
+
+        adapters = _network_params(adapters, target)
+        reference = tree.flatten(params)
+        params[lora.KEY] = tree.unflatten({
+            k: v.detach().to(dtype=reference[k.rsplit(".lora_", 1)[0] + ".weight"].dtype) for k, v in adapters.items()
+        })
+        lora_out.update(rank=int(next(v for k, v in adapters.items() if k.endswith(".lora_A.weight")).shape[0]),
+                        alpha=alpha,
+                        targets=tuple(lora_config.get("target_modules", lora.DEFAULT_TARGETS)))
     uncertainty = None
     if llpr is not None and wrapper is not None:
         from .llpr import _uncertainty_of

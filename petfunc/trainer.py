@@ -237,10 +237,19 @@ def load_model(path, dtype: Optional[torch.dtype] = None, which: str = "best", d
     ``which`` picks the parameters of a training checkpoint: ``"best"`` (default;
     ``best_params`` when present) or ``"last"``. ``target``: which energy target of
     a metatrain checkpoint (see :func:`petfunc.from_metatrain`); petfunc files have
-    one, ``"energy"``.
+    one, ``"energy"``. LoRA adapters are merged into the weights.
     """
-    from .io import from_metatrain, load_params
+    config, params, _ = _load_model(path, dtype, which, device, target, keep_lora=False)
+    return config, params
 
+
+def _load_model(path, dtype, which, device, target, keep_lora: bool):
+    """:func:`load_model`, plus ``lora``: with ``keep_lora``, a source's LoRA
+    adapters stay in ``params["lora"]`` and ``lora`` is their ``{rank, alpha,
+    targets}`` (else ``None``)."""
+    from .io import _read_metatrain, load_params
+
+    source_lora = None
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {str(path)!r}")
@@ -256,9 +265,11 @@ def load_model(path, dtype: Optional[torch.dtype] = None, which: str = "best", d
         config = PETConfig.from_hypers(json.loads(payload["config"]))
         flat = payload["best_params"] if which == "best" and payload.get("best_params") else payload["params"]
         params = tree.unflatten(dict(flat))
-        if lora.KEY in params:  # a LoRA fine-tuning run: merge its adapters
+        if lora.KEY in params:  # a LoRA fine-tuning run: merge its adapters, or keep them
             finetune = json.loads(payload["options"])["architecture"]["training"]["finetune"]
-            params = lora.merge(params, lora.scaling_of(lora.config_of(finetune)["alpha"], params))
+            source_lora = lora.config_of(finetune)
+            if not keep_lora:
+                params = lora.merge(params, lora.scaling_of(source_lora["alpha"], params))
     elif isinstance(payload, dict) and payload.get("format") == "petfunc.params":
         config, params = load_params(path)
     elif payload is not None:
@@ -271,8 +282,10 @@ def load_model(path, dtype: Optional[torch.dtype] = None, which: str = "best", d
                 f"{str(path)!r} is not a model file (expected a petfunc checkpoint or parameter "
                 "file, or a metatrain checkpoint)"
             )
+        lora_out = {} if keep_lora else None
         try:
-            config, params = from_metatrain(path, target=target)
+            config, params, _ = _read_metatrain(path, target=target, lora_out=lora_out)
+            source_lora = lora_out or None
         except ImportError:
             raise ValueError(
                 f"{str(path)!r} is neither a petfunc checkpoint nor a petfunc parameter file "
@@ -285,7 +298,7 @@ def load_model(path, dtype: Optional[torch.dtype] = None, which: str = "best", d
         return t.to(dtype=torch.float64 if keep64 else (dtype or t.dtype), device=device)
 
     params = {k: (cast(k, v) if k in frozen else tree.tree_map(lambda t: cast(k, t), v)) for k, v in params.items()}
-    return config, params
+    return config, params, (source_lora if keep_lora and lora.KEY in params else None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -611,8 +624,11 @@ def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log
         # metatrain's inherit_heads {energy: SOURCE}: the energy heads start from the
         # source target's heads
         source = (finetune_options.get("inherit_heads") or {}).get("energy")
+        # method 'lora' on a model fine-tuned with LoRA trains its adapters on, as
+        # metatrain does (it injects no new ones); other methods merge them
+        continue_lora = finetune_options.get("method") == "lora"
         try:
-            config, params = load_model(finetune, dtype=dtype, device=device, target=source)
+            config, params, source_lora = _load_model(finetune, dtype, "best", device, source, continue_lora)
         except ValueError as error:
             if source is None and "pass target=" in str(error):
                 raise ValueError(str(error).replace(
@@ -621,6 +637,14 @@ def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log
             raise
         log(f"fine-tuning from {finetune} ({len(config.atomic_types)} atomic types {config.atomic_types})"
             + (f", heads of its target {source!r}" if source else ""))
+        if source_lora is not None:
+            given = finetune_options.get("config") or {}
+            effective = {"rank": source_lora["rank"], "alpha": source_lora["alpha"],
+                         "target_modules": list(source_lora["targets"])}
+            if any(given.get(k, effective[k]) != effective[k] for k in effective):
+                log(f"the model already has LoRA adapters: training them on (rank {effective['rank']}, alpha "
+                    f"{effective['alpha']:g}) as metatrain does, instead of finetune.config {given}")
+            finetune_options["config"] = effective  # stored in checkpoints: a restart agrees
         return config, params
     hypers = dict(model_hypers)
     hypers.setdefault("atomic_types", atomic_types)

@@ -171,6 +171,86 @@ def test_lora_step_equals_metatrain(targets):
                                pet.energy(params, positions, cell, neighbors), rtol=1e-13, atol=0.0)
 
 
+def test_lora_on_a_lora_checkpoint_trains_its_adapters_on(tmp_path):
+    """metatrain's apply_finetuning_strategy injects no adapters into a model that has
+    some: ``method: lora`` on a metatrain LoRA checkpoint trains the source's adapters
+    on, with the source's rank and alpha. petfunc keeps them apart (not merged), and
+    its step equals metatrain's."""
+    from metatrain.pet.modules.finetuning import apply_finetuning_strategy
+    from metatrain.utils.io import model_from_checkpoint
+
+    from petfunc.trainer import _load_model
+
+    frames, params, batch = _batch_and_labels()
+    model = ref.make_model(CONFIG)
+    ref.load_params(model, params)
+    strategy = {"method": "lora", "read_from": "-", "inherit_heads": {}, "config": {"rank": 2, "alpha": 3.0}}
+    torch.manual_seed(0)
+    model = apply_finetuning_strategy(model, strategy)
+    checkpoint = model.get_checkpoint()
+    checkpoint["best_model_state_dict"]["finetune_config"] = strategy  # as metatrain's trainer does
+    path = tmp_path / "lora.ckpt"
+    torch.save(checkpoint, path)
+
+    config, start, source = _load_model(path, torch.float64, "best", None, None, keep_lora=True)
+    assert source == {"rank": 2, "alpha": 3.0, "targets": lora.DEFAULT_TARGETS}
+    flat = tree.flatten(start)
+    wrapped = [k for k in model.state_dict() if ".lora_" in k or ".linear.weight" in k]
+    assert len(wrapped) == 24  # 8 adapted linears (4 attention layers): base weight, A, B
+    for key in wrapped:
+        name = key.removeprefix("backend.").replace(".linear.weight", ".weight")
+        assert torch.equal(flat["lora." + name if ".lora_" in key else name], model.state_dict()[key].double()), key
+    # the same function as the merged weights (which equal metatrain's, tests/test_io.py)
+    _, merged = load_model(path, dtype=torch.float64)
+    positions, cell, neighbors = batch.positions, batch.cell, batch.neighbors
+    torch.testing.assert_close(lora.LoRAPET(config, 3.0 / 2).energy(start, positions, cell, neighbors),
+                               petfunc.PET(config).energy(merged, positions, cell, neighbors), rtol=1e-13, atol=0.0)
+
+    # metatrain fine-tunes it again with other LoRA settings: no new adapters
+    again = model_from_checkpoint(checkpoint, "finetune").to(torch.float64)
+    again = apply_finetuning_strategy(again, {**strategy, "config": {"rank": 4, "alpha": 8.0}})
+    assert sorted(k for k, p in again.named_parameters() if p.requires_grad) == \
+        sorted(k for k in model.state_dict() if ".lora_" in k)
+    before = {k: v.clone() for k, v in flat.items()}
+    start["composition_weights"] = params["composition_weights"]  # the batch's training units
+    start["energy_scale"] = torch.ones((), dtype=torch.float64)
+    optimizer = petfunc.make_optimizer(LR)
+    state = petfunc.init_state(start, optimizer, lora.TRAIN)
+    pet = lora.LoRAPET(config, source["alpha"] / source["rank"])
+    new_state, metrics = petfunc.make_train_step(pet, optimizer, WEIGHTS, CLIP, train=lora.TRAIN)(state, batch)
+    loss, norm = _metatrain_step(again, frames, batch)
+    before["composition_weights"], before["energy_scale"] = start["composition_weights"], start["energy_scale"]
+    moved = _compare_updates(again, before, tree.flatten(new_state.params), metrics, loss, norm)
+    assert moved == 16
+
+    # petfunc train does the same: the source's adapters, rank and alpha, not the options'
+    import ase.io
+
+    labels = np.random.default_rng(5)
+    written = []
+    for i in range(8):
+        atoms = _frames()[i % 3].copy()
+        atoms.rattle(0.02, seed=i)
+        atoms.info["energy"] = float(labels.normal())
+        atoms.arrays["forces"] = labels.normal(size=(len(atoms), 3))
+        written.append(atoms)
+    data = tmp_path / "hco.xyz"
+    ase.io.write(data, written)
+    lines = []
+    options = {"seed": 2, "base_precision": 64, "training_set": str(data), "validation_set": 0.25,
+               "architecture": {"name": "pet", "training": {
+                   "batch_size": 4, "num_epochs": 1, "atomic_baseline": {"energy": 0.0},
+                   "finetune": {"read_from": str(path), "method": "lora", "config": {"rank": 4, "alpha": 8}}}}}
+    fit(options, tmp_path / "run", progress=False, log=lines.append)
+    assert any("training them on (rank 2, alpha 3)" in m for m in lines), lines
+    assert any("LoRA adapters of rank 2 (alpha 3) on 8 layers" in m for m in lines), lines
+    last = torch.load(tmp_path / "run" / "last.ckpt", weights_only=True)
+    adapters = {k: v for k, v in last["params"].items() if k.startswith("lora.")}
+    assert sorted(adapters) == sorted(k for k in flat if k.startswith("lora."))
+    assert all(adapters[k].shape == flat[k].shape for k in adapters)
+    assert all((adapters[k] - flat[k]).abs().max() < 1e-2 for k in adapters)  # one small step on
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A tiny model trained from scratch, and the dataset it was trained on."""
