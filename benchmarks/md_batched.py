@@ -35,7 +35,7 @@ def main():
     dt = 0.5 * units.fs
     print(f"# {len(frames)} molecules ({sum(len(a) for a in frames)} atoms), PET d_pet {args.d_pet}, float32, "
           f"{args.threads} threads, {args.steps} velocity Verlet steps of 0.5 fs, compile={args.compile}")
-    calc = PETCalculator(config, params, compile=args.compile, keep_freed_memory=False)  # glibc defaults on both sides
+    calc = PETCalculator(config, params, compile=args.compile)
 
     def loop():
         out = []

@@ -56,7 +56,7 @@ def main():
     what = "crystals (FrechetCellFilter)" if args.cells else "molecules"
     print(f"# {len(frames)} {what} ({sum(len(a) for a in frames)} atoms), PET d_pet {args.d_pet}, float32, "
           f"{args.threads} threads, fmax {args.fmax}, at most {args.steps} steps, compile={args.compile}")
-    calc = PETCalculator(config, params, compile=args.compile, keep_freed_memory=False)  # glibc defaults on both sides
+    calc = PETCalculator(config, params, compile=args.compile)
 
     def loop():
         out = []

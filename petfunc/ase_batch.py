@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from . import allocator
 from .ase import _voigt
 from .config import PETConfig
 from .data import padding_sample
@@ -37,13 +38,18 @@ class BatchEvaluator:
         compile: evaluate through :func:`petfunc.compile` (one graph for every batch).
         backend, dtype, device: as for :class:`petfunc.ase.PETCalculator`.
         cache_tag: names the caller in the compiled trace's cache key.
+        keep_freed_memory: call :func:`petfunc.allocator.keep_freed_memory`
+            (process-wide), as the calculator does by default: each step reuses the
+            memory the last one freed instead of page-faulting it in again.
     """
 
     def __init__(self, config: PETConfig, params, stress: bool = False, max_atoms: Optional[int] = None,
                  compile: bool = False, backend="inductor", dtype: Optional[torch.dtype] = None, device=None,
-                 cache_tag: str = "petfunc.ase_batch"):
+                 cache_tag: str = "petfunc.ase_batch", keep_freed_memory: bool = True):
         if max_atoms is not None and max_atoms < 1:
             raise ValueError(f"max_atoms must be positive, got {max_atoms!r}")
+        if keep_freed_memory:
+            allocator.keep_freed_memory()
         self.config = config
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.dtype = dtype or network_dtype(params)

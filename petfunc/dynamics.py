@@ -131,6 +131,7 @@ def run(
     device=None,
     observer: Optional[Callable[[int, List], None]] = None,
     progress: bool = False,
+    keep_freed_memory: bool = True,
 ) -> DynamicsResult:
     """Advance ``frames`` (``ase.Atoms``, not modified) by ``steps`` steps together.
 
@@ -150,6 +151,7 @@ def run(
             evaluation (step 0) and after every step; each structure's calculator
             then holds its energy and forces (e.g. to write a trajectory).
         progress: show a tqdm bar of the steps.
+        keep_freed_memory: as for :class:`petfunc.ase_batch.BatchEvaluator`.
     """
     if int(steps) != steps or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
@@ -158,7 +160,7 @@ def run(
     if not isinstance(integrator, (VelocityVerlet, Langevin)):
         raise TypeError(f"integrator must be petfunc.dynamics.VelocityVerlet() or Langevin(...), got {integrator!r}")
     evaluate = BatchEvaluator(config, params, max_atoms=max_atoms, compile=compile, backend=backend, dtype=dtype,
-                              device=device, cache_tag="petfunc.dynamics")
+                              device=device, cache_tag="petfunc.dynamics", keep_freed_memory=keep_freed_memory)
     evaluate.check(frames)
     atoms_list = [atoms.copy() for atoms in frames]
     labels = [f"structure {i}" for i in range(len(atoms_list))]

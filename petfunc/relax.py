@@ -136,6 +136,7 @@ def fire(
     parameters: FIRE = FIRE(),
     cell_filter=None,
     progress: bool = False,
+    keep_freed_memory: bool = True,
 ) -> RelaxResult:
     """Relax ``frames`` (``ase.Atoms``; not modified) with FIRE, all at once.
 
@@ -152,13 +153,15 @@ def fire(
             ``ase.filters.FrechetCellFilter``; a callable ``atoms -> filter``). Every
             structure must then have a cell of non-zero volume.
         progress: show a tqdm bar of the structures still moving.
+        keep_freed_memory: as for :class:`petfunc.ase_batch.BatchEvaluator`.
     """
     if not fmax > 0:
         raise ValueError(f"fmax must be positive, got {fmax!r}")
     if int(steps) != steps or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
     evaluate = BatchEvaluator(config, params, stress=cell_filter is not None, max_atoms=max_atoms, compile=compile,
-                              backend=backend, dtype=dtype, device=device, cache_tag="petfunc.relax")
+                              backend=backend, dtype=dtype, device=device, cache_tag="petfunc.relax",
+                              keep_freed_memory=keep_freed_memory)
     evaluate.check(frames)
     states = [_State(atoms.copy(), parameters, cell_filter) for atoms in frames]
     final = [None] * len(states)

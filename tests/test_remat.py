@@ -6,7 +6,8 @@
 * autograd keeps fewer activations for the backward pass (counted exactly with a
   saved-tensor hook);
 * torch.func, compile and exported models refuse it with a clear error;
-* ``PETCalculator`` keeps freed memory by default, and not with ``remat``.
+* ``PETCalculator`` keeps freed memory by default, and not with ``remat``; so does the
+  batched evaluator of ``relax.fire`` and ``dynamics.run``.
 """
 
 import ase.build
@@ -124,3 +125,13 @@ def test_calculator_remat_and_freed_memory(monkeypatch):
         for values in runs[1:]:
             for a, b in zip(runs[0], values):
                 np.testing.assert_array_equal(a, b)
+    # the batched evaluator of relax.fire and dynamics.run does the same by default
+    from petfunc.ase_batch import BatchEvaluator
+
+    for keep, expected_calls in [(True, 1), (False, 0)]:
+        calls.clear()
+        BatchEvaluator(cfg, params, keep_freed_memory=keep)
+        assert len(calls) == expected_calls
+    calls.clear()
+    petfunc.dynamics.run(cfg, params, structures(), steps=0, timestep=1.0, keep_freed_memory=False)
+    assert not calls
