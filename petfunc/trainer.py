@@ -612,6 +612,16 @@ def _absolute_paths(options: dict) -> dict:
     return options
 
 
+def _baseline_file(path, kind, atomic_types, unit, additive_models=("CompositionModel",)):
+    """:func:`petfunc.io.read_metatrain_baseline`, with a missing metatrain an options error."""
+    try:
+        return read_metatrain_baseline(path, kind, atomic_types, unit, additive_models)
+    except ImportError as error:
+        option = "atomic_baseline" if kind == "composition" else "fixed_scaling_weights"
+        raise ValueError(f"option 'architecture.training.{option}' names a metatrain {kind} checkpoint: "
+                         f"{error}") from None
+
+
 def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log):
     finetune_options = options["architecture"]["training"]["finetune"]
     finetune = finetune_options.get("read_from")
@@ -764,7 +774,7 @@ def fit(
                                  "a composition or scaler checkpoint needs one")
             (unit,) = units
         if "file" in baseline:
-            fixed = read_metatrain_baseline(baseline["file"], "composition", config.atomic_types, unit)
+            fixed = _baseline_file(baseline["file"], "composition", config.atomic_types, unit)
             log(f"composition weights from {baseline['file']}")
         else:
             fixed = fixed_composition(baseline, config.atomic_types)
@@ -777,7 +787,7 @@ def fit(
             composition, scale = fixed, fit_scale(train_samples, fixed, config, per_atom=weights.per_atom)
         if "file" in scaler:
             additive = ("CompositionModel",) + (("ZBL",) if config.zbl else ())
-            scale = float(read_metatrain_baseline(scaler["file"], "scaler", config.atomic_types, unit, additive))
+            scale = float(_baseline_file(scaler["file"], "scaler", config.atomic_types, unit, additive))
             log(f"energy scale from {scaler['file']}")
         elif "energy" in scaler:
             scale = scaler["energy"]
