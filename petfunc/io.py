@@ -276,23 +276,6 @@ def _choose_target(dataset_info, target: Optional[str]) -> str:
     )
 
 
-def _merge_lora(state: Dict[str, torch.Tensor], scaling_of) -> Dict[str, torch.Tensor]:
-    """Replace every LoRA-wrapped linear (``X.linear.*``, ``X.lora_A/B.weight``) by a
-    plain ``X.weight = W + s * B @ A`` and ``X.bias``; ``s = scaling_of(X, rank)``."""
-    out = dict(state)
-    prefixes = [k[: -len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight")]
-    for prefix in prefixes:
-        a = out.pop(f"{prefix}.lora_A.weight")
-        b = out.pop(f"{prefix}.lora_B.weight")
-        w = out.pop(f"{prefix}.linear.weight")
-        scaling = float(scaling_of(prefix, a.shape[0]))
-        merged = w.double() + scaling * (b.double() @ a.double())
-        out[f"{prefix}.weight"] = merged.to(w.dtype)
-        if f"{prefix}.linear.bias" in out:
-            out[f"{prefix}.bias"] = out.pop(f"{prefix}.linear.bias")
-    return out
-
-
 def _split_lora(state: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
     """``(state with every LoRA-wrapped linear's X.linear.* renamed X.*, the adapters
     X.lora_A/B.weight)``: the base weights and the adapters kept apart."""
@@ -308,6 +291,21 @@ def _split_lora(state: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor]
                 break
         out[key] = value
     return out, adapters
+
+
+def _merge_lora(state: Dict[str, torch.Tensor], scaling_of) -> Dict[str, torch.Tensor]:
+    """Replace every LoRA-wrapped linear (``X.linear.*``, ``X.lora_A/B.weight``) by a
+    plain ``X.weight = W + s * B @ A`` and ``X.bias``; ``s = scaling_of(X, rank)``."""
+    out, adapters = _split_lora(state)
+    for key, a in adapters.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        prefix = key[: -len(".lora_A.weight")]
+        b = adapters[f"{prefix}.lora_B.weight"]
+        w = out[f"{prefix}.weight"]
+        scaling = float(scaling_of(prefix, a.shape[0]))
+        out[f"{prefix}.weight"] = (w.double() + scaling * (b.double() @ a.double())).to(w.dtype)
+    return out
 
 
 def _network_params(state: Mapping[str, torch.Tensor], target: str) -> Dict[str, torch.Tensor]:
