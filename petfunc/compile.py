@@ -59,6 +59,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from . import _cpu_kernels
+
 
 @contextlib.contextmanager
 def no_duck_shape():
@@ -272,7 +274,7 @@ class Compiled:
         mode, fakes = _fake_inputs(inputs, self._static)
         inner = torch._dynamo.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend
         patch = torch._inductor.config.patch(self.options) if self.options else contextlib.nullcontext()
-        with patch, no_duck_shape(), torch.no_grad():
+        with patch, no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped():
             compiled = inner(self.graph, fakes)
         # symbolic sizes: the relations the backend assumed; data sizes torch
         # specialised (0 or 1) are fixed numbers, checked one by one (parameter

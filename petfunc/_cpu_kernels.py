@@ -1,0 +1,246 @@
+"""Compile inductor's C++ kernels of one graph a few translation units at a time.
+
+Inductor builds every C++ kernel of a CPU graph as its own shared library: one
+``g++`` run per kernel. Each run loads the precompiled ATen header (about 150 MB,
+0.4 s) and links (0.2 s) before it compiles the kernel itself (typically 0.1-0.5 s),
+so the fixed cost dominates. PET's training step has 75 kernels (energy only) to
+about 200 (with forces and stress): most of a cold compile was spent loading the
+same header over and over.
+
+:func:`grouped` batches them: while it is active, the kernels a compiled module
+asks for (``AsyncCompile.cpp_pybinding``) are collected, and when the module waits
+for them they are concatenated into ``2 x compile_threads`` sources (balanced by
+size), each built once, in parallel, into one Python extension with one entry point
+per kernel. The kernels' code is unchanged (same flags, same precompiled header, same
+``parse_arg`` conversion of arguments), only renamed (``kernel`` -> ``kernel_<i>``);
+the libraries live in inductor's cache, keyed by their source, so a warm start
+rebuilds nothing. A kernel whose source does not have the expected shape (one
+``extern "C" void kernel(...)`` and nothing else at file scope) is left to inductor.
+
+``PETFUNC_GROUP_KERNELS=0`` turns this off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import threading
+
+_KERNEL = re.compile(r'^extern\s+"C"\s+void\s+kernel\s*\(', re.M)
+_SCALARS = {"int64_t", "uintptr_t", "float", "double"}
+_lock = threading.Lock()
+_depth = 0
+_saved = None
+
+
+def _argument_type(argtype: str):
+    """The C++ type ``parse_arg`` converts to, or None if we cannot convert it."""
+    t = argtype.replace("const ", "").strip()
+    return t if t.endswith("*") or t in _SCALARS else None
+
+
+def groupable(argtypes, source: str) -> bool:
+    """True if ``source`` defines one ``extern "C" void kernel(...)`` and nothing
+    else at file scope besides ``#include`` lines."""
+    if any(_argument_type(a) is None for a in argtypes) or len(_KERNEL.findall(source)) != 1:
+        return False
+    for line in source.splitlines():
+        if line[:1] in ("", " ", "\t", "{", "}") or line.startswith(("#include", "//")):
+            continue
+        if not _KERNEL.match(line):
+            return False
+    return True
+
+
+_BINDINGS_HEAD = r"""
+// petfunc: Python entry points of the kernels above, one per kernel
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <type_traits>
+
+// torch's tensor -> data pointer function, found through an environment variable
+// that torch sets before loading the library (as for its own kernels)
+static void* (*petfunc_data_ptr)(PyObject*);
+
+template <typename T> static inline T petfunc_arg(PyObject* args, Py_ssize_t i) {
+    static_assert(std::is_pointer_v<T>, "tensor (pointer) or scalar arguments only");
+    return static_cast<T>(petfunc_data_ptr(PyTuple_GET_ITEM(args, i)));
+}
+template <> inline int64_t petfunc_arg<int64_t>(PyObject* args, Py_ssize_t i) {
+    Py_ssize_t value = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, i));
+    if (value == -1 && PyErr_Occurred()) throw std::runtime_error("expected an int argument");
+    return value;
+}
+template <> inline uintptr_t petfunc_arg<uintptr_t>(PyObject* args, Py_ssize_t i) {
+    void* value = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, i));
+    if (value == reinterpret_cast<void*>(-1) && PyErr_Occurred()) throw std::runtime_error("expected an int argument");
+    return reinterpret_cast<uintptr_t>(value);
+}
+template <> inline double petfunc_arg<double>(PyObject* args, Py_ssize_t i) {
+    double value = PyFloat_AsDouble(PyTuple_GET_ITEM(args, i));
+    if (value == -1.0 && PyErr_Occurred()) throw std::runtime_error("expected a float argument");
+    return value;
+}
+template <> inline float petfunc_arg<float>(PyObject* args, Py_ssize_t i) {
+    return static_cast<float>(petfunc_arg<double>(args, i));
+}
+"""
+
+_BINDING = r"""
+static PyObject* petfunc_call_{i}(PyObject* self, PyObject* args) {{
+    try {{
+        if (!PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != {n})
+            throw std::runtime_error("kernel_{i} takes a tuple of {n} arguments");
+        kernel_{i}({args});
+        Py_RETURN_NONE;
+    }} catch (std::exception const& e) {{
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+        return nullptr;
+    }} catch (...) {{
+        PyErr_SetString(PyExc_RuntimeError, "unknown C++ exception in kernel_{i}");
+        return nullptr;
+    }}
+}}
+"""
+
+_BINDINGS_TAIL = r"""
+static PyMethodDef petfunc_methods[] = {{
+{methods}
+    {{nullptr, nullptr, 0, nullptr}}}};
+
+static struct PyModuleDef petfunc_module = {{PyModuleDef_HEAD_INIT, "kernel", nullptr, -1, petfunc_methods}};
+
+PyMODINIT_FUNC PyInit_kernel(void) {{
+    const char* address = std::getenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR");
+    if (!address) {{
+        PyErr_SetString(PyExc_RuntimeError, "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR is not set");
+        return nullptr;
+    }}
+    char* end = nullptr;
+    errno = 0;
+    uintptr_t value = std::strtoull(address, &end, 10);
+    if (errno != 0 || end == address || value == 0) {{
+        PyErr_SetString(PyExc_RuntimeError, "cannot parse _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR");
+        return nullptr;
+    }}
+    petfunc_data_ptr = reinterpret_cast<decltype(petfunc_data_ptr)>(value);
+    return PyModule_Create(&petfunc_module);
+}}
+"""
+
+
+def group_source(kernels) -> str:
+    """One C++ source for ``kernels`` (a list of ``(argtypes, source)``): the
+    kernels renamed ``kernel_<i>``, then a Python module ``kernel`` whose
+    function ``kernel_<i>`` calls kernel i with its arguments converted as
+    inductor's own bindings do."""
+    parts, bindings, methods = [], [], []
+    for i, (argtypes, source) in enumerate(kernels):
+        parts.append(_KERNEL.sub(f'extern "C" void kernel_{i}(', source, count=1))
+        args = ", ".join(f"petfunc_arg<{_argument_type(a)}>(args, {k})" for k, a in enumerate(argtypes))
+        bindings.append(_BINDING.format(i=i, n=len(argtypes), args=args))
+        methods.append(f'    {{"kernel_{i}", petfunc_call_{i}, METH_VARARGS, ""}},')
+    return "\n".join(parts) + _BINDINGS_HEAD + "".join(bindings) + _BINDINGS_TAIL.format(methods="\n".join(methods))
+
+
+@functools.lru_cache(maxsize=None)
+def _code_cache():
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    class GroupedBindingsCache(CppPythonBindingsCodeCache):
+        """Inductor's cache of Python-bound C++ libraries (same flags, header and
+        loading), for sources that hold several kernels."""
+
+        cache: dict = {}
+
+    return GroupedBindingsCache
+
+
+class _Pending:
+    """A kernel waiting for its group to be built; callable like the kernel."""
+
+    def __init__(self, owner, argtypes, source):
+        self.owner, self.argtypes, self.source = owner, argtypes, source
+        self._load = None
+
+    def result(self, timeout=None):
+        if self._load is None:
+            _build(self.owner)
+        return self._load()
+
+    def __call__(self, *args):
+        return self.result()(*args)
+
+
+def _build(owner):
+    """Build the pending kernels of one compiled module (an ``AsyncCompile``)."""
+    from torch._inductor.async_compile import get_compile_threads
+
+    pending = owner.__dict__.pop("_petfunc_pending", [])
+    pending = [p for p in pending if p._load is None]
+    if not pending:
+        return
+    threads = get_compile_threads()
+    n_groups = min(len(pending), max(1, 2 * threads))
+    groups, sizes = [[] for _ in range(n_groups)], [0] * n_groups
+    # largest first, each to the lightest group: deterministic, so that a warm
+    # start asks for the same sources and finds them built
+    for p in sorted(pending, key=lambda p: (-len(p.source), p.source)):
+        g = sizes.index(min(sizes))
+        groups[g].append(p)
+        sizes[g] += len(p.source)
+    cache = _code_cache()
+    submit = owner.submit if threads > 1 else None
+    for group in groups:
+        load = cache.load_async(group_source([(p.argtypes, p.source) for p in group]), "cpu", submit_fn=submit)
+        for i, p in enumerate(group):
+            p._load = lambda load=load, name=f"kernel_{i}": getattr(load(), name)
+
+
+@contextlib.contextmanager
+def grouped():
+    """While active, inductor's C++ kernels are built in groups (module docstring)."""
+    global _depth, _saved
+    if os.environ.get("PETFUNC_GROUP_KERNELS", "1") == "0":
+        yield
+        return
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+    except ImportError:  # pragma: no cover - inductor unavailable
+        yield
+        return
+    with _lock:
+        if _depth == 0:
+            _saved = (AsyncCompile.cpp_pybinding, AsyncCompile.wait)
+            original_pybinding, original_wait = _saved
+
+            def cpp_pybinding(self, argtypes, source_code):
+                if not groupable(argtypes, source_code):
+                    return original_pybinding(self, argtypes, source_code)
+                kernel = _Pending(self, list(argtypes), source_code)
+                self.__dict__.setdefault("_petfunc_pending", []).append(kernel)
+                return kernel
+
+            def wait(self, scope):
+                _build(self)
+                for key, value in list(scope.items()):
+                    if isinstance(value, _Pending):
+                        scope[key] = value.result()
+                return original_wait(self, scope)
+
+            AsyncCompile.cpp_pybinding, AsyncCompile.wait = cpp_pybinding, wait
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                AsyncCompile.cpp_pybinding, AsyncCompile.wait = _saved
+                _saved = None

@@ -1,0 +1,89 @@
+"""Inductor's C++ kernels built a few per library (petfunc._cpu_kernels).
+
+The grouped library must call every kernel with its own arguments (pointers, sizes,
+floats), and the whole compiled function must give the numbers it gives when
+inductor builds each kernel alone.
+"""
+
+import pytest
+import torch
+
+import petfunc
+from petfunc import _cpu_kernels
+
+SCALE = """#include <torch/csrc/inductor/cpp_prefix.h>
+extern "C"  void  kernel(const float* in_ptr0,
+                       float* out_ptr0,
+                       const int64_t ks0,
+                       const float s0)
+{
+    for (int64_t i = 0; i < ks0; ++i) { out_ptr0[i] = s0 * in_ptr0[i]; }
+}
+"""
+
+SHIFT = """#include <torch/csrc/inductor/cpp_prefix.h>
+extern "C"  void  kernel(const double* in_ptr0,
+                       double* out_ptr0,
+                       const int64_t ks0)
+{
+    for (int64_t i = 0; i < ks0; ++i) { out_ptr0[i] = in_ptr0[i] + static_cast<double>(i); }
+}
+"""
+
+
+def test_only_plain_kernels_are_grouped():
+    assert _cpu_kernels.groupable(["const float*", "float*", "const int64_t", "const float"], SCALE)
+    # something else at file scope (a helper, a global) could clash with another kernel's
+    helper = SCALE.replace('extern "C"', 'static int helper() { return 1; }\nextern "C"')
+    assert not _cpu_kernels.groupable(["const float*", "float*", "const int64_t", "const float"], helper)
+    assert not _cpu_kernels.groupable(["const float*"], SCALE + SCALE)  # two entry points
+    assert not _cpu_kernels.groupable(["at::Tensor"], SCALE)  # an argument parse_arg cannot convert
+    source = _cpu_kernels.group_source([(["const float*", "float*", "const int64_t", "const float"], SCALE),
+                                        (["const double*", "double*", "const int64_t"], SHIFT)])
+    assert source.count('extern "C" void kernel_0(') == 1 and source.count('extern "C" void kernel_1(') == 1
+    assert "petfunc_arg<float>(args, 3)" in source and "petfunc_arg<double*>(args, 1)" in source
+
+
+def test_grouped_library_calls_each_kernel_with_its_arguments():
+    # built with inductor's flags and precompiled header, loaded as inductor loads
+    # its own kernels (a few seconds: one g++ run)
+    library = _cpu_kernels._code_cache().load(_cpu_kernels.group_source([
+        (["const float*", "float*", "const int64_t", "const float"], SCALE),
+        (["const double*", "double*", "const int64_t"], SHIFT),
+    ]))
+    x = torch.arange(5, dtype=torch.float32)
+    out = torch.empty_like(x)
+    library.kernel_0(x, out, 5, 2.5)
+    assert torch.equal(out, 2.5 * x)
+    y = torch.linspace(0, 1, 7, dtype=torch.float64)
+    out = torch.empty_like(y)
+    library.kernel_1(y, out, 7)
+    assert torch.equal(out, y + torch.arange(7, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="kernel_1 takes a tuple of 3 arguments"):
+        library.kernel_1(y, out)
+
+
+def _energy(params, positions, index):
+    hidden = torch.tanh(positions[index] @ params["w"]) * torch.sigmoid(positions[index, :1])
+    out = torch.zeros(positions.shape[0], hidden.shape[1], dtype=positions.dtype)
+    return out.index_add(0, index, hidden).pow(2).sum(1).softmax(0)
+
+
+@pytest.mark.slow
+def test_grouped_compile_equals_separate_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 6, generator=g, dtype=torch.float64)}
+    args = [(torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randint(0, n, (e,), generator=g))
+            for n, e in [(5, 17), (11, 40)]]
+    results = {}
+    for grouped in ("1", "0"):
+        monkeypatch.setenv("PETFUNC_GROUP_KERNELS", grouped)
+        before = len(_cpu_kernels._code_cache().cache)
+        compiled = petfunc.compile(_energy, params, *args[0], backend="inductor")
+        results[grouped] = [compiled(params, *a) for a in args]
+        built = len(_cpu_kernels._code_cache().cache) - before
+        assert (built > 0) == (grouped == "1")
+    for a, grouped, separate in zip(args, results["1"], results["0"]):
+        assert torch.equal(grouped, separate)
+        assert torch.allclose(grouped, _energy(params, *a), rtol=1e-12, atol=1e-14)
