@@ -1,0 +1,124 @@
+"""Cold compile time of the training step: what kernel grouping and the
+multi-tensor optimizer save.
+
+Each measurement is a fresh process with an empty inductor cache and no trace
+cache: ``petfunc.compile`` of the default PET's training step (the setting of
+``train_step.py``: batch 8, float32; qm9 energy only, carbon energy + forces +
+stress), then its first call. Variants, interleaved (A B C A B C ...):
+
+* ``before``: inductor builds each C++ kernel alone (``PETFUNC_GROUP_KERNELS=0``)
+  and the clipping and Adam update loop over the ~115 parameter tensors (the
+  training step's graph as it was before ``petfunc._foreach``);
+* ``grouped``: kernels built a few per library (:mod:`petfunc._cpu_kernels`),
+  optimizer still per tensor;
+* ``after``: both (petfunc's default).
+
+Also printed: the median step time of each variant over the other batches, so that
+a compile-time gain that costs step time would show.
+
+    python benchmarks/cold_compile.py --dataset qm9 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+VARIANTS = {"before": ("0", False), "grouped": ("1", False), "after": ("1", True)}
+
+
+def child(dataset: str, variant: str, threads: int) -> None:
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE.parent))
+    import petfunc
+    from petfunc import _foreach
+    from petfunc.data import make_batch
+    from train_step import atomic_types, load
+
+    torch.set_num_threads(threads)
+    if not VARIANTS[variant][1]:
+        _foreach._fused = lambda tensors: False  # the per-tensor loop: one graph node per tensor
+    dtype = torch.float32
+    config = petfunc.PETConfig(atomic_types=atomic_types(dataset))
+    data = load(dataset, config)
+    energy_only = dataset == "qm9"
+    weights = petfunc.LossWeights.make(forces=0.0 if energy_only else 1.0, stress=0.0 if energy_only else 1.0)
+    composition, scale = data.fit_composition_and_scale()
+    model = petfunc.PET(config)
+    params = model.init(seed=0, dtype=dtype)
+    params["composition_weights"] = torch.tensor(composition, dtype=dtype)
+    params["energy_scale"] = torch.tensor(scale, dtype=dtype)
+    optimizer = petfunc.make_optimizer(1e-4)
+    state = petfunc.init_state(params, optimizer)
+    step = petfunc.make_train_step(model, optimizer, weights)
+    order = np.random.default_rng(0).permutation(len(data))
+    chunks = [order[i : i + 8] for i in range(0, len(order) - 7, 8)][:9]
+    batches = [make_batch([data.samples[i] for i in c], config, composition, scale, dtype=dtype) for c in chunks]
+
+    start = time.perf_counter()
+    compiled = petfunc.compile(step, state, batches[0])
+    traced = time.perf_counter()
+    compiled(state, batches[0])
+    done = time.perf_counter()
+    times = []
+    for _ in range(2):
+        for batch in batches[1:]:
+            t = time.perf_counter()
+            compiled(state, batch)
+            times.append(time.perf_counter() - t)
+    nodes = sum(1 for n in compiled.graph.graph.nodes if n.op == "call_function")
+    print(json.dumps({"trace": traced - start, "compile": done - traced, "total": done - start,
+                      "step_ms": 1e3 * statistics.median(times), "nodes": nodes, "graphs": compiled.num_graphs}))
+
+
+def measure(dataset: str, variant: str, threads: int) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PETFUNC_TRACE_CACHE="0",
+                   PETFUNC_GROUP_KERNELS=VARIANTS[variant][0])
+        out = subprocess.run([sys.executable, __file__, "--child", dataset, variant, "--threads", str(threads)],
+                             env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{variant} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dataset", choices=["qm9", "carbon"], default="qm9")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--child", nargs=2, metavar=("DATASET", "VARIANT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(*args.child, args.threads)
+    print(f"## {args.dataset}: cold compile of the training step (fresh process, empty caches), "
+          f"{args.threads} threads")
+    results = {v: [] for v in args.variants}
+    for r in range(args.repeats):
+        for variant in args.variants:
+            result = measure(args.dataset, variant, args.threads)
+            results[variant].append(result)
+            print(f"# run {r + 1} {variant:8s} trace {result['trace']:5.1f} s, compile + first call "
+                  f"{result['compile']:5.1f} s, total {result['total']:5.1f} s; step {result['step_ms']:.1f} ms; "
+                  f"{result['nodes']} graph nodes, {result['graphs']} graph(s)", flush=True)
+    print("| variant | trace (s) | compile + first call (s) | total (s) | step (ms) |")
+    print("|---|---|---|---|---|")
+    for variant, runs in results.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in ("trace", "compile", "total", "step_ms")}
+        print(f"| {variant} | {med['trace']:.1f} | {med['compile']:.1f} | {med['total']:.1f} | {med['step_ms']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
