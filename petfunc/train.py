@@ -18,8 +18,6 @@ import torchopt
 from torch.func import grad_and_value
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import _foreach as fe
-
 from . import tree
 from .derivatives import _assert_eager, _check_autodiff
 from .loss import LossWeights, make_loss
@@ -124,8 +122,6 @@ def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None
 
     def update(grads, state, params=None, inplace=False):
         del inplace  # always functional
-        if weight_decay is not None and params is None:
-            raise ValueError("AdamW needs params in update()")
         count = state.count + 1
         # no tensors made from Python floats here: a 0-d constant in a traced graph
         # becomes a symbolic float if the graph is handed to Dynamo (torch.compile),
@@ -148,28 +144,20 @@ def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None
                 factors[dtype] = ((-lr / bias1).to(dtype), bias2_sqrt.to(dtype), decay)
             return factors[dtype]
 
-        # leaves in the order of the moments' tree (a dict's keys may come in
-        # another order in grads)
-        m, spec = tree_flatten(state.mu)
-        if not m:  # nothing to train
-            return grads, AdamState(count, state.mu, state.nu)
-        g, v = spec.flatten_up_to(grads), spec.flatten_up_to(state.nu)
-        p = spec.flatten_up_to(params) if params is not None else m
+        mu = tree_map(lambda m, g: torch.lerp(m, g, 1.0 - b1), state.mu, grads)
+        nu = tree_map(lambda v, g: v * b2 + (1.0 - b2) * g * g, state.nu, grads)
 
-        def moments(m, v, g):
-            m = fe.lerp(m, g, 1.0 - b1)
-            v = fe.add(fe.mul(v, b2), fe.mul(fe.mul(g, 1.0 - b2), g))
-            return m, v
+        def step(m, v, p):
+            step_size, b2_sqrt, decay = scalars(m.dtype)
+            out = step_size * m / (v.sqrt() / b2_sqrt + eps)
+            if decay is not None:
+                out = out - decay * p
+            return out
 
-        def steps(m, v, p):
-            step_size, b2_sqrt, decay = scalars(m[0].dtype)
-            out = fe.div(fe.mul(m, step_size), fe.add(fe.div(fe.sqrt(v), b2_sqrt), eps))
-            return (out if decay is None else fe.sub(out, fe.mul(p, decay)),)
-
-        m, v = fe.by_dtype(moments, m, v, g)
-        (updates,) = fe.by_dtype(steps, m, v, p)
-        return (tree_unflatten(updates, spec),
-                AdamState(count, tree_unflatten(m, spec), tree_unflatten(v, spec)))
+        if weight_decay is not None and params is None:
+            raise ValueError("AdamW needs params in update()")
+        updates = tree_map(step, mu, nu, params if params is not None else mu)
+        return updates, AdamState(count, mu, nu)
 
     return torchopt.base.GradientTransformation(init, update)
 
@@ -185,19 +173,10 @@ def clip_by_global_norm(grads, max_norm: float):
     Same formula as ``torch.nn.utils.clip_grad_norm_``: factor
     ``min(1, max_norm / (norm + 1e-6))``. Returns ``(clipped, norm)``.
     """
-    leaves, spec = tree_flatten(grads)
-    if not leaves:
-        return grads, torch.zeros(())
-    norm = torch.linalg.vector_norm(torch.stack(fe.norm(leaves)))
+    leaves = torch.utils._pytree.tree_leaves(grads)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in leaves]))
     factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    (clipped,) = fe.by_dtype(lambda g: (fe.mul(g, factor.to(g[0].dtype)),), leaves)
-    return tree_unflatten(clipped, spec), norm
-
-
-def add_updates(params, updates):
-    """``params + updates`` leaf by leaf (torchopt's ``apply_updates``, functional)."""
-    p, spec = tree_flatten(params)
-    return tree_unflatten(fe.add(p, spec.flatten_up_to(updates)), spec)
+    return torch.utils._pytree.tree_map(lambda g: g * factor.to(g.dtype), grads), norm
 
 
 def make_grad_step(energy_fn, weights: LossWeights = LossWeights(), autodiff: str = "func",
@@ -278,7 +257,7 @@ def apply_gradients(optimizer, state: TrainState, grads, grad_clip_norm: float =
     params = state.params
     train_params = trainable(params, train)
     updates, opt_state = optimizer.update(grads, state.opt_state, params=train_params, inplace=False)
-    new_params = add_updates(train_params, updates)
+    new_params = torchopt.apply_updates(train_params, updates, inplace=False)
     return TrainState(with_trained(params, new_params, train), opt_state), norm
 
 
