@@ -1,17 +1,13 @@
-"""Cold compile time of the training step: what kernel grouping and the
-multi-tensor optimizer save.
+"""Cold compile time of the training step: what kernel grouping saves.
 
 Each measurement is a fresh process with an empty inductor cache and no trace
 cache: ``petfunc.compile`` of the default PET's training step (the setting of
 ``train_step.py``: batch 8, float32; qm9 energy only, carbon energy + forces +
-stress), then its first call. Variants, interleaved (A B C A B C ...):
+stress), then its first call. Variants, interleaved (A B A B ...):
 
-* ``before``: inductor builds each C++ kernel alone (``PETFUNC_GROUP_KERNELS=0``)
-  and the clipping and Adam update loop over the ~115 parameter tensors (the
-  training step's graph as it was before ``petfunc._foreach``);
-* ``grouped``: kernels built a few per library (:mod:`petfunc._cpu_kernels`),
-  optimizer still per tensor;
-* ``after``: both (petfunc's default).
+* ``separate``: inductor builds each C++ kernel alone (``PETFUNC_GROUP_KERNELS=0``);
+* ``grouped``: kernels built a few per library (:mod:`petfunc._cpu_kernels`,
+  petfunc's default).
 
 Also printed: the median step time of each variant over the other batches, so that
 a compile-time gain that costs step time would show.
@@ -32,7 +28,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = {"before": ("0", False), "grouped": ("1", False), "after": ("1", True)}
+VARIANTS = {"separate": "0", "grouped": "1"}
 
 
 def child(dataset: str, variant: str, threads: int) -> None:
@@ -42,13 +38,10 @@ def child(dataset: str, variant: str, threads: int) -> None:
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent))
     import petfunc
-    from petfunc import _foreach
     from petfunc.data import make_batch
     from train_step import atomic_types, load
 
     torch.set_num_threads(threads)
-    if not VARIANTS[variant][1]:
-        _foreach._fused = lambda tensors: False  # the per-tensor loop: one graph node per tensor
     dtype = torch.float32
     config = petfunc.PETConfig(atomic_types=atomic_types(dataset))
     data = load(dataset, config)
@@ -85,7 +78,7 @@ def child(dataset: str, variant: str, threads: int) -> None:
 def measure(dataset: str, variant: str, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PETFUNC_TRACE_CACHE="0",
-                   PETFUNC_GROUP_KERNELS=VARIANTS[variant][0])
+                   PETFUNC_GROUP_KERNELS=VARIANTS[variant])
         out = subprocess.run([sys.executable, __file__, "--child", dataset, variant, "--threads", str(threads)],
                              env=env, capture_output=True, text=True)
     if out.returncode != 0:
