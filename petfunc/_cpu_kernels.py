@@ -27,6 +27,7 @@ import functools
 import os
 import re
 import threading
+import warnings
 
 _KERNEL = re.compile(r'^extern\s+"C"\s+void\s+kernel\s*\(', re.M)
 _SCALARS = {"int64_t", "uintptr_t", "float", "double"}
@@ -163,16 +164,31 @@ def _code_cache():
 
 
 class _Pending:
-    """A kernel waiting for its group to be built; callable like the kernel."""
+    """A kernel waiting for its group to be built; callable like the kernel.
 
-    def __init__(self, owner, argtypes, source):
+    If its group cannot be built or loaded (a torch version whose internals
+    differ, a compiler error), the kernel is built alone as inductor would have
+    built it, with a warning: slower to compile, never wrong.
+    """
+
+    def __init__(self, owner, argtypes, source, alone):
         self.owner, self.argtypes, self.source = owner, argtypes, source
+        self._alone = alone  # inductor's own cpp_pybinding, unpatched
         self._load = None
+        self._kernel = None
 
     def result(self, timeout=None):
-        if self._load is None:
-            _build(self.owner)
-        return self._load()
+        if self._kernel is None:
+            try:
+                if self._load is None:
+                    _build(self.owner)
+                self._kernel = self._load()
+            except Exception as error:  # noqa: BLE001 - any failure: inductor's path
+                warnings.warn(f"petfunc: building inductor's C++ kernels in groups failed ({error!r}); "
+                              "building this one alone", RuntimeWarning, stacklevel=2)
+                kernel = self._alone(self.owner, self.argtypes, self.source)
+                self._kernel = kernel.result() if hasattr(kernel, "result") else kernel
+        return self._kernel
 
     def __call__(self, *args):
         return self.result()(*args)
@@ -223,7 +239,7 @@ def grouped():
             def cpp_pybinding(self, argtypes, source_code):
                 if not groupable(argtypes, source_code):
                     return original_pybinding(self, argtypes, source_code)
-                kernel = _Pending(self, list(argtypes), source_code)
+                kernel = _Pending(self, list(argtypes), source_code, original_pybinding)
                 self.__dict__.setdefault("_petfunc_pending", []).append(kernel)
                 return kernel
 

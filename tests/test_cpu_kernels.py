@@ -87,3 +87,16 @@ def test_grouped_compile_equals_separate_kernels(tmp_path, monkeypatch):
     for a, grouped, separate in zip(args, results["1"], results["0"]):
         assert torch.equal(grouped, separate)
         assert torch.allclose(grouped, _energy(params, *a), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.slow
+def test_a_group_that_fails_to_build_falls_back_to_single_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_cpu_kernels, "group_source", lambda kernels: "this is not C++;\n")
+    g = torch.Generator().manual_seed(1)
+    params = {"w": torch.randn(3, 5, generator=g, dtype=torch.float64)}
+    positions, index = torch.randn(7, 3, generator=g, dtype=torch.float64), torch.randint(0, 7, (19,), generator=g)
+    with pytest.warns(RuntimeWarning, match="building this one alone"):
+        compiled = petfunc.compile(_energy, params, positions, index, backend="inductor")
+        out = compiled(params, positions, index)
+    assert torch.allclose(out, _energy(params, positions, index), rtol=1e-12, atol=1e-14)
