@@ -32,32 +32,16 @@ VARIANTS = {"separate": "0", "grouped": "1"}
 
 
 def child(dataset: str, variant: str, threads: int) -> None:
-    import numpy as np
     import torch
 
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent))
     import petfunc
-    from petfunc.data import make_batch
-    from train_step import atomic_types, load
+    from train_step import setup
 
     torch.set_num_threads(threads)
-    dtype = torch.float32
-    config = petfunc.PETConfig(atomic_types=atomic_types(dataset))
-    data = load(dataset, config)
-    energy_only = dataset == "qm9"
-    weights = petfunc.LossWeights.make(forces=0.0 if energy_only else 1.0, stress=0.0 if energy_only else 1.0)
-    composition, scale = data.fit_composition_and_scale()
-    model = petfunc.PET(config)
-    params = model.init(seed=0, dtype=dtype)
-    params["composition_weights"] = torch.tensor(composition, dtype=dtype)
-    params["energy_scale"] = torch.tensor(scale, dtype=dtype)
-    optimizer = petfunc.make_optimizer(1e-4)
-    state = petfunc.init_state(params, optimizer)
-    step = petfunc.make_train_step(model, optimizer, weights)
-    order = np.random.default_rng(0).permutation(len(data))
-    chunks = [order[i : i + 8] for i in range(0, len(order) - 7, 8)][:9]
-    batches = [make_batch([data.samples[i] for i in c], config, composition, scale, dtype=dtype) for c in chunks]
+    bench = setup(dataset, torch.float32, 9)
+    step, state, batches = bench.step, bench.state, bench.batches
 
     start = time.perf_counter()
     compiled = petfunc.compile(step, state, batches[0])

@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -152,9 +153,9 @@ def median_ms(values):
     return 1e3 * statistics.median(values)
 
 
-def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "eager func", "compiled"), device="cpu",
-        peak_gflops=None):
-    torch.manual_seed(0)
+def setup(name, dtype, n_batches, device="cpu"):
+    """The benchmark's default PET, optimizer, training step and first ``n_batches``
+    batches of 8 (a fixed shuffle) for one dataset (a ``SimpleNamespace``)."""
     config = petfunc.PETConfig(atomic_types=atomic_types(name))
     dataset = load(name, config)
     energy_only = name == "qm9"
@@ -165,14 +166,24 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
     params["composition_weights"] = torch.tensor(composition, dtype=dtype, device=device)
     params["energy_scale"] = torch.tensor(scale, dtype=dtype, device=device)
     optimizer = petfunc.make_optimizer(1e-4)
-    state = petfunc.init_state(params, optimizer)
-    step = petfunc.make_train_step(model, optimizer, weights)
-    step_autograd = petfunc.make_train_step(model, optimizer, weights, autodiff="autograd")
-
     order = np.random.default_rng(0).permutation(len(dataset))
-    chunks = [order[i : i + 8] for i in range(0, len(order) - 7, 8)][: steps + warmup]
+    chunks = [order[i : i + 8] for i in range(0, len(order) - 7, 8)][:n_batches]
     samples = [[dataset.samples[i] for i in c] for c in chunks]
-    batches = [make_batch(s, config, composition, scale, dtype=dtype, device=device) for s in samples]
+    return SimpleNamespace(
+        config=config, energy_only=energy_only, weights=weights, model=model, params=params,
+        optimizer=optimizer, state=petfunc.init_state(params, optimizer),
+        step=petfunc.make_train_step(model, optimizer, weights), samples=samples,
+        batches=[make_batch(s, config, composition, scale, dtype=dtype, device=device) for s in samples],
+    )
+
+
+def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "eager func", "compiled"), device="cpu",
+        peak_gflops=None):
+    torch.manual_seed(0)
+    bench = setup(name, dtype, steps + warmup, device)
+    config, energy_only, weights, model, params = bench.config, bench.energy_only, bench.weights, bench.model, bench.params
+    optimizer, state, step, samples, batches = bench.optimizer, bench.state, bench.step, bench.samples, bench.batches
+    step_autograd = petfunc.make_train_step(model, optimizer, weights, autodiff="autograd")
     atoms = [b.positions.shape[0] for b in batches]
     widths = [b.neighbors.nef_index.shape[1] for b in batches]
     print(f"\n## {name}: batch 8, {'energy only' if energy_only else 'energy + forces + stress'}, {dtype}")
@@ -245,8 +256,8 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
 
     med = {v: median_ms(t) for v, t in times.items()}
     base = med.get("metatrain")
-    print(f"| variant | median ms/step | speed-up vs metatrain eager | peak step memory (MiB) |")
-    print(f"|---|---|---|---|")
+    print("| variant | median ms/step | speed-up vs metatrain eager | peak step memory (MiB) |")
+    print("|---|---|---|---|")
     for v in variants:
         ratio = f"{base / med[v]:.2f}x" if base else "-"
         print(f"| {v} | {med[v]:.1f} | {ratio} | {memory[v]:.0f} |")

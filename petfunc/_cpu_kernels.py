@@ -11,12 +11,16 @@ same header over and over.
 asks for (``AsyncCompile.cpp_pybinding``) are collected, and when the module waits
 for them they are concatenated into ``2 x compile_threads`` sources (balanced by
 size), each built once, in parallel, into one Python extension with one entry point
-per kernel. The kernels' code is unchanged (same flags, same precompiled header, same
-``parse_arg`` conversion of arguments), only renamed (``kernel`` -> ``kernel_<i>``);
-the libraries live in inductor's cache, keyed by their source, so a warm start
-rebuilds nothing. A kernel whose source does not have the expected shape (one
-``extern "C" void kernel(...)`` and nothing else at file scope) is left to inductor.
+per kernel. The kernels' code is unchanged (same flags, same precompiled header,
+arguments converted as inductor's own bindings convert them), only renamed
+(``kernel`` -> ``kernel_<i>``); the libraries live in inductor's cache, keyed by
+their source, so a warm start rebuilds nothing. A kernel whose source does not have
+the expected shape (one ``extern "C" void kernel(...)`` and nothing else at file
+scope) is left to inductor, and so is every kernel of a group that fails to build or
+load (with a warning).
 
+Measured on the default PET's training step (``benchmarks/cold_compile.py``), cold
+compile from an empty cache: qm9 116 -> 80 s, carbon 158 -> 118 s.
 ``PETFUNC_GROUP_KERNELS=0`` turns this off.
 """
 
