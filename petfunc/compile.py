@@ -104,6 +104,19 @@ def _fake_inputs(tensors, static):
     return mode, fakes
 
 
+def _drop_unused_constants(graph_module: torch.fx.GraphModule) -> None:
+    """Delete tensors kept on the traced module that no graph node reads.
+
+    torch 2.11's make_fx keeps some tensors of the torch.func transforms (views of
+    attention's q, k, v wrapped for grad) as module constants that no node uses;
+    a backend would then try to fake-ify them as inputs and fail.
+    """
+    used = {node.target for node in graph_module.graph.nodes if node.op == "get_attr"}
+    for name, _ in list(graph_module.named_buffers(recurse=False)) + list(graph_module.named_parameters(recurse=False)):
+        if name not in used:
+            delattr(graph_module, name)
+
+
 # ---------------------------------------------------------------------------------------
 # trace cache
 
@@ -232,6 +245,7 @@ class Compiled:
             # forward-mode AD (jvp) leaves unused checks such as aten.is_same_size, which
             # return Python bools that Dynamo cannot put in a graph: drop dead nodes
             self.graph.graph.eliminate_dead_code()
+            _drop_unused_constants(self.graph)
             self.graph.recompile()
             if cache is not None:
                 _save_trace(cache, self.graph, self._out_spec)

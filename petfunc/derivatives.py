@@ -84,8 +84,11 @@ def cell_volume(cell: torch.Tensor) -> torch.Tensor:
 
 
 def _strained(positions, cell, strain, structure_index):
-    positions = torch.einsum("ia,iab->ib", positions, strain[structure_index])
-    return positions, torch.matmul(cell, strain)
+    # bmm, what einsum("ia,iab->ib") and matmul run for these shapes: torch 2.11
+    # fails an internal assert tracing einsum or matmul here (a grad of a grad under
+    # make_fx with symbolic sizes)
+    positions = torch.bmm(positions.unsqueeze(1), strain[structure_index]).squeeze(1)
+    return positions, torch.bmm(cell, strain)
 
 
 def _identity_strain(cell: torch.Tensor) -> torch.Tensor:

@@ -92,12 +92,15 @@ def attention(params, x: torch.Tensor, grid: TokenGrid, num_heads: int, temperat
     qkv = qkv.reshape(n_atoms, t, 3, num_heads, h)
     # unbind, not qkv[0], qkv[1], qkv[2]: the backward of three selects builds three
     # zero-filled copies of qkv and adds them; unbind's backward is one stack
-    q, k, v = (z.transpose(1, 2) for z in qkv.unbind(dim=2))  # [n_atoms, heads, t, h]
+    # [n_atoms * heads, t, h]: batched products written as bmm (what matmul runs for
+    # 4-d operands); torch 2.11 traces matmul's double backward with fixed sizes
+    q, k, v = (z.transpose(1, 2).reshape(n_atoms * num_heads, t, h) for z in qkv.unbind(dim=2))
     # scaling q rather than the scores touches t / h times fewer numbers
     q = q * (1.0 / (math.sqrt(h) * temperature))
-    scores = torch.matmul(q, k.transpose(-2, -1))
+    scores = torch.bmm(q, k.transpose(1, 2)).view(n_atoms, num_heads, t, t)
     weights = torch.softmax(scores + grid.bias[:, None, None, :], dim=-1)
-    out = torch.matmul(weights, v).transpose(1, 2).reshape(n_atoms * t, d)
+    out = torch.bmm(weights.view(n_atoms * num_heads, t, t), v)
+    out = out.view(n_atoms, num_heads, t, h).transpose(1, 2).reshape(n_atoms * t, d)
     out = permute_rows(out, grid.slot, index, inverse_mask=mask)  # back to the token list
     return nn.linear(params["output_linear"], out)
 
