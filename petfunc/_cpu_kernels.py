@@ -179,13 +179,16 @@ class _Pending:
         self.owner, self.argtypes, self.source = owner, argtypes, source
         self._alone = alone  # inductor's own cpp_pybinding, unpatched
         self._load = None
+        self._error = None  # why its group could not be set up
         self._kernel = None
 
     def result(self, timeout=None):
         if self._kernel is None:
             try:
-                if self._load is None:
+                if self._load is None and self._error is None:
                     _build(self.owner)
+                if self._error is not None:
+                    raise self._error
                 self._kernel = self._load()
             except Exception as error:  # noqa: BLE001 - any failure: inductor's path
                 warnings.warn(f"petfunc: building inductor's C++ kernels in groups failed ({error!r}); "
@@ -215,12 +218,17 @@ def _build(owner):
         g = sizes.index(min(sizes))
         groups[g].append(p)
         sizes[g] += len(p.source)
-    cache = _code_cache()
     submit = owner.submit if threads > 1 else None
-    for group in groups:
-        load = cache.load_async(group_source([(p.argtypes, p.source) for p in group]), "cpu", submit_fn=submit)
-        for i, p in enumerate(group):
-            p._load = lambda load=load, name=f"kernel_{i}": getattr(load(), name)
+    try:
+        cache = _code_cache()
+        for group in groups:
+            load = cache.load_async(group_source([(p.argtypes, p.source) for p in group]), "cpu", submit_fn=submit)
+            for i, p in enumerate(group):
+                p._load = lambda load=load, name=f"kernel_{i}": getattr(load(), name)
+    except Exception as error:  # noqa: BLE001 - these kernels fall back one by one
+        for p in pending:
+            if p._load is None:
+                p._error = error
 
 
 @contextlib.contextmanager

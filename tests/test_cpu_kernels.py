@@ -100,3 +100,31 @@ def test_a_group_that_fails_to_build_falls_back_to_single_kernels(tmp_path, monk
         compiled = petfunc.compile(_energy, params, positions, index, backend="inductor")
         out = compiled(params, positions, index)
     assert torch.allclose(out, _energy(params, positions, index), rtol=1e-12, atol=1e-14)
+
+
+def test_a_group_that_cannot_be_set_up_falls_back(monkeypatch):
+    # the grouped build is set up when the compiled module waits for its kernels; if
+    # that fails (another torch's internals), every kernel is built alone, as inductor
+    # would, with a warning
+    class Owner:
+        pass
+
+    owner = Owner()
+    built_alone = []
+
+    def alone(owner_, argtypes, source):
+        built_alone.append(source)
+        return lambda *args: "alone"
+
+    pending = [_cpu_kernels._Pending(owner, ["float*"], SCALE, alone)]
+    owner._petfunc_pending = list(pending)
+
+    def broken():
+        raise TypeError("load_async() got an unexpected keyword argument")
+
+    monkeypatch.setattr(_cpu_kernels, "_code_cache", broken)
+    monkeypatch.setattr("torch._inductor.async_compile.get_compile_threads", lambda: 1)
+    _cpu_kernels._build(owner)
+    with pytest.warns(RuntimeWarning, match="unexpected keyword argument"):
+        assert pending[0](1, 2) == "alone"
+    assert built_alone == [SCALE]
