@@ -294,13 +294,21 @@ def _extra_data(section, where: str, read_from: str) -> dict:
 # fixed composition
 
 
+def _checkpoint_file(value) -> Optional[dict]:
+    """``{"file": path}`` if ``value`` names a metatrain checkpoint (a path, or that
+    form already resolved, as a restart reads it back), else ``None``."""
+    if isinstance(value, (str, os.PathLike)):
+        return {"file": os.fspath(value)}
+    if isinstance(value, Mapping) and set(value) == {"file"}:
+        return {"file": os.fspath(value["file"])}
+    return None
+
+
 def _atomic_baseline(value, where: str) -> dict:
     """``{}``, ``{"energy": float | {Z: float}}`` (metatrain's forms, energy only), or
     ``{"file": path}`` for a metatrain composition model checkpoint."""
-    if isinstance(value, (str, os.PathLike)):
-        return {"file": os.fspath(value)}
-    if isinstance(value, Mapping) and set(value) == {"file"}:  # resolved before (a restart)
-        return {"file": os.fspath(value["file"])}
+    if (checkpoint := _checkpoint_file(value)) is not None:
+        return checkpoint
     if not isinstance(value, Mapping):
         raise ValueError(f"option '{where}' must be a mapping like {{energy: {{1: -13.6, 8: -2041.3}}}} "
                          f"or the path of a metatrain composition model checkpoint, got {value!r}")
@@ -321,10 +329,8 @@ def _atomic_baseline(value, where: str) -> dict:
 def _fixed_scaling_weights(value, where: str) -> dict:
     """``{}``, ``{"energy": c}`` with c > 0 (metatrain's form for a per-structure
     target), or ``{"file": path}`` for a metatrain scaler checkpoint."""
-    if isinstance(value, (str, os.PathLike)):
-        return {"file": os.fspath(value)}
-    if isinstance(value, Mapping) and set(value) == {"file"}:  # resolved before (a restart)
-        return {"file": os.fspath(value["file"])}
+    if (checkpoint := _checkpoint_file(value)) is not None:
+        return checkpoint
     if not isinstance(value, Mapping):
         raise ValueError(f"option '{where}' must be a mapping like {{energy: 0.5}} or the path of a "
                          f"metatrain scaler checkpoint, got {value!r}")
