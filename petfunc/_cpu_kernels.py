@@ -206,7 +206,6 @@ def _build(owner):
     from torch._inductor.async_compile import get_compile_threads
 
     pending = owner.__dict__.pop("_petfunc_pending", [])
-    pending = [p for p in pending if p._load is None]
     if not pending:
         return
     threads = get_compile_threads()
