@@ -24,6 +24,7 @@ from .train import (
     make_grad_step,
     make_optimizer,
     make_train_step,
+    pack_state,
     warmup_cosine,
 )
 from .trainer import fit

@@ -30,6 +30,11 @@ take and return any pytree of tensors (dicts, lists, NamedTuples such as
    terms).
 6. On CPU, inductor's C++ kernels are built a few per library rather than one
    ``g++`` run each (:mod:`petfunc._cpu_kernels`): a third less cold compile time.
+7. Static tensors that are consecutive views of one buffer (a state made by
+   :func:`petfunc.init_state`: the parameters, each optimizer moment) enter the
+   graph as that one buffer, and outputs packed the same way leave it as one. The
+   traced optimizer step then runs on whole vectors. Any later call may pass
+   other tensors: a run that is not packed any more is copied into a buffer first.
 
 ``compiled.num_graphs`` counts the graphs compiled for this function: 1 after the
 first call, and it must stay 1.
@@ -61,7 +66,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from . import _cpu_kernels
+from . import _cpu_kernels, tree
 
 
 @contextlib.contextmanager
@@ -98,6 +103,9 @@ def _fake_inputs(tensors, static):
     mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False), allow_non_fake_inputs=True)
     fakes = []
     for t, is_static in zip(tensors, static):
+        if t._base is not None:
+            # a view is fake-ified with its base, whose sizes would not follow ``static``
+            t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
         kind = DimDynamic.STATIC if is_static else DimDynamic.DYNAMIC
         context = StatelessSymbolicContext(dynamic_sizes=[kind] * t.dim())
         fakes.append(mode.from_tensor(t, symbolic_context=context))
@@ -115,6 +123,62 @@ def _drop_unused_constants(graph_module: torch.fx.GraphModule) -> None:
     for name, _ in list(graph_module.named_buffers(recurse=False)) + list(graph_module.named_parameters(recurse=False)):
         if name not in used:
             delattr(graph_module, name)
+
+
+def _packed_runs(tensors, eligible):
+    """``[(start, stop)]``: runs of two or more consecutive ``eligible`` tensors that
+    are consecutive views of one buffer (:func:`petfunc.tree.pack`)."""
+    runs, start = [], 0
+    while start < len(tensors):
+        stop = start + 1
+        if eligible[start]:
+            while stop < len(tensors) and eligible[stop] and tree._packed_range(tensors[start:stop + 1]) is not None:
+                stop += 1
+        if stop - start >= 2:
+            runs.append((start, stop))
+            start = stop
+        else:
+            start += 1
+    return runs
+
+
+class _Layout:
+    """How a list of tensor leaves maps to a list of graph tensors: each packed run
+    (:func:`_packed_runs`) is one 1-d graph tensor, every other leaf one of its own.
+
+    A train state made by :func:`petfunc.init_state` holds the parameters and each
+    optimizer moment in one buffer; passing those buffers whole lets the traced
+    optimizer step run on whole vectors (:func:`petfunc.tree.ravel` needs no copy),
+    and the new state comes back packed the same way.
+    """
+
+    def __init__(self, leaves, runs):
+        first = {start: stop for start, stop in runs}
+        # sizes of the leaves in runs (static); others may be symbolic and are not kept
+        self.shapes = [None] * len(leaves)
+        for start, stop in runs:
+            for i in range(start, stop):
+                self.shapes[i] = tuple(int(n) for n in leaves[i].shape)
+        self.items = []  # (start, stop): a run; (index, None): a single leaf
+        index = 0
+        while index < len(leaves):
+            stop = first.get(index)
+            self.items.append((index, stop))
+            index = stop if stop is not None else index + 1
+
+    def pack(self, leaves):
+        """Graph tensors from leaves (a run is copied only if not packed any more)."""
+        return [leaves[i] if stop is None else tree.ravel(leaves[i:stop]) for i, stop in self.items]
+
+    def unpack(self, tensors):
+        """Leaves from graph tensors (views of the runs' buffers)."""
+        out = []
+        for (i, stop), t in zip(self.items, tensors):
+            out += [t] if stop is None else tree.unravel(t, self.shapes[i:stop])
+        return out
+
+    def key(self):
+        return [stop for _, stop in self.items]
 
 
 # ---------------------------------------------------------------------------------------
@@ -155,7 +219,8 @@ def _cache_file(key: str, signature) -> Optional[Path]:
 
 
 def _load_trace(path: Path):
-    """``(graph, output spec)`` from a cache file, or ``None`` (missing or unreadable)."""
+    """``(graph, output spec, output layout)`` from a cache file, or ``None`` (missing
+    or unreadable)."""
     try:
         data = path.read_bytes()
     except OSError:
@@ -170,20 +235,20 @@ def _load_trace(path: Path):
         with warnings.catch_warnings():
             # unpickling a TreeSpec warns about its own deprecated LeafSpec check (torch 2.13)
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            graph, out_spec = pickle.loads(data)
-        if not isinstance(graph, torch.fx.GraphModule):
-            raise TypeError(f"holds a {type(graph).__name__}")
-        return graph, out_spec
+            graph, out_spec, out_layout = pickle.loads(data)
+        if not isinstance(graph, torch.fx.GraphModule) or not isinstance(out_layout, _Layout):
+            raise TypeError(f"holds a {type(graph).__name__} and a {type(out_layout).__name__}")
+        return graph, out_spec, out_layout
     except Exception as error:  # a damaged or foreign file: trace again
         warnings.warn(f"petfunc.compile: ignoring the unreadable trace cache file {path} ({error})", stacklevel=3)
         return None
 
 
-def _save_trace(path: Path, graph, out_spec) -> None:
+def _save_trace(path: Path, graph, out_spec, out_layout) -> None:
     """Write atomically; a failure to write only costs the next process a trace."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = pickle.dumps((graph, out_spec))
+        data = pickle.dumps((graph, out_spec, out_layout))
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -207,37 +272,50 @@ class Compiled:
         self.fn = fn
         self.backend = backend
         tensors, self._constants, self._is_tensor, self._spec = _split(example_args)
-        # which graph inputs have static sizes (parameters, optimizer state)
-        self._static = []
+        # which leaves have static sizes (parameters, optimizer state)
+        static = []
         for index, arg in enumerate(example_args):
             n = len([x for x in pytree.tree_leaves(arg) if isinstance(x, torch.Tensor)])
-            self._static += [index in static_argnums] * n
+            static += [index in static_argnums] * n
         # 0-d tensors enter the graph as [1], so that torch.compile(compiled.graph)
         # also works (Dynamo turns a 0-d float input into a symbolic Python float
         # and restarts its analysis to specialise it)
         self._scalar = [t.dim() == 0 for t in tensors]
+        # packed static leaves (parameters, optimizer moments) enter as whole buffers
+        self._in_layout = _Layout(tensors, _packed_runs(tensors, [s and t.dim() > 0 for t, s in zip(tensors, static)]))
+        self._static = [True if stop is not None else static[i] for i, stop in self._in_layout.items]
+        self._leaf_signature = [(t.dtype, t.device, t.dim()) for t in tensors]
+        self._leaf_static_shapes = [tuple(t.shape) if s else None for t, s in zip(tensors, static)]
         self._out_spec = None
+        self._out_layout = None
 
-        def flat_fn(*flat_tensors):
-            flat = [t.reshape(()) if s else t for t, s in zip(flat_tensors, self._scalar)]
-            args = _merge(flat, self._constants, self._is_tensor, self._spec)
+        def flat_fn(*graph_tensors):
+            graph_tensors = [
+                t.reshape(()) if stop is None and self._scalar[i] else t
+                for t, (i, stop) in zip(graph_tensors, self._in_layout.items)
+            ]
+            args = _merge(self._in_layout.unpack(graph_tensors), self._constants, self._is_tensor, self._spec)
             out = fn(*args)
             out_leaves, out_spec = pytree.tree_flatten(out)
             self._out_spec = out_spec
-            return tuple(out_leaves)
+            # outputs packed like the inputs (the new parameters and moments) leave
+            # the graph as their whole buffers too
+            eligible = [isinstance(t, torch.Tensor) and t.dim() > 0 for t in out_leaves]
+            self._out_layout = _Layout(out_leaves, _packed_runs(out_leaves, eligible))
+            return tuple(self._out_layout.pack(out_leaves))
 
         inputs = self._graph_inputs(tensors)
         cache = None
         if cache_key is not None:
             signature = (
                 [(t.dtype, str(t.device), tuple(t.shape) if s else t.dim()) for t, s in zip(inputs, self._static)],
-                repr(self._spec), repr(self._constants),
+                self._in_layout.key(), repr(self._spec), repr(self._constants),
             )
             cache = _cache_file(str(cache_key), signature)
         loaded = _load_trace(cache) if cache is not None and cache.exists() else None
         self.from_cache = loaded is not None
         if loaded is not None:
-            self.graph, self._out_spec = loaded
+            self.graph, self._out_spec, self._out_layout = loaded
         else:
             mode, fakes = _fake_inputs(inputs, self._static)
             with mode, torch.no_grad():
@@ -248,7 +326,7 @@ class Compiled:
             _drop_unused_constants(self.graph)
             self.graph.recompile()
             if cache is not None:
-                _save_trace(cache, self.graph, self._out_spec)
+                _save_trace(cache, self.graph, self._out_spec, self._out_layout)
                 # compile the graph as later processes will load it: its inductor
                 # cache entry then serves them (a freshly traced graph hashes
                 # differently from its reloaded copy)
@@ -258,15 +336,18 @@ class Compiled:
         self.num_graphs = 0
         self.options = dict(options or {})
         self._entries = []  # (guard code or None, fixed data sizes, compiled callable)
-        self._signature = [(t.dtype, t.device, t.dim()) for t in inputs]
-        self._static_shapes = [tuple(t.shape) if s else None for t, s in zip(inputs, self._static)]
 
     def _graph_inputs(self, tensors):
         # contiguous: the compiled code is specialised to the strides it was given
-        return [(t.reshape(1) if s else t).contiguous() for t, s in zip(tensors, self._scalar)]
+        return [
+            (t.reshape(1) if self._scalar[i] else t).contiguous() if stop is None else t
+            for t, (i, stop) in zip(self._in_layout.pack(tensors), self._in_layout.items)
+        ]
 
-    def _check_inputs(self, inputs):
-        for index, (t, (dtype, device, dim), static) in enumerate(zip(inputs, self._signature, self._static_shapes)):
+    def _check_inputs(self, tensors):
+        for index, (t, (dtype, device, dim), static) in enumerate(
+            zip(tensors, self._leaf_signature, self._leaf_static_shapes)
+        ):
             if t.dtype != dtype or t.device != device or t.dim() != dim:
                 raise TypeError(
                     f"compiled function: tensor input {index} is {t.dtype}, {t.device}, {t.dim()}-d; "
@@ -330,18 +411,18 @@ class Compiled:
                     f"compiled function called with a non-tensor argument {a!r} that differs "
                     f"from the traced value {b!r}; trace again for other constants"
                 )
+        self._check_inputs(tensors)
         inputs = self._graph_inputs(tensors)
-        self._check_inputs(inputs)
         with torch.no_grad():
             out = self._select(inputs)(*inputs)
-        return pytree.tree_unflatten(list(out), self._out_spec)
+        return pytree.tree_unflatten(self._out_layout.unpack(out), self._out_spec)
 
     def eager_graph(self, *args):
         """Run the traced (uncompiled) graph: the reference for compiled == traced."""
         tensors, *_ = _split(args)
         with torch.no_grad():
             out = self.graph(*self._graph_inputs(tensors))
-        return pytree.tree_unflatten(list(out), self._out_spec)
+        return pytree.tree_unflatten(self._out_layout.unpack(out), self._out_spec)
 
 
 def compile(

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from . import tree
 from .loss import LossWeights, make_loss
-from .train import TrainState, apply_gradients, trainable, with_trained
+from .train import TrainState, apply_gradients, pack_state, trainable, with_trained
 
 
 TERMS = ("energy", "forces", "stress")
@@ -433,4 +433,5 @@ def load_checkpoint(path, optimizer, device=None, train=None):
     if device is not None:
         params = tree.tree_map(lambda t: t.to(device), params)
     template = optimizer.init(trainable(params, train))
-    return TrainState(params, state_from_plain(payload["opt_state"], template)), int(payload["step"]), payload["extra"]
+    state = pack_state(TrainState(params, state_from_plain(payload["opt_state"], template)), train)
+    return state, int(payload["step"]), payload["extra"]

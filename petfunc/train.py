@@ -6,10 +6,18 @@ its global norm as ``torch.nn.utils.clip_grad_norm_`` does, and applies a torcho
 optimizer functionally. Composition weights and the energy scale are fitted, not
 trained: they stay out of the gradient and the optimizer. ``train=`` (path prefixes,
 see :func:`trainable`) restricts training to part of the weights, for fine-tuning.
+
+Clipping, the Adam update and adding the update work on whole vectors: the
+gradient is concatenated once, and the parameters and moments of a state from
+:func:`init_state` (or :func:`pack_state`) are views of one buffer each, so they
+need no copy and come back packed the same way. Compiled, that is a few fused
+kernels instead of a few per parameter tensor (115 of them in the default PET),
+which took 40 % of the training step's compile time.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -71,8 +79,44 @@ def with_trained(params, trained, train: Optional[Sequence[str]] = None):
 
 
 def init_state(params, optimizer, train: Optional[Sequence[str]] = None) -> TrainState:
-    """``TrainState(params, optimizer.init(trainable(params, train)))``."""
-    return TrainState(params, optimizer.init(trainable(params, train)))
+    """``TrainState(params, optimizer.init(trainable(params, train)))``, packed
+    (:func:`pack_state`)."""
+    return pack_state(TrainState(params, optimizer.init(trainable(params, train))), train)
+
+
+def pack_state(state: TrainState, train: Optional[Sequence[str]] = None) -> TrainState:
+    """``state`` with its trained parameters (:func:`pack_params`) and each part of
+    the optimizer state shaped like them (Adam's moments, ...) copied into one
+    buffer each. Same values; use it on a state assembled by hand or loaded from a
+    file, before :func:`petfunc.compile` traces the step with it (the compiled step
+    takes the layout of its example)."""
+    shapes = [leaf.shape for leaf in tree_flatten(trainable(state.params, train))[0]]
+
+    def walk(node):
+        # a part with the parameters' shapes, in order (torchopt keeps lists of leaves)
+        leaves = tree_flatten(node)[0]
+        if leaves and [leaf.shape for leaf in leaves] == shapes:
+            return tree.pack(node)
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return type(node)(*[walk(x) for x in node])
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(x) for x in node)
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        return node
+
+    return TrainState(pack_params(state.params, train), walk(state.opt_state))
+
+
+def pack_params(params, train: Optional[Sequence[str]] = None):
+    """``params`` with the trained part (:func:`trainable`) copied into one flat
+    buffer, its tensors views of it (:func:`petfunc.tree.pack`).
+
+    Same values. The training step then clips, updates and applies whole vectors
+    without copying the parameters first, and its new parameters come out packed
+    the same way. Training works on unpacked parameters too, a little slower.
+    """
+    return with_trained(params, tree.pack(trainable(params, train)), train)
 
 
 def warmup_cosine(learning_rate: float, total_steps: int, warmup_fraction: float = 0.01) -> Callable:
@@ -117,8 +161,9 @@ def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None
     def init(params):
         leaves = torch.utils._pytree.tree_leaves(params)
         device = leaves[0].device if leaves else None
-        zeros = tree_map(torch.zeros_like, params)
-        return AdamState(torch.zeros((), dtype=torch.int64, device=device), zeros, tree_map(torch.zeros_like, params))
+        # each moment tree packed in one buffer: the update then runs on whole vectors
+        mu, nu = (tree.pack(tree_map(torch.zeros_like, params)) for _ in range(2))
+        return AdamState(torch.zeros((), dtype=torch.int64, device=device), mu, nu)
 
     def update(grads, state, params=None, inplace=False):
         del inplace  # always functional
@@ -144,8 +189,11 @@ def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None
                 factors[dtype] = ((-lr / bias1).to(dtype), bias2_sqrt.to(dtype), decay)
             return factors[dtype]
 
-        mu = tree_map(lambda m, g: torch.lerp(m, g, 1.0 - b1), state.mu, grads)
-        nu = tree_map(lambda v, g: v * b2 + (1.0 - b2) * g * g, state.nu, grads)
+        def first(m, g):
+            return torch.lerp(m, g, 1.0 - b1)
+
+        def second(v, g):
+            return v * b2 + (1.0 - b2) * g * g
 
         def step(m, v, p):
             step_size, b2_sqrt, decay = scalars(m.dtype)
@@ -156,10 +204,50 @@ def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None
 
         if weight_decay is not None and params is None:
             raise ValueError("AdamW needs params in update()")
+        decayed = [params] if weight_decay is not None else []
+        flat = _flat_leaves(grads, state.mu, state.nu, *decayed)
+        if flat is not None:
+            # one pass over whole vectors (no copies when the trees are packed)
+            (g, m, v, *p), spec, shapes = flat
+            m, v = first(m, g), second(v, g)
+            p = p[0] if p else None
+            rebuild = functools.partial(_unravel_tree, spec=spec, shapes=shapes)
+            return rebuild(step(m, v, p)), AdamState(count, rebuild(m), rebuild(v))
+        # mixed dtypes or devices: leaf by leaf
+        mu = tree_map(first, state.mu, grads)
+        nu = tree_map(second, state.nu, grads)
         updates = tree_map(step, mu, nu, params if params is not None else mu)
         return updates, AdamState(count, mu, nu)
 
     return torchopt.base.GradientTransformation(init, update)
+
+
+def _flat_leaves(*trees):
+    """``([ravel(leaves of each tree)], spec, shapes)`` when the trees have one
+    structure and all their leaves one dtype and device, else ``None``."""
+    flattened = [tree_flatten(t) for t in trees]
+    leaves, spec = flattened[0]
+    if not leaves or any(s != spec for _, s in flattened[1:]):
+        return None
+    shapes = [leaf.shape for leaf in leaves]
+    kinds = {(leaf.dtype, leaf.device) for ls, _ in flattened for leaf in ls}
+    if len(kinds) != 1 or any([x.shape for x in ls] != shapes for ls, _ in flattened[1:]):
+        return None
+    return [tree.ravel(ls) for ls, _ in flattened], spec, shapes
+
+
+def _unravel_tree(flat, spec, shapes):
+    return tree_unflatten(tree.unravel(flat, shapes), spec)
+
+
+def apply_updates(params, updates):
+    """``params + updates`` leaf by leaf (torchopt's ``apply_updates``, functional),
+    as one vector operation when all leaves share dtype and device."""
+    flat = _flat_leaves(params, updates)
+    if flat is None:
+        return torchopt.apply_updates(params, updates, inplace=False)
+    (p, u), spec, shapes = flat
+    return _unravel_tree(p + u, spec, shapes)
 
 
 def make_optimizer(schedule, weight_decay=None):
@@ -173,6 +261,14 @@ def clip_by_global_norm(grads, max_norm: float):
     Same formula as ``torch.nn.utils.clip_grad_norm_``: factor
     ``min(1, max_norm / (norm + 1e-6))``. Returns ``(clipped, norm)``.
     """
+    flat = _flat_leaves(grads)
+    if flat is not None:
+        # one vector: one reduction and one scaling pass (the clipped gradient is
+        # packed, so the optimizer reads it without a copy)
+        (g,), spec, shapes = flat
+        norm = torch.linalg.vector_norm(g)
+        factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        return _unravel_tree(g * factor.to(g.dtype), spec, shapes), norm
     leaves = torch.utils._pytree.tree_leaves(grads)
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in leaves]))
     factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -257,7 +353,7 @@ def apply_gradients(optimizer, state: TrainState, grads, grad_clip_norm: float =
     params = state.params
     train_params = trainable(params, train)
     updates, opt_state = optimizer.update(grads, state.opt_state, params=train_params, inplace=False)
-    new_params = torchopt.apply_updates(train_params, updates, inplace=False)
+    new_params = apply_updates(train_params, updates)
     return TrainState(with_trained(params, new_params, train), opt_state), norm
 
 

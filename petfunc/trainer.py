@@ -87,6 +87,7 @@ from .train import (
     make_grad_step,
     make_optimizer,
     make_train_step,
+    pack_state,
     trainable,
     warmup_cosine,
 )
@@ -850,7 +851,8 @@ def fit(
         if ckpt.get("best_params"):
             best_params = tree.tree_map(lambda t: t.to(device), tree.unflatten(dict(ckpt["best_params"])))
         history = [dict(row) for row in ckpt.get("history") or [] if int(row["epoch"]) <= start_epoch]
-    state = TrainState(params, opt_state)
+    # parameters and moments in one buffer each: whole-vector optimizer steps
+    state = pack_state(TrainState(params, opt_state), train)
 
     # --- step functions -----------------------------------------------------------------
     split = reduce_grads is not None or world_size > 1

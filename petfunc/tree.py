@@ -7,6 +7,7 @@ A node whose keys are ``"0", "1", ...`` in order becomes a list on ``unflatten``
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict
 
 import torch
@@ -82,3 +83,80 @@ def unstack(tree: Params):
 def count(tree: Any) -> int:
     """Total number of scalar entries in the tree."""
     return sum(t.numel() for t in flatten(tree).values())
+
+
+# ---------------------------------------------------------------------------------------
+# packed storage: many leaves as views of one flat buffer
+#
+# Elementwise work over a whole tree (the optimizer update, gradient clipping) is one
+# pass over one vector instead of one kernel per leaf when the leaves share a buffer.
+# Compiled, this is one fused kernel instead of ~100 (a third of the training step's
+# compile time) and a little faster. The layout is only ever an optimisation: every
+# function below gives the same values for leaves in separate tensors.
+
+
+def _packed_range(leaves):
+    """``(buffer, start, stop)`` when ``leaves`` are contiguous views of one contiguous
+    buffer, consecutive in this order (element offsets), else ``None``."""
+    base = getattr(leaves[0], "_base", None)
+    # a traced base of symbolic size (views of data-sized intermediates) has symbolic
+    # offsets, which cannot be compared here
+    if base is None or any(type(n) is not int for n in base.shape) or not base.is_contiguous():
+        return None
+    try:
+        origin = base.storage_offset()
+        offset = start = leaves[0].storage_offset() - origin
+        for leaf in leaves:
+            if leaf._base is not base or not leaf.is_contiguous():
+                return None
+            here = leaf.storage_offset() - origin
+            # symbolic offsets (traced views of data-sized tensors): not comparable
+            if type(here) is not int or here != offset:
+                return None
+            offset += leaf.numel()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (vmap, ...)
+        return None
+    return base, start, offset
+
+
+def ravel(leaves) -> torch.Tensor:
+    """The leaves flattened and concatenated into one 1-d tensor.
+
+    No copy when they already are consecutive views of one buffer (see :func:`pack`):
+    the result is then a view of that buffer. All leaves must share dtype and device.
+    """
+    leaves = list(leaves)
+    packed = _packed_range(leaves) if leaves else None
+    if packed is not None:
+        base, start, stop = packed
+        return base.view(-1)[start:stop]
+    return torch.cat([leaf.reshape(-1) for leaf in leaves])
+
+
+def unravel(flat: torch.Tensor, shapes) -> list:
+    """Views of consecutive pieces of the 1-d ``flat``, one per shape (inverse of
+    :func:`ravel`)."""
+    shapes = [tuple(s) for s in shapes]
+    sizes = [math.prod(s) for s in shapes]
+    return [piece.view(shape) for piece, shape in zip(torch.split(flat, sizes), shapes)]
+
+
+def pack(tree: Any) -> Any:
+    """A copy of ``tree`` whose tensor leaves are views of one flat buffer per
+    (dtype, device), in leaf order (0-d leaves too).
+
+    Works on any pytree (dicts, lists, NamedTuples). Values are unchanged; only the
+    memory layout differs, which lets :func:`ravel` return the buffer without a copy.
+    """
+    leaves, spec = torch.utils._pytree.tree_flatten(tree)
+    groups: Dict[Any, list] = {}
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            groups.setdefault((leaf.dtype, leaf.device), []).append(index)
+    out = list(leaves)
+    for indices in groups.values():
+        members = [leaves[i].detach() for i in indices]
+        flat = torch.cat([m.reshape(-1) for m in members])
+        for i, view in zip(indices, unravel(flat, [m.shape for m in members])):
+            out[i] = view
+    return torch.utils._pytree.tree_unflatten(out, spec)
