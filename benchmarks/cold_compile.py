@@ -10,9 +10,13 @@ stress), then its first call. Variants, interleaved (A B A B ...):
   petfunc's default).
 
 Also printed: the median step time of each variant over the other batches, so that
-a compile-time gain that costs step time would show.
+a compile-time gain that costs step time would show. ``--compare-with CHECKOUT``
+runs each variant with another checkout's petfunc too (interleaved), for a
+before/after comparison of a change:
 
     python benchmarks/cold_compile.py --dataset qm9 --repeats 2
+    git worktree add /tmp/before <commit>
+    python benchmarks/cold_compile.py --variants grouped --compare-with /tmp/before
 """
 
 from __future__ import annotations
@@ -59,11 +63,13 @@ def child(dataset: str, variant: str, threads: int) -> None:
                       "step_ms": 1e3 * statistics.median(times), "nodes": nodes, "graphs": compiled.num_graphs}))
 
 
-def measure(dataset: str, variant: str, threads: int) -> dict:
+def measure(dataset: str, variant: str, threads: int, checkout: Path = HERE.parent) -> dict:
+    """One fresh process of ``checkout``'s petfunc (this one, or ``--compare-with``)."""
+    script = checkout / "benchmarks" / "cold_compile.py"
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PETFUNC_TRACE_CACHE="0",
-                   PETFUNC_GROUP_KERNELS=VARIANTS[variant])
-        out = subprocess.run([sys.executable, __file__, "--child", dataset, variant, "--threads", str(threads)],
+                   PETFUNC_GROUP_KERNELS=VARIANTS[variant], PYTHONPATH=str(checkout))
+        out = subprocess.run([sys.executable, str(script), "--child", dataset, variant, "--threads", str(threads)],
                              env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{variant} failed:\n{out.stderr[-3000:]}")
@@ -76,25 +82,32 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--compare-with", type=Path, metavar="CHECKOUT",
+                        help="also run each variant with the petfunc of another checkout (for example a "
+                             "git worktree of an earlier commit), interleaved")
     parser.add_argument("--child", nargs=2, metavar=("DATASET", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child(*args.child, args.threads)
     print(f"## {args.dataset}: cold compile of the training step (fresh process, empty caches), "
           f"{args.threads} threads")
-    results = {v: [] for v in args.variants}
+    checkouts = {"": HERE.parent}
+    if args.compare_with:
+        checkouts = {"other ": args.compare_with.resolve(), "this ": HERE.parent}
+    runs = [(prefix + variant, variant, path) for variant in args.variants for prefix, path in checkouts.items()]
+    results = {name: [] for name, _, _ in runs}
     for r in range(args.repeats):
-        for variant in args.variants:
-            result = measure(args.dataset, variant, args.threads)
-            results[variant].append(result)
-            print(f"# run {r + 1} {variant:8s} trace {result['trace']:5.1f} s, compile + first call "
+        for name, variant, path in runs:
+            result = measure(args.dataset, variant, args.threads, path)
+            results[name].append(result)
+            print(f"# run {r + 1} {name:14s} trace {result['trace']:5.1f} s, compile + first call "
                   f"{result['compile']:5.1f} s, total {result['total']:5.1f} s; step {result['step_ms']:.1f} ms; "
                   f"{result['nodes']} graph nodes, {result['graphs']} graph(s)", flush=True)
     print("| variant | trace (s) | compile + first call (s) | total (s) | step (ms) |")
     print("|---|---|---|---|---|")
-    for variant, runs in results.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in ("trace", "compile", "total", "step_ms")}
-        print(f"| {variant} | {med['trace']:.1f} | {med['compile']:.1f} | {med['total']:.1f} | {med['step_ms']:.1f} |")
+    for name, measured in results.items():
+        med = {k: statistics.median(r[k] for r in measured) for k in ("trace", "compile", "total", "step_ms")}
+        print(f"| {name} | {med['trace']:.1f} | {med['compile']:.1f} | {med['total']:.1f} | {med['step_ms']:.1f} |")
 
 
 if __name__ == "__main__":
