@@ -92,20 +92,16 @@ def pack_state(state: TrainState, train: Optional[Sequence[str]] = None) -> Trai
     takes the layout of its example)."""
     shapes = [leaf.shape for leaf in tree_flatten(trainable(state.params, train))[0]]
 
-    def walk(node):
+    def shaped_like_params(node):
         # a part with the parameters' shapes, in order (torchopt keeps lists of leaves)
         leaves = tree_flatten(node)[0]
-        if leaves and [leaf.shape for leaf in leaves] == shapes:
-            return tree.pack(node)
-        if isinstance(node, tuple) and hasattr(node, "_fields"):
-            return type(node)(*[walk(x) for x in node])
-        if isinstance(node, (list, tuple)):
-            return type(node)(walk(x) for x in node)
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        return node
+        return bool(leaves) and [getattr(leaf, "shape", None) for leaf in leaves] == shapes
 
-    return TrainState(pack_params(state.params, train), walk(state.opt_state))
+    opt_state = torch.utils._pytree.tree_map(
+        lambda node: tree.pack(node) if shaped_like_params(node) else node,
+        state.opt_state, is_leaf=shaped_like_params,
+    )
+    return TrainState(pack_params(state.params, train), opt_state)
 
 
 def pack_params(params, train: Optional[Sequence[str]] = None):
@@ -269,12 +265,13 @@ def clip_by_global_norm(grads, max_norm: float):
         # packed, so the optimizer reads it without a copy)
         (g,), spec, shapes = flat
         norm = torch.linalg.vector_norm(g)
-        factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        return _unravel_tree(g * factor.to(g.dtype), spec, shapes), norm
-    leaves = torch.utils._pytree.tree_leaves(grads)
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in leaves]))
+    else:
+        leaves = torch.utils._pytree.tree_leaves(grads)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in leaves]))
     factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    return torch.utils._pytree.tree_map(lambda g: g * factor.to(g.dtype), grads), norm
+    if flat is not None:
+        return _unravel_tree(g * factor.to(g.dtype), spec, shapes), norm
+    return torch.utils._pytree.tree_map(lambda x: x * factor.to(x.dtype), grads), norm
 
 
 def make_grad_step(energy_fn, weights: LossWeights = LossWeights(), autodiff: str = "func",

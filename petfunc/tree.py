@@ -90,8 +90,8 @@ def count(tree: Any) -> int:
 #
 # Elementwise work over a whole tree (the optimizer update, gradient clipping) is one
 # pass over one vector instead of one kernel per leaf when the leaves share a buffer.
-# Compiled, this is one fused kernel instead of ~100 (a third of the training step's
-# compile time) and a little faster. The layout is only ever an optimisation: every
+# Compiled, this is a few fused kernels instead of a few per leaf, which took 40 % of
+# the training step's compile time. The layout is only ever an optimisation: every
 # function below gives the same values for leaves in separate tensors.
 
 
