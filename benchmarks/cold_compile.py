@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# the datasets every child reads (see train_step.DATA), whichever checkout it runs
+DATA = Path(os.environ.get("PETFUNC_BENCH_DATA") or HERE.parent.parent / "shared" / "data")
 VARIANTS = {"separate": "0", "grouped": "1"}
 
 
@@ -68,7 +70,8 @@ def measure(dataset: str, variant: str, threads: int, checkout: Path = HERE.pare
     script = checkout / "benchmarks" / "cold_compile.py"
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PETFUNC_TRACE_CACHE="0",
-                   PETFUNC_GROUP_KERNELS=VARIANTS[variant], PYTHONPATH=str(checkout))
+                   PETFUNC_GROUP_KERNELS=VARIANTS[variant], PYTHONPATH=str(checkout),
+                   PETFUNC_BENCH_DATA=str(DATA))
         out = subprocess.run([sys.executable, str(script), "--child", dataset, variant, "--threads", str(threads)],
                              env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -94,6 +97,11 @@ def main(argv=None):
     checkouts = {"": HERE.parent}
     if args.compare_with:
         checkouts = {"other ": args.compare_with.resolve(), "this ": HERE.parent}
+        other_bench = args.compare_with / "benchmarks" / "train_step.py"
+        if "PETFUNC_BENCH_DATA" not in other_bench.read_text():
+            # older benchmarks look for ../shared/data next to their own checkout
+            print(f"# warning: {args.compare_with} reads its data from its own ../shared/data, not "
+                  f"{DATA}; link one to the other, or the two runs use different structures")
     runs = [(prefix + variant, variant, path) for variant in args.variants for prefix, path in checkouts.items()]
     results = {name: [] for name, _, _ in runs}
     for r in range(args.repeats):

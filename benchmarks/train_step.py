@@ -44,19 +44,24 @@ from _measure import add_malloc_option, apply_malloc, peak_tensor_memory  # noqa
 
 
 HERE = Path(__file__).resolve().parent
-DATA = HERE.parent.parent / "shared" / "data"
+# ../shared/data next to the checkout; PETFUNC_BENCH_DATA overrides it, so that a
+# benchmark comparing another checkout (a worktree elsewhere) reads the same files
+DATA = Path(os.environ.get("PETFUNC_BENCH_DATA") or HERE.parent.parent / "shared" / "data")
 
 
-def load(name: str, config):
-    """(dataset, energy_only) from ../shared/data, or a generated stand-in."""
+def frames(name: str):
+    """The structures of one dataset (ase.Atoms) from ../shared/data, or a generated stand-in."""
     import ase.io
 
     path = DATA / ("qm9_reduced_100.xyz" if name == "qm9" else "carbon_reduced_100.xyz")
     if path.exists():
-        frames = ase.io.read(path, ":")
-    else:
-        print(f"# {path} not found: using generated structures instead")
-        frames = _generated(name)
+        return ase.io.read(path, ":")
+    print(f"# {path} not found: using generated structures instead")
+    return _generated(name)
+
+
+def samples_from_frames(name: str, frames, config, sample_from_atoms=sample_from_atoms):
+    """Training samples of ``frames`` (qm9: energy only; carbon: energy, forces, virial)."""
     samples = []
     for atoms in frames:
         if name == "qm9":
@@ -66,7 +71,12 @@ def load(name: str, config):
         else:
             s = sample_from_atoms(atoms, config, energy_key="energy", forces_key="force", stress_key=None, virial_key="virial")
         samples.append(s)
-    return Dataset(samples, config)
+    return samples
+
+
+def load(name: str, config):
+    """The dataset of :func:`frames`."""
+    return Dataset(samples_from_frames(name, frames(name), config), config)
 
 
 def _generated(name):

@@ -1,0 +1,117 @@
+"""Compiled training-step time of this checkout against another, in one process.
+
+Step-time changes of a few per cent drown in this machine's noise when each
+version runs in its own process at its own time. Here both versions of petfunc are
+imported side by side (the other checkout's package under another name), compile
+the same step on the same weights, and alternate on the same batches: this, other,
+this, other... Each carries its own training state from step to step, as training
+does. Prints the median step time of each, their ratio, and the largest difference
+of the first step's loss (the two must compute the same function).
+
+    git worktree add /tmp/base <commit>
+    python benchmarks/compare_step.py --compare-with /tmp/base [--dataset qm9|carbon]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import petfunc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import add_malloc_option, apply_malloc  # noqa: E402
+from train_step import atomic_types, frames, samples_from_frames  # noqa: E402
+
+
+def import_checkout(path: Path, name: str = "petfunc_other"):
+    """The ``petfunc`` package of another checkout, imported as ``name``
+    (petfunc's modules import each other relatively, so the two do not mix)."""
+    init = path / "petfunc" / "__init__.py"
+    if not init.exists():
+        raise SystemExit(f"{path} has no petfunc/__init__.py")
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def build(pkg, name: str, structures, n_batches: int, params=None):
+    """Step, state and batches of the benchmark's setting (train_step.py) with ``pkg``."""
+    config = pkg.PETConfig(atomic_types=atomic_types(name))
+    dataset = pkg.data.Dataset(samples_from_frames(name, structures, config, pkg.data.sample_from_atoms), config)
+    energy_only = name == "qm9"
+    weights = pkg.LossWeights.make(forces=0.0 if energy_only else 1.0, stress=0.0 if energy_only else 1.0)
+    composition, scale = dataset.fit_composition_and_scale()
+    model = pkg.PET(config)
+    if params is None:
+        params = model.init(seed=0, dtype=torch.float32)
+        params["composition_weights"] = torch.tensor(composition, dtype=torch.float32)
+        params["energy_scale"] = torch.tensor(scale, dtype=torch.float32)
+    else:  # the same weights as the first version (copies: the states are trained apart)
+        params = pkg.tree.unflatten({k: v.clone() for k, v in params.items()})
+    optimizer = pkg.make_optimizer(1e-4)
+    order = np.random.default_rng(0).permutation(len(dataset))
+    chunks = [order[i : i + 8] for i in range(0, len(order) - 7, 8)][:n_batches]
+    batches = [
+        pkg.data.make_batch([dataset.samples[i] for i in c], config, composition, scale, dtype=torch.float32)
+        for c in chunks
+    ]
+    step = pkg.make_train_step(model, optimizer, weights)
+    state = pkg.init_state(params, optimizer)
+    return step, state, batches, pkg.tree.flatten(params)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--compare-with", type=Path, required=True, metavar="CHECKOUT")
+    parser.add_argument("--dataset", choices=["qm9", "carbon"], default="qm9")
+    parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=4, help="passes over the batches")
+    parser.add_argument("--threads", type=int, default=2)
+    add_malloc_option(parser)
+    args = parser.parse_args(argv)
+    apply_malloc(args)
+    torch.set_num_threads(args.threads)
+    other = import_checkout(args.compare_with.resolve())
+    structures = frames(args.dataset)
+
+    step_a, state_a, batches_a, params = build(petfunc, args.dataset, structures, args.batches)
+    step_b, state_b, batches_b, _ = build(other, args.dataset, structures, args.batches, params)
+    versions = {"this": [step_a, state_a, batches_a, petfunc], "other": [step_b, state_b, batches_b, other]}
+    losses = {}
+    for label, v in versions.items():
+        step, state, batches, pkg = v
+        start = time.perf_counter()
+        v[0] = pkg.compile(step, state, batches[0])
+        new_state, metrics = v[0](state, batches[0])
+        losses[label] = float(metrics["loss"])
+        v[1] = new_state
+        print(f"# {label}: compile + first call {time.perf_counter() - start:.1f} s (caches as found)", flush=True)
+    print(f"# first-step loss: this {losses['this']:.8g}, other {losses['other']:.8g}")
+
+    times = {label: [] for label in versions}
+    for _ in range(args.rounds):
+        for i in range(args.batches):
+            for label, v in versions.items():
+                start = time.perf_counter()
+                v[1], _ = v[0](v[1], v[2][i])
+                times[label].append(time.perf_counter() - start)
+    med = {label: 1e3 * statistics.median(t) for label, t in times.items()}
+    graphs = {label: v[0].num_graphs for label, v in versions.items()}
+    print(f"## {args.dataset}: compiled step, {args.rounds} x {args.batches} batches, interleaved")
+    for label in versions:
+        print(f"| {label} | {med[label]:.1f} ms | {graphs[label]} graph(s) |")
+    print(f"# this / other: {med['this'] / med['other']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
