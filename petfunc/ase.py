@@ -332,6 +332,7 @@ class PETCalculator(Calculator):
                     self._efs, params, positions, cell, neighbors,
                     backend=self.backend, static_argnums=(0,),
                     cache_key=f"PETCalculator energy_terms_forces_strain_derivative {self.config!r}",
+                    keep_freed_memory=False,  # decided by this object's own option
                 )
             return self._compiled(params, positions, cell, neighbors)
         return self._efs_eager(params, positions, cell, neighbors)
@@ -460,6 +461,7 @@ class PETCalculator(Calculator):
             self._llpr_compiled[name] = petfunc_compile(
                 fn, *args, backend=self.backend, static_argnums=static,
                 cache_key=f"PETCalculator LLPR {name} {self.config!r} members={members}",
+                    keep_freed_memory=False,  # decided by this object's own option
             )
         return self._llpr_compiled[name](*args)
 

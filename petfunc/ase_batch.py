@@ -118,6 +118,7 @@ class BatchEvaluator:
                 self._derivatives(self._model.energy), self.params, positions, cell, neighbors,
                 backend=self.backend, static_argnums=(0,),
                 cache_key=f"{self.cache_tag} {self._derivatives.__name__} {self.config!r}",
+                keep_freed_memory=False,  # decided by this object's own option
             )
         return self._compiled(self.params, positions, cell, neighbors)
 

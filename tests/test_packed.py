@@ -154,3 +154,26 @@ def test_compiled_step_takes_and_returns_packed_buffers(tmp_path, monkeypatch):
     new_state, metrics = again(state, batches[1])
     assert is_packed(pytree.tree_leaves(new_state.params))
     torch.testing.assert_close(metrics, step(state, batches[1])[1], rtol=1e-12, atol=1e-14)
+
+
+def test_compile_keeps_freed_memory_for_cpu_inputs(monkeypatch):
+    """A packed state leaves the graph as model-sized buffers at every call; with
+    glibc's defaults they are unmapped when freed and faulted in again the next
+    step, so petfunc.compile keeps freed memory by default (CPU inputs only)."""
+    from petfunc import allocator
+
+    calls = []
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda *a: calls.append(a) or True)
+
+    def fn(params, x):
+        return (params["w"] * x).sum()
+
+    args = ({"w": torch.ones(3)}, torch.ones(4, 3))
+    for keep, expected in [(True, 1), (False, 0)]:
+        calls.clear()
+        compiled = petfunc.compile(fn, *args, backend="aot_eager", keep_freed_memory=keep)
+        assert len(calls) == expected, keep
+        assert float(compiled(*args)) == 12.0
+    calls.clear()
+    petfunc.compile(fn, {"w": torch.ones(3, device="meta")}, torch.ones(4, 3, device="meta"), backend="aot_eager")
+    assert not calls  # no CPU tensor: nothing to keep
