@@ -461,7 +461,7 @@ class PETCalculator(Calculator):
             self._llpr_compiled[name] = petfunc_compile(
                 fn, *args, backend=self.backend, static_argnums=static,
                 cache_key=f"PETCalculator LLPR {name} {self.config!r} members={members}",
-                    keep_freed_memory=False,  # decided by this object's own option
+                keep_freed_memory=False,  # decided by this object's own option
             )
         return self._llpr_compiled[name](*args)
 
