@@ -21,14 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import petfunc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import add_malloc_option, apply_malloc  # noqa: E402
-from train_step import atomic_types, frames, samples_from_frames  # noqa: E402
+from train_step import frames, setup  # noqa: E402
 
 
 def import_checkout(path: Path, name: str = "petfunc_other"):
@@ -42,32 +41,6 @@ def import_checkout(path: Path, name: str = "petfunc_other"):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def build(pkg, name: str, structures, n_batches: int, params=None):
-    """Step, state and batches of the benchmark's setting (train_step.py) with ``pkg``."""
-    config = pkg.PETConfig(atomic_types=atomic_types(name))
-    dataset = pkg.data.Dataset(samples_from_frames(name, structures, config, pkg.data.sample_from_atoms), config)
-    energy_only = name == "qm9"
-    weights = pkg.LossWeights.make(forces=0.0 if energy_only else 1.0, stress=0.0 if energy_only else 1.0)
-    composition, scale = dataset.fit_composition_and_scale()
-    model = pkg.PET(config)
-    if params is None:
-        params = model.init(seed=0, dtype=torch.float32)
-        params["composition_weights"] = torch.tensor(composition, dtype=torch.float32)
-        params["energy_scale"] = torch.tensor(scale, dtype=torch.float32)
-    else:  # the same weights as the first version (copies: the states are trained apart)
-        params = pkg.tree.unflatten({k: v.clone() for k, v in params.items()})
-    optimizer = pkg.make_optimizer(1e-4)
-    order = np.random.default_rng(0).permutation(len(dataset))
-    chunks = [order[i : i + 8] for i in range(0, len(order) - 7, 8)][:n_batches]
-    batches = [
-        pkg.data.make_batch([dataset.samples[i] for i in c], config, composition, scale, dtype=torch.float32)
-        for c in chunks
-    ]
-    step = pkg.make_train_step(model, optimizer, weights)
-    state = pkg.init_state(params, optimizer)
-    return step, state, batches, pkg.tree.flatten(params)
 
 
 def main(argv=None):
@@ -84,9 +57,12 @@ def main(argv=None):
     other = import_checkout(args.compare_with.resolve())
     structures = frames(args.dataset)
 
-    step_a, state_a, batches_a, params = build(petfunc, args.dataset, structures, args.batches)
-    step_b, state_b, batches_b, _ = build(other, args.dataset, structures, args.batches, params)
-    versions = {"this": [step_a, state_a, batches_a, petfunc], "other": [step_b, state_b, batches_b, other]}
+    this = setup(args.dataset, torch.float32, args.batches, structures=structures)
+    # the same weights for the other version (copies: the two states train apart)
+    that = setup(args.dataset, torch.float32, args.batches, pkg=other, structures=structures,
+                 params=petfunc.tree.flatten(this.params))
+    versions = {label: [b.step, b.state, b.batches, pkg]
+                for label, b, pkg in (("this", this, petfunc), ("other", that, other))}
     losses = {}
     for label, v in versions.items():
         step, state, batches, pkg = v

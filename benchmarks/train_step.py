@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 import petfunc
-from petfunc.data import Dataset, make_batch, sample_from_atoms
+from petfunc.data import sample_from_atoms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import add_malloc_option, apply_malloc, peak_tensor_memory  # noqa: E402
@@ -72,11 +72,6 @@ def samples_from_frames(name: str, frames, config, sample_from_atoms=sample_from
             s = sample_from_atoms(atoms, config, energy_key="energy", forces_key="force", stress_key=None, virial_key="virial")
         samples.append(s)
     return samples
-
-
-def load(name: str, config):
-    """The dataset of :func:`frames`."""
-    return Dataset(samples_from_frames(name, frames(name), config), config)
 
 
 def _generated(name):
@@ -163,27 +158,37 @@ def median_ms(values):
     return 1e3 * statistics.median(values)
 
 
-def setup(name, dtype, n_batches, device="cpu"):
+def setup(name, dtype, n_batches, device="cpu", pkg=petfunc, structures=None, params=None):
     """The benchmark's default PET, optimizer, training step and first ``n_batches``
-    batches of 8 (a fixed shuffle) for one dataset (a ``SimpleNamespace``)."""
-    config = petfunc.PETConfig(atomic_types=atomic_types(name))
-    dataset = load(name, config)
+    batches of 8 (a fixed shuffle) for one dataset (a ``SimpleNamespace``).
+
+    ``pkg`` is the petfunc package to build them with (``compare_step.py`` passes
+    another checkout's), ``structures`` the frames (default :func:`frames`) and
+    ``params`` flat weights (``{dotted.path: tensor}``) to start from, copied,
+    instead of a fresh initialisation.
+    """
+    config = pkg.PETConfig(atomic_types=atomic_types(name))
+    structures = frames(name) if structures is None else structures
+    dataset = pkg.data.Dataset(samples_from_frames(name, structures, config, pkg.data.sample_from_atoms), config)
     energy_only = name == "qm9"
-    weights = petfunc.LossWeights.make(forces=0.0 if energy_only else 1.0, stress=0.0 if energy_only else 1.0)
+    weights = pkg.LossWeights.make(forces=0.0 if energy_only else 1.0, stress=0.0 if energy_only else 1.0)
     composition, scale = dataset.fit_composition_and_scale()
-    model = petfunc.PET(config)
-    params = model.init(seed=0, dtype=dtype, device=device)
-    params["composition_weights"] = torch.tensor(composition, dtype=dtype, device=device)
-    params["energy_scale"] = torch.tensor(scale, dtype=dtype, device=device)
-    optimizer = petfunc.make_optimizer(1e-4)
+    model = pkg.PET(config)
+    if params is None:
+        params = model.init(seed=0, dtype=dtype, device=device)
+        params["composition_weights"] = torch.tensor(composition, dtype=dtype, device=device)
+        params["energy_scale"] = torch.tensor(scale, dtype=dtype, device=device)
+    else:
+        params = pkg.tree.unflatten({k: v.to(dtype=dtype, device=device, copy=True) for k, v in params.items()})
+    optimizer = pkg.make_optimizer(1e-4)
     order = np.random.default_rng(0).permutation(len(dataset))
     chunks = [order[i : i + 8] for i in range(0, len(order) - 7, 8)][:n_batches]
     samples = [[dataset.samples[i] for i in c] for c in chunks]
     return SimpleNamespace(
         config=config, energy_only=energy_only, weights=weights, model=model, params=params,
-        optimizer=optimizer, state=petfunc.init_state(params, optimizer),
-        step=petfunc.make_train_step(model, optimizer, weights), samples=samples,
-        batches=[make_batch(s, config, composition, scale, dtype=dtype, device=device) for s in samples],
+        optimizer=optimizer, state=pkg.init_state(params, optimizer),
+        step=pkg.make_train_step(model, optimizer, weights), samples=samples,
+        batches=[pkg.data.make_batch(s, config, composition, scale, dtype=dtype, device=device) for s in samples],
     )
 
 
