@@ -132,7 +132,8 @@ def _packed_runs(tensors, eligible):
     while start < len(tensors):
         stop = start + 1
         if eligible[start]:
-            while stop < len(tensors) and eligible[stop] and tree._packed_range(tensors[start:stop + 1]) is not None:
+            # neighbours that are adjacent views of one base make the whole run so
+            while stop < len(tensors) and eligible[stop] and tree._packed_range(tensors[stop - 1:stop + 1]) is not None:
                 stop += 1
         if stop - start >= 2:
             runs.append((start, stop))
