@@ -87,8 +87,8 @@ def init_state(params, optimizer, train: Optional[Sequence[str]] = None) -> Trai
 def pack_state(state: TrainState, train: Optional[Sequence[str]] = None) -> TrainState:
     """``state`` with its trained parameters (:func:`pack_params`) and each part of
     the optimizer state shaped like them (Adam's moments, ...) copied into one
-    buffer each. Same values; use it on a state assembled by hand or loaded from a
-    file, before :func:`petfunc.compile` traces the step with it (the compiled step
+    buffer each (a part already in one buffer is kept). Same values; use it on a
+    state assembled by hand or loaded from a file, before :func:`petfunc.compile` traces the step with it (the compiled step
     takes the layout of its example)."""
     shapes = [leaf.shape for leaf in tree_flatten(trainable(state.params, train))[0]]
 
@@ -97,8 +97,13 @@ def pack_state(state: TrainState, train: Optional[Sequence[str]] = None) -> Trai
         leaves = tree_flatten(node)[0]
         return bool(leaves) and [getattr(leaf, "shape", None) for leaf in leaves] == shapes
 
+    def packed(node):
+        # a part packed already (petfunc's adam packs its fresh moments) is kept
+        leaves = tree_flatten(node)[0]
+        return node if tree._packed_range(leaves) is not None else tree.pack(node)
+
     opt_state = torch.utils._pytree.tree_map(
-        lambda node: tree.pack(node) if shaped_like_params(node) else node,
+        lambda node: packed(node) if shaped_like_params(node) else node,
         state.opt_state, is_leaf=shaped_like_params,
     )
     return TrainState(pack_params(state.params, train), opt_state)
