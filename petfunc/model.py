@@ -188,9 +188,9 @@ def _compress(params, layer: int, geometry, species_nbr, messages, message_table
         messages: ``[n_kept, d_pet]`` messages (ignored when ``message_table`` is given).
         message_table: ``[n_species, d_pet]`` with ``messages == message_table[species_nbr]``.
     """
-    d = params["edge_embedder"]["weight"].shape[0]  # d_pet
-    first = params["compress"]["0"]
     embedder = params["edge_embedder"]
+    d = embedder["weight"].shape[0]  # d_pet
+    first = params["compress"]["0"]
     weight = first["weight"]
     w_geometry, w_messages = weight[:, :d], weight[:, -d:]
     # fold the edge embedder: W_g (W_e x + b_e) + b = (W_g W_e) x + (W_g b_e + b)
