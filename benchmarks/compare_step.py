@@ -10,12 +10,17 @@ of the first step's loss (the two must compute the same function).
 
     git worktree add /tmp/base <commit>
     python benchmarks/compare_step.py --compare-with /tmp/base [--dataset qm9|carbon]
+
+``--deterministic`` instead compares this checkout with itself run under
+``torch.use_deterministic_algorithms(True)`` ("other"), as ``petfunc train`` runs
+by default: what reproducible scatter-adds cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import contextlib
 import statistics
 import sys
 import time
@@ -45,8 +50,14 @@ def import_checkout(path: Path, name: str = "petfunc_other"):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--compare-with", type=Path, required=True, metavar="CHECKOUT")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--compare-with", type=Path, metavar="CHECKOUT")
+    which.add_argument("--deterministic", action="store_true",
+                       help="compare with this checkout under deterministic algorithms")
     parser.add_argument("--dataset", choices=["qm9", "carbon"], default="qm9")
+    parser.add_argument("--eager", action="store_true",
+                        help="the eager step `petfunc train` runs without --compile (autograd) "
+                             "instead of the compiled one")
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4, help="passes over the batches")
     parser.add_argument("--threads", type=int, default=2)
@@ -54,7 +65,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     apply_malloc(args)
     torch.set_num_threads(args.threads)
-    other = import_checkout(args.compare_with.resolve())
+    other = petfunc if args.deterministic else import_checkout(args.compare_with.resolve())
     structures = frames(args.dataset)
 
     this = setup(args.dataset, torch.float32, args.batches, structures=structures)
@@ -63,27 +74,43 @@ def main(argv=None):
                  params=petfunc.tree.flatten(this.params))
     versions = {label: [b.step, b.state, b.batches, pkg]
                 for label, b, pkg in (("this", this, petfunc), ("other", that, other))}
+
+    def mode(label):
+        """Deterministic algorithms for "other" with --deterministic (at compile time
+        inductor then lowers scatter-adds to aten's; at run time aten's are serial)."""
+        if args.deterministic and label == "other":
+            return petfunc.deterministic_algorithms()
+        return contextlib.nullcontext()
+
     losses = {}
     for label, v in versions.items():
         step, state, batches, pkg = v
         start = time.perf_counter()
-        v[0] = pkg.compile(step, state, batches[0])
-        new_state, metrics = v[0](state, batches[0])
+        with mode(label):
+            if args.eager:
+                b = this if label == "this" else that
+                v[0] = pkg.make_train_step(b.model, b.optimizer, b.weights, autodiff="autograd")
+            else:
+                v[0] = pkg.compile(step, state, batches[0])
+            new_state, metrics = v[0](state, batches[0])
         losses[label] = float(metrics["loss"])
         v[1] = new_state
-        print(f"# {label}: compile + first call {time.perf_counter() - start:.1f} s (caches as found)", flush=True)
+        print(f"# {label}: {'first call' if args.eager else 'compile + first call'} "
+              f"{time.perf_counter() - start:.1f} s (caches as found)", flush=True)
     print(f"# first-step loss: this {losses['this']:.8g}, other {losses['other']:.8g}")
 
     times = {label: [] for label in versions}
     for _ in range(args.rounds):
         for i in range(args.batches):
             for label, v in versions.items():
-                start = time.perf_counter()
-                v[1], _ = v[0](v[1], v[2][i])
-                times[label].append(time.perf_counter() - start)
+                with mode(label):
+                    start = time.perf_counter()
+                    v[1], _ = v[0](v[1], v[2][i])
+                    times[label].append(time.perf_counter() - start)
     med = {label: 1e3 * statistics.median(t) for label, t in times.items()}
-    graphs = {label: v[0].num_graphs for label, v in versions.items()}
-    print(f"## {args.dataset}: compiled step, {args.rounds} x {args.batches} batches, interleaved")
+    graphs = {label: getattr(v[0], "num_graphs", "no") for label, v in versions.items()}
+    kind = "eager (autograd)" if args.eager else "compiled"
+    print(f"## {args.dataset}: {kind} step, {args.rounds} x {args.batches} batches, interleaved")
     for label in versions:
         print(f"| {label} | {med[label]:.1f} ms | {graphs[label]} graph(s) |")
     print(f"# this / other: {med['this'] / med['other']:.3f}")

@@ -15,6 +15,7 @@ from .model import PET, init
 from .neighbors import Neighbors
 from .structures import Structure, collate, from_atoms, prepare, prepare_atoms
 from .compile import compile
+from .determinism import deterministic_algorithms
 from .data import Batch, Dataset, Sample, make_batch, read_dataset
 from .loss import LossTerm, LossWeights, make_loss
 from .train import (

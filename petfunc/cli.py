@@ -91,6 +91,9 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
         remat: false              # recompute layers in the backward pass: less
                                   # memory for energy-only losses, more time
                                   # (eager steps only)
+        deterministic: null       # fixed-order float sums in scatter-adds: the same
+                                  # options, threads and device give the same run;
+                                  # null: on CPU only
     training_set:                 # or just a file name: training_set: data.xyz
       systems:
         read_from: data.xyz       # anything ase.io.read reads (extxyz)
@@ -261,6 +264,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="architecture.training.compile_backend")
     train.add_argument("--remat", action="store_true", default=None,
                        help="recompute the transformer layers in the backward pass (less memory for energy-only losses; not with --compile)")
+    train.add_argument("--deterministic", action="store_true", default=None,
+                       help="fixed-order scatter-adds: the same seed gives the same run "
+                            "(default on CPU only)")
+    train.add_argument("--nondeterministic", dest="deterministic", action="store_false",
+                       help="let scatter-adds sum in any order (runs then differ by round-off)")
     train.add_argument("--no-augmentation", dest="augmentation", action="store_false", default=None,
                        help="no random rotations of training structures")
     train.add_argument("--finetune", metavar="MODEL",
@@ -356,6 +364,7 @@ def _overrides(args) -> List[tuple]:
         ("backend", f"{t}.compile_backend", None),
         ("remat", f"{t}.remat", None),
         ("augmentation", f"{t}.augmentation", None),
+        ("deterministic", f"{t}.deterministic", None),
         ("finetune", f"{t}.finetune.read_from", None),
         ("finetune_method", f"{t}.finetune.method", None),
     ):

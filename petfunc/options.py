@@ -23,7 +23,8 @@ from .loss import LossTerm, LossWeights
 
 
 #: ``architecture.training`` defaults: metatrain's PET trainer (v2026.4) plus
-#: petfunc's own keys (``augmentation``, ``compile``, ``compile_backend``, ``remat``).
+#: petfunc's own keys (``augmentation``, ``compile``, ``compile_backend``, ``remat``,
+#: ``deterministic``).
 TRAINING_DEFAULTS: Dict[str, Any] = {
     "batch_size": 16,
     # metatrain's packing by atom count (batch_size then only sets the composition
@@ -55,6 +56,9 @@ TRAINING_DEFAULTS: Dict[str, Any] = {
     # recompute the transformer layers in the backward pass (petfunc.remat): less
     # memory for energy-only losses, more time; eager steps only
     "remat": False,
+    # torch.use_deterministic_algorithms for the run (same seed, same result):
+    # true, false, or null = on CPU only
+    "deterministic": None,
 }
 
 #: metatrain trainer keys that only affect metatrain's logging or data loading:
@@ -529,6 +533,8 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     for key in ("augmentation", "compile", "scale_targets", "remat"):
         if not isinstance(training[key], bool):
             raise ValueError(f"option '{t}.{key}' must be true or false, got {training[key]!r}")
+    if training["deterministic"] is not None and not isinstance(training["deterministic"], bool):
+        raise ValueError(f"option '{t}.deterministic' must be true, false or null, got {training['deterministic']!r}")
     if training["remat"] and training["compile"]:
         raise ValueError(
             f"options '{t}.remat' and '{t}.compile' exclude each other: rematerialisation "

@@ -36,7 +36,12 @@ is where summed metrics would be all-reduced.
 Randomness: all of it (split, shuffling, augmentation, initial parameters) derives
 from ``seed``, the epoch and the rank, never from global RNG state, so a run
 restarted from the checkpoint of epoch k continues bit for bit like the
-uninterrupted run (same device, same dtype, same number of threads).
+uninterrupted run (same device, same dtype, same number of threads). Two runs with
+the same options give the same model: on CPU the training runs by default under
+:func:`petfunc.deterministic_algorithms`, so that the parallel float sums of
+scatter-adds do not depend on thread timing (option ``deterministic``: ``null``, the
+default, means on CPU only; on CUDA the deterministic scatter kernels may cost speed,
+which no one has measured here).
 
 Checkpoints (``*.ckpt``) are ``torch.save`` files of plain data (strings, numbers,
 lists, dicts and tensors: the torchopt NamedTuple state is stored as nested dicts)
@@ -78,6 +83,7 @@ from .derivatives import energy_and_forces, energy_forces_strain_derivative
 from .io import atomic_save, read_metatrain_baseline
 from .loss import make_loss
 from .model import PET
+from .determinism import deterministic_algorithms
 from .remat import remat
 from .options import dataset_sections, fixed_composition, parse_loss, resolve_options, trained_parameters
 from .structures import collate
@@ -709,7 +715,6 @@ def fit(
     """
     log = log or _default_log
     reduce_metrics = reduce_metrics or (lambda sums: sums)
-    is_main = rank == 0
     ckpt = None
     if restart is not None:
         ckpt = load_checkpoint(restart)
@@ -720,6 +725,20 @@ def fit(
     if options is None:
         raise ValueError("fit() needs options (or a restart checkpoint that holds them)")
     options = _absolute_paths(resolve_options(options))
+    # fixed-order scatter-adds, so that the same seed gives the same run (determinism.py);
+    # by default on CPU only, where it was measured to cost nothing
+    deterministic = options["architecture"]["training"]["deterministic"]
+    if deterministic is None:
+        deterministic = torch.device(options["device"]).type == "cpu"
+    with deterministic_algorithms(deterministic):
+        return _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads,
+                    reduce_metrics, rank, world_size)
+
+
+def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce_metrics,
+         rank, world_size) -> FitResult:
+    """The body of :func:`fit`, on resolved options (and the loaded restart checkpoint)."""
+    is_main = rank == 0
     training = options["architecture"]["training"]
     seed = options["seed"]
     dtype = torch.float64 if options["base_precision"] == 64 else torch.float32

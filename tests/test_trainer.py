@@ -588,6 +588,7 @@ def test_unknown_species_when_finetuning(dataset, tmp_path):
         (lambda o: o.update(validation_set=1.0), "validation_set"),
         (lambda o: o["architecture"]["training"].update(remat=True, compile=True), "'architecture.training.remat' and .*compile.* exclude"),
         (lambda o: o["architecture"]["training"].update(remat="yes"), "'architecture.training.remat' must be true or false"),
+        (lambda o: o["architecture"]["training"].update(deterministic="yes"), "'architecture.training.deterministic' must be true, false or null"),
     ],
 )
 def test_bad_options(change, message):
@@ -815,3 +816,21 @@ def test_read_dataset(dataset, tmp_path):
     (tmp_path / "bad.xyz").write_text("not an xyz file\n")
     with pytest.raises(ValueError, match="could not read dataset file"):
         petfunc.read_dataset(tmp_path / "bad.xyz", config)
+
+
+def test_float32_runs_repeat_exactly(dataset, tmp_path):
+    """Two float32 runs with the same options give bitwise the same model. With two
+    threads, torch's float32 ``index_put_(accumulate=True)`` (the adjoint of every
+    gather in the eager step) adds with atomics in thread order; ``deterministic``
+    (the default) fixes the order. The setting is restored after ``fit``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        options = tiny_options(dataset, num_epochs=2, batch_size=8)
+        options["architecture"]["model"].update(cutoff=5.0)
+        runs = [fit(options, None, progress=False, log=quiet()) for _ in range(2)]
+    finally:
+        torch.set_num_threads(threads)
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert params_equal(runs[0].last_params, runs[1].last_params)
+    assert [r["train_loss"] for r in runs[0].history] == [r["train_loss"] for r in runs[1].history]
