@@ -55,6 +55,7 @@ import builtins
 import contextlib
 import functools
 import hashlib
+import operator
 import os
 import pickle
 import tempfile
@@ -79,6 +80,48 @@ def no_duck_shape():
         yield
     finally:
         config.use_duck_shape = old
+
+
+@contextlib.contextmanager
+def unguarded_sum_helper():
+    """Let inductor's C++ backend choose its float32 summation scheme without a guard.
+
+    For a float32 sum over more than 4096 elements inductor's C++ kernels use a
+    cascade-sum helper (better round-off). With a symbolic length it decides on the
+    example's length and guards that decision (torch 2.13: ``guard_or_false(n >
+    4096)``; 2.11: ``check_leq``/``check_lt``), so a graph traced on a small batch
+    compiles again for a batch of more than 4096 atoms or edges, and one traced on a
+    large batch for a small one. Both kernels are right for every length; only the
+    rounding of long sums differs. Here the choice follows the example's length and
+    records no guard. (A graph loaded from inductor's cache never re-added that guard,
+    so warm starts already behaved so.)
+    """
+    try:
+        from torch._inductor.codegen import cpp
+        from torch._inductor.virtualized import V
+    except ImportError:
+        yield
+        return
+    kernel = getattr(cpp, "CppKernel", None)
+    original = getattr(kernel, "need_use_acc_helper", None)
+    if original is None:
+        yield
+        return
+
+    def need_use_acc_helper(self, reduction_type, dtype, use_scalar):
+        if reduction_type != "sum" or dtype != torch.float or self.call_ranges is None:
+            return original(self, reduction_type, dtype, use_scalar)
+        length = functools.reduce(operator.mul, self.call_ranges[self.reduction_depth:], 1)
+        try:
+            return V.graph.sizevars.size_hint(length) > 4096
+        except Exception:  # no example value: the safe choice, as inductor makes it
+            return True
+
+    kernel.need_use_acc_helper = need_use_acc_helper
+    try:
+        yield
+    finally:
+        kernel.need_use_acc_helper = original
 
 
 def _split(args):
@@ -372,7 +415,7 @@ class Compiled:
         mode, fakes = _fake_inputs(inputs, self._static)
         inner = torch._dynamo.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend
         patch = torch._inductor.config.patch(self.options) if self.options else contextlib.nullcontext()
-        with patch, no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped():
+        with patch, no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped(), unguarded_sum_helper():
             compiled = inner(self.graph, fakes)
         # symbolic sizes: the relations the backend assumed; data sizes torch
         # specialised (0 or 1) are fixed numbers, checked one by one (parameter

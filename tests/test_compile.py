@@ -94,3 +94,25 @@ def test_trace_cache(tmp_path, monkeypatch):
     assert not petfunc.compile(scatter_energy, params, *x, backend="aot_eager").from_cache
     monkeypatch.setenv("PETFUNC_TRACE_CACHE", "0")
     assert not petfunc.compile(scatter_energy, params, *x, backend="aot_eager", cache_key="toy").from_cache
+
+
+def test_float_sums_of_any_length_share_the_graph():
+    """Inductor's C++ backend sums float32 reductions longer than 4096 elements with
+    a cascade helper and guarded the length on the example's side of 4096: a graph
+    compiled on a small batch recompiled for a large one (only when its kernels were
+    not already in inductor's cache). The choice is now made without a guard."""
+
+    def fn(params, positions, index):
+        hidden = torch.tanh(positions[index] @ params["w"])
+        return hidden.sum(0), hidden.sum()
+
+    params = {"w": torch.randn(3, 5)}
+    # fx_graph_cache off: a cached graph hides the guard (its load does not add it)
+    compiled = petfunc.compile(fn, params, *[t.float() if t.is_floating_point() else t for t in example(30, 100)],
+                               options={"fx_graph_cache": False})
+    for n_atoms, n_edges in ((30, 100), (300, 9000), (20, 50)):
+        positions, index = example(n_atoms, n_edges, seed=n_atoms)
+        positions = positions.float()
+        for a, b in zip(compiled(params, positions, index), fn(params, positions, index)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+    assert compiled.num_graphs == 1
