@@ -818,7 +818,7 @@ def test_read_dataset(dataset, tmp_path):
         petfunc.read_dataset(tmp_path / "bad.xyz", config)
 
 
-def test_float32_runs_repeat_exactly(dataset, tmp_path):
+def test_float32_runs_repeat_exactly(dataset):
     """Two float32 runs with the same options give bitwise the same model. With two
     threads, torch's float32 ``index_put_(accumulate=True)`` (the adjoint of every
     gather in the eager step) adds with atomics in thread order; ``deterministic``
