@@ -7,11 +7,17 @@ so the fixed cost dominates. PET's training step has 75 kernels (energy only) to
 about 200 (with forces and stress): most of a cold compile was spent loading the
 same header over and over.
 
-:func:`grouped` batches them: while it is active, the kernels a compiled module
-asks for (``AsyncCompile.cpp_pybinding``) are collected, and when the module waits
-for them they are concatenated into ``2 x compile_threads`` sources (balanced by
-size), each built once, in parallel, into one Python extension with one entry point
-per kernel. The kernels' code is unchanged (same flags, same precompiled header,
+:func:`grouped` batches them: while it is active, the kernels are cut, in the
+order inductor defines them, into consecutive groups of about
+:data:`GROUP_CHARS` characters of source, each built once into one Python extension
+with one entry point per kernel. A group starts building (``compile_threads``
+at a time) as soon as inductor's code generation has defined its kernels, so
+``g++`` runs while the rest of the graph is still being generated (code generation
+is single-threaded Python); when the compiled module loads, its kernels
+(``AsyncCompile.cpp_pybinding``) find their group already built or building, and
+the last, partial group is built then. A module loaded from inductor's cache, with
+no code generation, cuts the same groups from its kernels and finds them in the
+cache. The kernels' code is unchanged (same flags, same precompiled header,
 arguments converted as inductor's own bindings convert them), only renamed
 (``kernel`` -> ``kernel_<i>``); the libraries live in inductor's cache, keyed by
 their source, so a warm start rebuilds nothing. A kernel whose source does not have
@@ -26,6 +32,7 @@ compile from an empty cache: qm9 116 -> 80 s, carbon 158 -> 118 s.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import os
@@ -34,6 +41,12 @@ import threading
 import warnings
 
 _KERNEL = re.compile(r'^extern\s+"C"\s+void\s+kernel\s*\(', re.M)
+# a C++ kernel as inductor's code generation defines it for the Python wrapper
+_DEFINITION = re.compile(r"\Aasync_compile\.cpp_pybinding\((\[.*?\]), r'''(.*)'''\)\s*\Z", re.S)
+#: a group is closed once its kernels hold this many characters of source (the
+#: training step's kernels: about 0.4 MB (energy only) to 1.4 MB (with forces and
+#: stress); a group of 150 kB builds in about 5 s on this project's CPU)
+GROUP_CHARS = 150_000
 _SCALARS = {"int64_t", "uintptr_t", "float", "double"}
 _lock = threading.Lock()
 _depth = 0
@@ -201,33 +214,112 @@ class _Pending:
         return self.result()(*args)
 
 
-def _build(owner):
-    """Build the pending kernels of one compiled module (an ``AsyncCompile``)."""
+def _groups(kernels):
+    """Consecutive groups of ``kernels`` (items with a ``source``), each closed once
+    it holds :data:`GROUP_CHARS` characters; the last one may be smaller. The same
+    kernels in the same order always give the same groups, so that the groups
+    started during code generation, the groups of a module loaded from inductor's
+    cache and the groups in the library cache agree."""
+    groups, current, size = [], [], 0
+    for kernel in kernels:
+        current.append(kernel)
+        size += len(kernel.source)
+        if size >= GROUP_CHARS:
+            groups.append(current)
+            current, size = [], 0
+    return groups, current
+
+
+@functools.lru_cache(maxsize=1)
+def _builders():
+    """Threads that run the group builds (``g++`` runs in subprocesses, so the
+    code generation goes on meanwhile): ``compile_threads`` of them."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from torch._inductor.async_compile import get_compile_threads
 
+    return ThreadPoolExecutor(max_workers=max(1, get_compile_threads()), thread_name_prefix="petfunc-g++")
+
+
+def _start(group):
+    """Start building one group; returns ``{(argtypes, source): loader}``, where a
+    loader returns the kernel's entry point (waiting for the build)."""
+    load = _code_cache().load_async(group_source([(k.argtypes, k.source) for k in group]), "cpu",
+                                    submit_fn=_builders().submit)
+    return {(tuple(k.argtypes), k.source): (lambda name=f"kernel_{i}": getattr(load(), name))
+            for i, k in enumerate(group)}
+
+
+class _Defined:
+    """A kernel seen during code generation, before its module exists."""
+
+    def __init__(self, argtypes, source):
+        self.argtypes, self.source = argtypes, source
+
+
+_defined = []  # kernels of the graph being generated, not yet in a started group
+_started = {}  # (argtypes, source) -> loader, for groups started during code generation
+
+
+def _on_definition(body: str) -> None:
+    """Code generation defined a kernel: add it to the open group, and start
+    building that group once it is full."""
+    match = _DEFINITION.match(body)
+    if match is None:
+        return
+    try:
+        argtypes = ast.literal_eval(match.group(1))
+    except (ValueError, SyntaxError):
+        return
+    source = match.group(2)
+    if not groupable(argtypes, source):
+        return
+    _defined.append(_Defined(argtypes, source))
+    closed, _ = _groups(_defined)
+    if closed:
+        del _defined[:]
+        try:
+            _started.update(_start(closed[0]))
+        except Exception:  # noqa: BLE001 - these kernels are built when the module loads
+            pass
+
+
+def _build(owner):
+    """Build the pending kernels of one compiled module (an ``AsyncCompile``):
+    those whose group started during code generation get its loader; the others
+    are cut into groups (the same groups, for a module from inductor's cache) and
+    built now."""
     pending = owner.__dict__.pop("_petfunc_pending", [])
+    del _defined[:]  # code generation of this module is over
     if not pending:
         return
-    threads = get_compile_threads()
-    n_groups = min(len(pending), max(1, 2 * threads))
-    groups, sizes = [[] for _ in range(n_groups)], [0] * n_groups
-    # largest first, each to the lightest group: deterministic, so that a warm
-    # start asks for the same sources and finds them built
-    for p in sorted(pending, key=lambda p: (-len(p.source), p.source)):
-        g = sizes.index(min(sizes))
-        groups[g].append(p)
-        sizes[g] += len(p.source)
-    submit = owner.submit if threads > 1 else None
+    rest = []
+    for p in pending:
+        loader = _started.pop((tuple(p.argtypes), p.source), None)
+        if loader is not None:
+            p._load = loader
+        else:
+            rest.append(p)
+    closed, last = _groups(rest)
     try:
-        cache = _code_cache()
-        for group in groups:
-            load = cache.load_async(group_source([(p.argtypes, p.source) for p in group]), "cpu", submit_fn=submit)
-            for i, p in enumerate(group):
-                p._load = lambda load=load, name=f"kernel_{i}": getattr(load(), name)
+        for group in closed + ([last] if last else []):
+            loaders = _start(group)
+            for p in group:
+                p._load = loaders[(tuple(p.argtypes), p.source)]
     except Exception as error:  # noqa: BLE001 - these kernels fall back one by one
-        for p in pending:
+        for p in rest:
             if p._load is None:
                 p._error = error
+
+
+def _wrapper_class():
+    """Inductor's Python wrapper code generator (whose ``define_kernel`` receives
+    each C++ kernel's definition), or None."""
+    try:
+        from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+    except ImportError:  # pragma: no cover - other torch versions: no early builds
+        return None
+    return PythonWrapperCodegen
 
 
 @contextlib.contextmanager
@@ -244,8 +336,9 @@ def grouped():
         return
     with _lock:
         if _depth == 0:
-            _saved = (AsyncCompile.cpp_pybinding, AsyncCompile.wait)
-            original_pybinding, original_wait = _saved
+            _saved = (AsyncCompile.cpp_pybinding, AsyncCompile.wait, _wrapper_class(),
+                      getattr(_wrapper_class(), "define_kernel", None))
+            original_pybinding, original_wait, wrapper, original_define = _saved
 
             def cpp_pybinding(self, argtypes, source_code):
                 if not groupable(argtypes, source_code):
@@ -262,6 +355,13 @@ def grouped():
                 return original_wait(self, scope)
 
             AsyncCompile.cpp_pybinding, AsyncCompile.wait = cpp_pybinding, wait
+            if original_define is not None:
+                def define_kernel(self, kernel_name, kernel_body, *args, **kwargs):
+                    if isinstance(kernel_body, str):
+                        _on_definition(kernel_body)
+                    return original_define(self, kernel_name, kernel_body, *args, **kwargs)
+
+                wrapper.define_kernel = define_kernel
         _depth += 1
     try:
         yield
@@ -269,5 +369,8 @@ def grouped():
         with _lock:
             _depth -= 1
             if _depth == 0:
-                AsyncCompile.cpp_pybinding, AsyncCompile.wait = _saved
+                AsyncCompile.cpp_pybinding, AsyncCompile.wait, wrapper, original_define = _saved
+                if original_define is not None:
+                    wrapper.define_kernel = original_define
                 _saved = None
+                del _defined[:]

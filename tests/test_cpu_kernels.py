@@ -128,3 +128,47 @@ def test_a_group_that_cannot_be_set_up_falls_back(monkeypatch):
     with pytest.warns(RuntimeWarning, match="unexpected keyword argument"):
         assert pending[0](1, 2) == "alone"
     assert built_alone == [SCALE]
+
+
+def test_groups_start_while_code_is_generated(monkeypatch):
+    """Each kernel definition of inductor's code generation joins the open group; a
+    full group starts building at once, and the module's kernels later find it. The
+    cut is the same whether the kernels come from code generation or from a loaded
+    module, so a warm start finds the same libraries."""
+    started = []
+
+    def start(group):
+        started.append([k.source for k in group])
+        return {(tuple(k.argtypes), k.source): (lambda: "built") for k in group}
+
+    monkeypatch.setattr(_cpu_kernels, "_start", start)
+    monkeypatch.setattr(_cpu_kernels, "GROUP_CHARS", len(SCALE) + len(SHIFT))
+    monkeypatch.setattr(_cpu_kernels, "_defined", [])
+    monkeypatch.setattr(_cpu_kernels, "_started", {})
+    for argtypes, source in ((["const float*", "float*", "const int64_t", "const float"], SCALE),
+                             (["const double*", "double*", "const int64_t"], SHIFT),
+                             (["const double*", "double*", "const int64_t"], SHIFT + "// another\n")):
+        # what inductor's C++ scheduling passes to the wrapper's define_kernel
+        _cpu_kernels._on_definition(f"async_compile.cpp_pybinding({argtypes!r}, r'''\n{source}\n''')\n")
+    _cpu_kernels._on_definition("some_triton_kernel = async_compile.triton(...)")  # ignored
+    assert started == [["\n" + SCALE + "\n", "\n" + SHIFT + "\n"]]  # full once past GROUP_CHARS
+    assert len(_cpu_kernels._defined) == 1  # the open group
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    owner._petfunc_pending = [
+        _cpu_kernels._Pending(owner, a, "\n" + s + "\n", None)
+        for a, s in ((["const float*", "float*", "const int64_t", "const float"], SCALE),
+                     (["const double*", "double*", "const int64_t"], SHIFT),
+                     (["const double*", "double*", "const int64_t"], SHIFT + "// another\n"))
+    ]
+    pending = list(owner._petfunc_pending)
+    _cpu_kernels._build(owner)
+    assert [p._load() for p in pending] == ["built"] * 3
+    assert len(started) == 2 and started[1] == ["\n" + SHIFT + "// another\n\n"]  # the last, partial group
+    assert _cpu_kernels._started == {} and _cpu_kernels._defined == []
+    # a module loaded from the cache (no code generation) cuts the same groups
+    groups, last = _cpu_kernels._groups(pending)
+    assert [[p.source for p in g] for g in groups + [last]] == started
