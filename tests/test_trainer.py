@@ -818,15 +818,18 @@ def test_read_dataset(dataset, tmp_path):
         petfunc.read_dataset(tmp_path / "bad.xyz", config)
 
 
-def test_float32_runs_repeat_exactly(dataset):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_float32_runs_repeat_exactly(dataset, compiled):
     """Two float32 runs with the same options give bitwise the same model. With two
     threads, torch's float32 ``index_put_(accumulate=True)`` (the adjoint of every
-    gather in the eager step) adds with atomics in thread order; ``deterministic``
-    (the default) fixes the order. The setting is restored after ``fit``."""
+    gather in the eager step; the traced step's scatter-adds with aot_eager) adds with
+    atomics in thread order; ``deterministic`` (the default on CPU) fixes the order.
+    The setting is restored after ``fit``."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        options = tiny_options(dataset, num_epochs=2, batch_size=8)
+        extra = {"compile": True, "compile_backend": "aot_eager"} if compiled else {}
+        options = tiny_options(dataset, num_epochs=2, batch_size=8, **extra)
         options["architecture"]["model"].update(cutoff=5.0)
         runs = [fit(options, None, progress=False, log=quiet()) for _ in range(2)]
     finally:
