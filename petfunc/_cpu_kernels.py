@@ -338,8 +338,9 @@ def grouped():
         return
     with _lock:
         if _depth == 0:
-            _saved = (AsyncCompile.cpp_pybinding, AsyncCompile.wait, _wrapper_class(),
-                      getattr(_wrapper_class(), "define_kernel", None))
+            wrapper = _wrapper_class()
+            _saved = (AsyncCompile.cpp_pybinding, AsyncCompile.wait, wrapper,
+                      getattr(wrapper, "define_kernel", None))
             original_pybinding, original_wait, wrapper, original_define = _saved
 
             def cpp_pybinding(self, argtypes, source_code):

@@ -88,8 +88,8 @@ def pack_state(state: TrainState, train: Optional[Sequence[str]] = None) -> Trai
     """``state`` with its trained parameters (:func:`pack_params`) and each part of
     the optimizer state shaped like them (Adam's moments, ...) copied into one
     buffer each (a part already in one buffer is kept). Same values; use it on a
-    state assembled by hand or loaded from a file, before :func:`petfunc.compile` traces the step with it (the compiled step
-    takes the layout of its example)."""
+    state assembled by hand or loaded from a file, before :func:`petfunc.compile`
+    traces the step with it (the compiled step takes the layout of its example)."""
     shapes = [leaf.shape for leaf in tree_flatten(trainable(state.params, train))[0]]
 
     def shaped_like_params(node):
