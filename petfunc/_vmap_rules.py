@@ -1,7 +1,8 @@
 """vmap batching rules that keep symbolic sizes symbolic (for tracing ensembles).
 
 Some of PyTorch's C++ batching rules read a tensor's sizes as plain integers
-(``cat``, ``scatter_add``, ``gather``, ``slice_backward``, the layer-norm pair).
+(``cat``, ``scatter_add``, ``gather``, ``slice_backward``, the layer-norm pair, and
+in torch 2.11 ``mm`` and ``bmm``, whose rules call ``matmul`` on the physical tensors).
 Under ``make_fx`` with symbolic sizes that read turns every size of the tensor into
 a constant of the trace: the traced ensemble then only works for the batch it was
 traced with (compile note P7: ``expand: attempting to expand a dimension of length
@@ -113,8 +114,42 @@ def _slice_backward(grad_output, input_sizes, dim, start, end, step):
     return _add_batch_dim(out, 0, level)
 
 
+def _mm(self, mat2):
+    level = current_level()
+    items, size = _unwrap((self, mat2), level)
+    (a, ab), (b, bb) = items
+    with _below():
+        if size is None:
+            return aten.mm.default(a, b)
+        if bb is None:
+            # [B, n, k] rows times one [k, m]: a single mm over all rows
+            a = _front(a, ab, size)
+            out = aten.mm.default(a.reshape(-1, a.shape[-1]), b).view(size, a.shape[1], b.shape[-1])
+        else:
+            out = aten.bmm.default(_front(a, ab, size), _front(b, bb, size))
+    return _add_batch_dim(out, 0, level)
+
+
+def _bmm(self, mat2):
+    level = current_level()
+    items, size = _unwrap((self, mat2), level)
+    (a, ab), (b, bb) = items
+    with _below():
+        if size is None:
+            return aten.bmm.default(a, b)
+        # [B, b, n, k] x [B, b, k, m] as one bmm over B * b matrices (an unbatched
+        # operand is expanded, and reshape copies it)
+        a, b = _front(a, ab, size), _front(b, bb, size)
+        batch, n, m = a.shape[1], a.shape[2], b.shape[3]
+        out = aten.bmm.default(a.reshape(-1, n, a.shape[3]), b.reshape(-1, b.shape[2], m))
+        out = out.view(size, batch, n, m)
+    return _add_batch_dim(out, 0, level)
+
+
 _RULES = {
     "cat": _cat,
+    "mm": _mm,
+    "bmm": _bmm,
     "scatter_add": _scatter_add,
     "gather": _gather,
     "slice_backward": _slice_backward,

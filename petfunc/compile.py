@@ -58,6 +58,7 @@ import hashlib
 import operator
 import os
 import pickle
+import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -68,6 +69,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from . import _cpu_kernels, tree
+from ._fft_meta import fft_meta
 
 
 @contextlib.contextmanager
@@ -153,6 +155,24 @@ def _fake_inputs(tensors, static):
         context = StatelessSymbolicContext(dynamic_sizes=[kind] * t.dim())
         fakes.append(mode.from_tensor(t, symbolic_context=context))
     return mode, fakes
+
+
+def _shape_guards(shape_env, fakes, static) -> list:
+    """What ``shape_env`` assumed about the sizes of the data inputs (``static``
+    false), as Python expressions over ``L['t<i>']`` (the i-th graph input): sizes
+    equal to each other or fixed to a number."""
+    from torch._dynamo.source import LocalSource
+
+    data = [i for i, s in enumerate(static) if not s]
+    guards = shape_env.produce_guards(
+        [fakes[i] for i in data], [LocalSource(f"t{i}") for i in data], ignore_static=False
+    )
+    # Kept: equalities between sizes, or of a size and a number. Dropped: strides
+    # and offsets (inputs are made contiguous, and a contiguous view may start
+    # anywhere), and inequalities, which come from the range every symbolic size is
+    # given ([2, oo]: sizes 0 and 1 are the backend's business, it compiles a graph
+    # of their own)
+    return [g for g in guards if "==" in g and "stride()" not in g and "storage_offset()" not in g]
 
 
 def _drop_unused_constants(graph_module: torch.fx.GraphModule) -> None:
@@ -263,8 +283,8 @@ def _cache_file(key: str, signature) -> Optional[Path]:
 
 
 def _load_trace(path: Path):
-    """``(graph, output spec, output layout)`` from a cache file, or ``None`` (missing
-    or unreadable)."""
+    """``(graph, output spec, output layout, trace guards)`` from a cache file, or
+    ``None`` (missing or unreadable)."""
     try:
         data = path.read_bytes()
     except OSError:
@@ -279,20 +299,22 @@ def _load_trace(path: Path):
         with warnings.catch_warnings():
             # unpickling a TreeSpec warns about its own deprecated LeafSpec check (torch 2.13)
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            graph, out_spec, out_layout = pickle.loads(data)
+            graph, out_spec, out_layout, guards = pickle.loads(data)
         if not isinstance(graph, torch.fx.GraphModule) or not isinstance(out_layout, _Layout):
             raise TypeError(f"holds a {type(graph).__name__} and a {type(out_layout).__name__}")
-        return graph, out_spec, out_layout
+        if not isinstance(guards, list) or not all(isinstance(g, str) for g in guards):
+            raise TypeError("its trace guards are not a list of strings")
+        return graph, out_spec, out_layout, guards
     except Exception as error:  # a damaged or foreign file: trace again
         warnings.warn(f"petfunc.compile: ignoring the unreadable trace cache file {path} ({error})", stacklevel=3)
         return None
 
 
-def _save_trace(path: Path, graph, out_spec, out_layout) -> None:
+def _save_trace(path: Path, graph, out_spec, out_layout, guards) -> None:
     """Write atomically; a failure to write only costs the next process a trace."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = pickle.dumps((graph, out_spec, out_layout))
+        data = pickle.dumps((graph, out_spec, out_layout, guards))
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -359,27 +381,74 @@ class Compiled:
         loaded = _load_trace(cache) if cache is not None and cache.exists() else None
         self.from_cache = loaded is not None
         if loaded is not None:
-            self.graph, self._out_spec, self._out_layout = loaded
+            self.graph, self._out_spec, self._out_layout, trace_guards = loaded
         else:
             mode, fakes = _fake_inputs(inputs, self._static)
-            with mode, torch.no_grad():
+            with fft_meta(), mode, torch.no_grad():
                 self.graph = make_fx(flat_fn, tracing_mode="real")(*fakes)
+            trace_guards = _shape_guards(mode.shape_env, fakes, self._static)
             # forward-mode AD (jvp) leaves unused checks such as aten.is_same_size, which
             # return Python bools that Dynamo cannot put in a graph: drop dead nodes
             self.graph.graph.eliminate_dead_code()
             _drop_unused_constants(self.graph)
             self.graph.recompile()
             if cache is not None:
-                _save_trace(cache, self.graph, self._out_spec, self._out_layout)
+                _save_trace(cache, self.graph, self._out_spec, self._out_layout, trace_guards)
                 # compile the graph as later processes will load it: its inductor
                 # cache entry then serves them (a freshly traced graph hashes
                 # differently from its reloaded copy)
                 reloaded = _load_trace(cache)
                 if reloaded is not None:
                     self.graph = reloaded[0]
+        self._set_trace_guards(trace_guards, example_args)
         self.num_graphs = 0
         self.options = dict(options or {})
         self._entries = []  # (guard code or None, fixed data sizes, compiled callable)
+
+    def _set_trace_guards(self, guards, example_args):
+        """Keep the size relations the trace assumed, checked at every call.
+
+        For a well-formed batch they hold by construction (an edge array is as long
+        as its partner array; a size is at least 2). A constant among them means
+        that some op read a size as a plain integer and the graph is valid for
+        that size only (torch 2.11's batching rule of ``mm``, for one, did so).
+        Without this check such a graph would silently compute garbage for any
+        other size; with it, the call fails and says which assumption broke.
+        """
+        self._trace_guards = list(guards)
+        joined = " and ".join(f"({g})" for g in guards)
+        self._trace_guard_code = builtins.compile(joined, "<petfunc trace guards>", "eval") if guards else None
+        # readable names of the graph inputs, for the error message
+        paths = [
+            pytree.keystr(path)
+            for path, leaf in pytree.tree_flatten_with_path(tuple(example_args))[0]
+            if isinstance(leaf, torch.Tensor)
+        ]
+        self._input_names = [
+            f"args{paths[i]}" if stop is None else f"the packed buffer of args{paths[i]} ... args{paths[stop - 1]}"
+            for i, stop in self._in_layout.items
+        ]
+
+    def _check_trace_guards(self, inputs):
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+        if self._trace_guard_code is None:
+            return
+        scope = {"L": {f"t{i}": t for i, t in enumerate(inputs)}}
+        if eval(self._trace_guard_code, SYMPY_INTERP, scope):
+            return
+        broken = [g for g in self._trace_guards if not eval(g, SYMPY_INTERP, scope)]
+
+        def readable(text):
+            return re.sub(r"L\['t(\d+)'\]", lambda m: self._input_names[int(m.group(1))], text)
+
+        raise ValueError(
+            "compiled function: the input sizes break what the traced graph assumed: "
+            + "; ".join(readable(g) for g in broken)
+            + ". A batch from petfunc.make_batch satisfies these relations; if yours "
+            "does and a size was fixed to a number here, the trace specialised on the "
+            "example's size (a torch op read it as an integer)"
+        )
 
     def _graph_inputs(self, tensors):
         # contiguous: the compiled code is specialised to the strides it was given
@@ -415,7 +484,7 @@ class Compiled:
         mode, fakes = _fake_inputs(inputs, self._static)
         inner = torch._dynamo.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend
         patch = torch._inductor.config.patch(self.options) if self.options else contextlib.nullcontext()
-        with patch, no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped(), unguarded_sum_helper():
+        with patch, no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped(), unguarded_sum_helper(), fft_meta():
             compiled = inner(self.graph, fakes)
         # symbolic sizes: the relations the backend assumed; data sizes torch
         # specialised (0 or 1) are fixed numbers, checked one by one (parameter
@@ -457,6 +526,7 @@ class Compiled:
                 )
         self._check_inputs(tensors)
         inputs = self._graph_inputs(tensors)
+        self._check_trace_guards(inputs)
         with torch.no_grad():
             out = self._select(inputs)(*inputs)
         return pytree.tree_unflatten(self._out_layout.unpack(out), self._out_spec)
@@ -464,8 +534,10 @@ class Compiled:
     def eager_graph(self, *args):
         """Run the traced (uncompiled) graph: the reference for compiled == traced."""
         tensors, *_ = _split(args)
+        inputs = self._graph_inputs(tensors)
+        self._check_trace_guards(inputs)
         with torch.no_grad():
-            out = self.graph(*self._graph_inputs(tensors))
+            out = self.graph(*inputs)
         return pytree.tree_unflatten(self._out_layout.unpack(out), self._out_spec)
 
 

@@ -238,6 +238,35 @@ def _coulomb_kernel(k_sq: torch.Tensor, sigma: float) -> torch.Tensor:
     return torch.where(zero, torch.zeros_like(k_sq), 4 * math.pi * torch.exp(-0.5 * sigma**2 * safe) / safe)
 
 
+def _cross(u, v):
+    """``u x v`` over the last axis, in plain arithmetic (``torch.linalg.cross``'s
+    vmap rule reads integer sizes in torch 2.11, which breaks symbolic traces)."""
+    u1, u2, u3 = u.unbind(-1)
+    v1, v2, v3 = v.unbind(-1)
+    return torch.stack([u2 * v3 - u3 * v2, u3 * v1 - u1 * v3, u1 * v2 - u2 * v1], dim=-1)
+
+
+def _inverse(cell):
+    """Inverse of ``cell [..., 3, 3]`` (rows a, b, c): columns (b x c, c x a, a x b) / V.
+
+    Not ``torch.linalg.inv``: in torch 2.11 its backward calls ``matmul`` in a
+    way that cannot be traced with symbolic sizes under ``vmap`` (ensembles), and
+    this closed form is plain arithmetic to every order of differentiation.
+    """
+    a, b, c = cell.unbind(-2)
+    cofactors = torch.stack([_cross(b, c), _cross(c, a), _cross(a, b)], dim=-1)
+    return cofactors / _signed_volume(cell)[..., None, None]
+
+
+def _signed_volume(cell):
+    """``a . (b x c)`` of ``cell [..., 3, 3]`` (rows a, b, c), i.e. its determinant.
+
+    Not ``torch.linalg.det``: torch 2.11 cannot trace det's backward on fake
+    tensors (an internal assert), which petfunc.compile needs.
+    """
+    return (cell[..., 0, :] * _cross(cell[..., 1, :], cell[..., 2, :])).sum(-1)
+
+
 def _corrections(q, volume, sigma: float):
     """Self term and neutralising background that torch-pme adds to the
     reciprocal-space potential. ``q [S, A, C]`` (zero on padding), ``volume [S]``;
@@ -249,7 +278,7 @@ def _corrections(q, volume, sigma: float):
 
 def _ewald(q, positions, cell, kgrid, volume, sigma: float):
     """Reciprocal-space potential ``[S, A, C]`` (before the 1/2) of every structure."""
-    inverse_t = torch.linalg.inv(cell).transpose(1, 2)
+    inverse_t = _inverse(cell).transpose(1, 2)
     k = 2 * math.pi * torch.einsum("ski,sib->skb", kgrid.to(cell.dtype), inverse_t)  # [S, K, 3]
     kernel = _coulomb_kernel((k**2).sum(dim=2), sigma)  # [S, K]
     phase = torch.einsum("skb,sab->ska", k, positions)  # [S, K, A]
@@ -303,7 +332,7 @@ def _p3m(q, positions, cell, sizes, mesh, volume, sigma: float, order: int):
     channels = q.shape[1]
     dtype, device = positions.dtype, positions.device
     # charge assignment: the ``order`` nearest mesh points along each axis
-    scaled = sizes.to(dtype) * (positions @ torch.linalg.inv(cell))  # [A, 3] in mesh units
+    scaled = sizes.to(dtype) * (positions @ _inverse(cell))  # [A, 3] in mesh units
     if order % 2 == 0:
         base = torch.floor(scaled).to(torch.long)
         offset = scaled - (base + 0.5)
@@ -325,7 +354,7 @@ def _p3m(q, positions, cell, sizes, mesh, volume, sigma: float, order: int):
     rho = rho.scatter_add(1, flat[None].expand(channels, -1), values).reshape(channels, nx, ny, nz)
 
     # the P3M filter: Coulomb kernel divided by the squared assignment transform
-    reciprocal = 2 * math.pi * torch.linalg.inv(cell).T  # rows b_a
+    reciprocal = 2 * math.pi * _inverse(cell).T  # rows b_a
     fx = _axis_frequencies(nx, dtype, device)
     fy = _axis_frequencies(ny, dtype, device)
     fz = torch.arange(nz // 2 + 1, dtype=dtype, device=device)
@@ -396,7 +425,7 @@ def potentials(config: PETConfig, charges, positions, cell, neighbors, edge_cent
     # atoms are masked out below)
     eye = torch.eye(3, dtype=cell.dtype, device=cell.device).expand_as(cell)
     safe_cell = torch.where(structure_periodic[:, None, None], cell, eye)
-    volume = torch.abs(torch.linalg.det(safe_cell))
+    volume = torch.abs(_signed_volume(safe_cell))
     mask = inputs.structure_mask.to(dtype)[:, :, None]
     q_slots = charges[inputs.structure_atoms] * mask  # [S, A, C]
     x_slots = positions[inputs.structure_atoms]  # [S, A, 3]

@@ -116,3 +116,38 @@ def test_float_sums_of_any_length_share_the_graph():
         for a, b in zip(compiled(params, positions, index), fn(params, positions, index)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
     assert compiled.num_graphs == 1
+
+
+def test_sizes_the_trace_fixed_are_checked():
+    """A trace that read a size as a plain integer is valid for that size only (torch
+    2.11's mm batching rule did that to vmapped ensembles): other sizes are refused
+    with the assumption named, instead of running a graph that computes garbage.
+    Relations between sizes (equal edge arrays) are checked the same way."""
+
+    def specialised(params, positions, index):
+        n = int(positions.shape[0])  # a Python int: the trace fixes the size
+        return scatter_energy(params, positions, index) * n
+
+    params = {"w": torch.randn(3, 5, dtype=torch.float64)}
+    compiled = petfunc.compile(specialised, params, *example(4, 7), backend="aot_eager")
+    x = example(4, 9)
+    torch.testing.assert_close(compiled(params, *x), specialised(params, *x), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"args\[1\]\.size\(\)\[0\] == 4"):
+        compiled(params, *example(5, 9))
+    with pytest.raises(ValueError, match=r"args\[1\]\.size\(\)\[0\] == 4"):
+        compiled.eager_graph(params, *example(5, 9))
+
+    def paired(params, positions, first, second):
+        # first - second: the trace assumes both index arrays are equally long
+        return scatter_energy(params, positions, first) * (first - second).sum()
+
+    def pair_example(n_atoms, n_first, n_second):
+        positions, first = example(n_atoms, n_first)
+        return positions, first, example(n_atoms, n_second, seed=1)[1]
+
+    compiled = petfunc.compile(paired, params, *pair_example(4, 7, 7), backend="aot_eager")
+    x = pair_example(6, 11, 11)
+    torch.testing.assert_close(compiled(params, *x), paired(params, *x), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"args\[3\]\.size\(\)\[0\] == args\[2\]\.size\(\)\[0\]"):
+        compiled(params, *pair_example(6, 11, 12))
+    assert compiled.num_graphs == 1

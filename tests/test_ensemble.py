@@ -109,6 +109,15 @@ def test_rules_equal_pytorch_rules():
         (lambda x: grad(lambda y: (y[:, 1:3] ** 3).sum())(x), (a,), (0,)),
         (lambda w: torch.nn.functional.layer_norm(a[0], (5,), w, None), (torch.randn(3, 5, generator=g),), (0,)),
         (lambda x: grad(lambda y: torch.nn.functional.layer_norm(y, (5,)).pow(3).sum())(x), (a,), (0,)),
+        # mm and bmm (torch 2.11's rules call matmul, which reads integer sizes):
+        # batched on either side, both, a batch dimension that is not first
+        (lambda x: x @ c.t(), (a,), (0,)),
+        (lambda w: a[0] @ w, (torch.randn(3, 5, 2, generator=g),), (0,)),
+        (lambda x, w: x @ w, (a, torch.randn(5, 2, 3, generator=g)), (0, 2)),
+        (lambda x, w: torch.addmm(c[0, :2], x, w), (a, torch.randn(3, 5, 2, generator=g)), (0, 0)),
+        (lambda x: torch.bmm(x, a.transpose(1, 2)), (torch.randn(2, 3, 7, 5, generator=g),), (0,)),
+        (lambda w: torch.bmm(a, w), (torch.randn(3, 2, 5, 6, generator=g),), (1,)),
+        (lambda x, w: torch.bmm(x, w), (torch.randn(2, 3, 7, 5, generator=g), a.transpose(1, 2)[None].expand(2, 3, 5, 4)), (0, 0)),
     ]
     for i, (fn, args, dims) in enumerate(cases):
         ours, theirs = _vmapped(fn, *args, in_dims=dims)

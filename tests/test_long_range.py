@@ -300,3 +300,24 @@ def test_ewald_grid_and_p3m_mesh_follow_torch_pme():
     assert grid.shape == (4 * 4 * 2, 3)
     assert sorted(set(grid[:, 0])) == [-2, -1, 0, 1] and sorted(set(grid[:, 2])) == [-1, 0]
     assert long_range.p3m_mesh_sizes(cell, 1.33).tolist() == [8, 16, 8]
+
+
+def test_fft_shape_functions_match_the_kernels():
+    """petfunc._fft_meta's shape functions (used for tracing on torch < 2.13) give
+    the outputs of the FFT kernels the sizes, strides and dtypes that the CPU
+    kernels give them, for contiguous inputs (what P3M passes) and any transformed
+    dimensions. (For other layouts torch's own meta functions disagree with its
+    kernels too; inductor asserts the strides of such outputs at run time.)"""
+    from petfunc import _fft_meta
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(3, 4, 6, 5), (2, 5, 4, 3), (7, 8, 8, 8)]:
+        x = torch.randn(*shape, dtype=torch.complex128, generator=g)
+        for dims in [(1, 2, 3), (1, 2), (3,), (0, 2), (0, 1, 2, 3), (2,), (0,)]:
+            out = torch.ops.aten._fft_c2c(x, list(dims), 0, True)
+            ours = _fft_meta._c2c(x, list(dims), 0, True)
+            assert (ours.shape, ours.stride()) == (out.shape, out.stride()), ("c2c", shape, dims)
+            for last in (2 * (x.shape[dims[-1]] - 1), 2 * x.shape[dims[-1]] - 1):
+                out = torch.ops.aten._fft_c2r(x, list(dims), 0, last)
+                ours = _fft_meta._c2r(x, list(dims), 0, last)
+                assert (ours.shape, ours.stride(), ours.dtype) == (out.shape, out.stride(), out.dtype), ("c2r", shape, dims)
