@@ -408,8 +408,9 @@ class Compiled:
     def _set_trace_guards(self, guards, example_args):
         """Keep the size relations the trace assumed, checked at every call.
 
+        They are equalities between data sizes, or of a data size and a number.
         For a well-formed batch they hold by construction (an edge array is as long
-        as its partner array; a size is at least 2). A constant among them means
+        as its partner array, positions have 3 columns). Any other constant means
         that some op read a size as a plain integer and the graph is valid for
         that size only (torch 2.11's batching rule of ``mm``, for one, did so).
         Without this check such a graph would silently compute garbage for any

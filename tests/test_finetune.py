@@ -30,7 +30,12 @@ from petfunc.options import resolve_options, trained_parameters
 from petfunc.train import HEADS, trainable
 from petfunc.trainer import fit, load_model
 
-import mtt_reference as ref
+try:  # the metatrain comparisons need the test extra
+    import mtt_reference as ref
+except ImportError:
+    ref = None
+
+needs_metatrain = pytest.mark.skipif(ref is None, reason="metatrain (the test extra) is not installed")
 
 
 CONFIG = petfunc.PETConfig(
@@ -110,6 +115,7 @@ def _compare_updates(model, before, after, metrics, loss, norm):
     return moved
 
 
+@needs_metatrain
 def test_heads_step_equals_metatrain():
     from metatrain.pet.modules.finetuning import apply_finetuning_strategy
 
@@ -137,6 +143,7 @@ def test_heads_step_equals_metatrain():
     assert moved >= 8
 
 
+@needs_metatrain
 @pytest.mark.parametrize("targets", [None, ["w_in", "edge_embedder"]])
 def test_lora_step_equals_metatrain(targets):
     from metatrain.pet.modules.finetuning import apply_finetuning_strategy
@@ -171,6 +178,7 @@ def test_lora_step_equals_metatrain(targets):
                                pet.energy(params, positions, cell, neighbors), rtol=1e-13, atol=0.0)
 
 
+@needs_metatrain
 def test_lora_on_a_lora_checkpoint_trains_its_adapters_on(tmp_path):
     """metatrain's apply_finetuning_strategy injects no adapters into a model that has
     some: ``method: lora`` on a metatrain LoRA checkpoint trains the source's adapters
@@ -350,6 +358,7 @@ def test_bad_finetune_sections(base, finetune, match):
         resolve_options(_heads_options(data, checkpoint, **finetune))
 
 
+@needs_metatrain
 def test_inherit_heads_picks_the_source_target(base, tmp_path):
     """``inherit_heads: {energy: NAME}`` fine-tunes from target NAME of a metatrain
     checkpoint with several energy targets: the initial heads are NAME's; without it
