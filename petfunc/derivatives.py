@@ -19,8 +19,7 @@ it is returned as is, like metatrain does.
   ``make_fx``: this is what :func:`petfunc.compile`, ``petfunc export``, ensembles
   and Hessians use.
 * ``"autograd"``: ``torch.autograd.grad`` on the same function, for eager calls only
-  (it raises inside ``torch.func`` transforms, ``make_fx`` and ``torch.compile``;
-  under ``torch.inference_mode`` it falls back to ``"func"``).
+  (it raises inside ``torch.func`` transforms, ``make_fx`` and ``torch.compile``).
   The graph is built with ``create_graph=True`` exactly when something upstream
   needs it: grad mode is on and a parameter, the positions or the cell require
   grad (training: the loss is then differentiated again by autograd). Eagerly it
@@ -29,7 +28,9 @@ it is returned as is, like metatrain does.
   calculator use it when they do not compile.
 
 Both differentiate the whole function of the positions (edge vectors, cutoff
-factors, adaptive cutoff radii): nothing is detached.
+factors, adaptive cutoff radii): nothing is detached. Under ``torch.inference_mode``
+both leave it for the derivative (on copies of any inference tensors), and return
+results without a graph.
 """
 
 from __future__ import annotations
@@ -70,6 +71,21 @@ def _requires_graph(params, *tensors) -> bool:
         return False
     leaves = torch.utils._pytree.tree_leaves(params)
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in list(leaves) + list(tensors))
+
+
+def _outside_inference_mode(fn, *args):
+    """``fn(*args)`` with inference mode switched off and without a graph.
+
+    A derivative needs it off: autograd records nothing in inference mode, and
+    torch 2.11's ``torch.func.grad`` returns zeros there (2.13's differentiates).
+    Inference tensors among ``args`` are copied first (autograd cannot save them
+    for its backward pass); the results are ordinary tensors.
+    """
+    def ordinary(t):
+        return t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t
+
+    with torch.inference_mode(False), torch.no_grad():
+        return fn(*torch.utils._pytree.tree_map(ordinary, args))
 
 
 def _variable(tensor: torch.Tensor) -> torch.Tensor:
@@ -121,8 +137,9 @@ def energy_and_forces(energy_fn, autodiff: str = "func"):
     _check_autodiff(autodiff)
 
     def fn(params, positions, cell, neighbors):
-        # autograd records nothing in inference mode: torch.func differentiates there
-        if autodiff == "autograd" and not torch.is_inference_mode_enabled():
+        if torch.is_inference_mode_enabled():
+            return _outside_inference_mode(fn, params, positions, cell, neighbors)
+        if autodiff == "autograd":
             energies, de_dx = _autograd_energy_and_gradient(energy_fn, params, positions, cell, neighbors)
             return energies, -de_dx
 
@@ -139,8 +156,9 @@ def energy_and_forces(energy_fn, autodiff: str = "func"):
 def _position_and_strain_grad(terms_fn, params, positions, cell, neighbors, autodiff: str = "func"):
     """``(terms, dE/dx, dE/d eps)`` at the identity strain, where ``terms = terms_fn(params,
     x, cell, neighbors)`` is a tuple whose first item is the energy [n_structures]."""
-    # autograd records nothing in inference mode: torch.func differentiates there
-    if autodiff == "autograd" and not torch.is_inference_mode_enabled():
+    if torch.is_inference_mode_enabled():
+        return _outside_inference_mode(_position_and_strain_grad, terms_fn, params, positions, cell, neighbors, autodiff)
+    if autodiff == "autograd":
         _assert_eager("the strain derivative")
         create = _requires_graph(params, positions, cell)
         with torch.enable_grad():

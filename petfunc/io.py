@@ -421,6 +421,11 @@ def read_metatrain_baseline(path: PathLike, kind: str, atomic_types, unit: str,
     """
     from .options import energy_unit_factor
 
+    if kind not in ("composition", "scaler"):
+        raise ValueError(f"kind must be 'composition' or 'scaler', got {kind!r}")
+    # a missing file is named as such, with or without metatrain installed
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no {kind} checkpoint at {str(path)!r}")
     _require_metatrain()
     import metatensor.torch as mts
     from metatrain.composition import CompositionModel
@@ -428,11 +433,7 @@ def read_metatrain_baseline(path: PathLike, kind: str, atomic_types, unit: str,
     from metatrain.utils.io import load_model as metatrain_load_model
 
     classes = {"composition": CompositionModel, "scaler": Scaler}
-    if kind not in classes:
-        raise ValueError(f"kind must be 'composition' or 'scaler', got {kind!r}")
     label = f"the {kind} checkpoint {str(path)!r}"
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no {kind} checkpoint at {str(path)!r}")
     try:
         model = metatrain_load_model(str(path))
     except Exception as error:  # metatrain's own message names what it could not read

@@ -79,8 +79,7 @@ def call(layer, *args):
         raise RuntimeError(
             "petfunc.remat recomputes layers with torch.utils.checkpoint, which runs with "
             "torch.autograd only (autodiff='autograd', eager): torch.func transforms, make_fx "
-            "(petfunc.compile, petfunc export) and torch.compile do not support it, nor does "
-            "torch.inference_mode, where petfunc's derivatives fall back to torch.func"
+            "(petfunc.compile, petfunc export) and torch.compile do not support it"
         )
     # PET layers draw no random numbers: no RNG state to stash and restore
     return checkpoint(layer, *args, use_reentrant=False, preserve_rng_state=False)

@@ -77,6 +77,14 @@ def test_autograd_path_under_no_grad_and_inference_mode():
                 out = make(model.energy, "autograd")(params, *inputs)
                 for x, y in zip(expected, out):
                     torch.testing.assert_close(y, x, rtol=1e-12, atol=1e-14, equal_nan=True)
+    # inputs made in inference mode (inference tensors), both autodiff modes
+    with torch.inference_mode():
+        made_inside = petfunc.from_atoms(_frames(), CONFIG, dtype=F64)
+        params_inside = torch.utils._pytree.tree_map(torch.clone, params)
+        for autodiff in ("func", "autograd"):
+            out = energy_forces_stress(model.energy, autodiff)(params_inside, *made_inside)
+            for x, y in zip(expected, out):
+                torch.testing.assert_close(y, x, rtol=1e-12, atol=1e-14, equal_nan=True)
 
 
 def test_autograd_derivatives_are_differentiable_when_needed():
