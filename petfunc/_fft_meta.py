@@ -18,9 +18,10 @@ the layout P3M passes them.
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import torch
+
+from ._scoped import Scoped
 
 aten = torch.ops.aten
 
@@ -102,27 +103,23 @@ def _fake_impl(fake_mode, func, *args, **kwargs):
     return FakeTensor(fake_mode, out, device)
 
 
-_lock = threading.RLock()
-_depth = 0
-
-
-@contextlib.contextmanager
-def fft_meta():
-    """Use the shape functions above inside the block (torch < 2.13; re-entrant)."""
-    global _depth
-    if not NEEDED:
-        yield
-        return
+def _install():
     from torch._subclasses.fake_impls import op_implementations_checks
 
-    with _lock:
-        if _depth == 0:
-            op_implementations_checks.insert(0, (_check, _fake_impl))
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                op_implementations_checks.remove((_check, _fake_impl))
+    entry = (_check, _fake_impl)
+    op_implementations_checks.insert(0, entry)
+    return entry
+
+
+def _uninstall(entry):
+    from torch._subclasses.fake_impls import op_implementations_checks
+
+    op_implementations_checks.remove(entry)
+
+
+_scope = Scoped(_install, _uninstall)
+
+
+def fft_meta():
+    """Use the shape functions above inside the block (torch < 2.13; re-entrant)."""
+    return _scope() if NEEDED else contextlib.nullcontext()

@@ -23,11 +23,12 @@ the context manager; outside, PyTorch's own rules are back in place.
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 
 import torch
 from torch._C._functorch import _add_batch_dim, _unwrap_batched, current_level
+
+from ._scoped import Scoped
 
 
 aten = torch.ops.aten
@@ -194,33 +195,12 @@ def _register_autograd_decompositions():
     return library
 
 
-class _Registration:
-    """A library registered while at least one ``with`` block uses it (re-entrant)."""
-
-    def __init__(self, register):
-        self._register = register
-        self._lock = threading.RLock()
-        self._depth = 0
-        self._library = None
-
-    @contextlib.contextmanager
-    def __call__(self):
-        with self._lock:
-            if self._depth == 0:
-                self._library = self._register()
-            self._depth += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._library._destroy()
-                    self._library = None
+def _destroy(library):
+    library._destroy()
 
 
-_batching = _Registration(_register_batching)
-_layer_norm = _Registration(_register_autograd_decompositions)
+_batching = Scoped(_register_batching, _destroy)
+_layer_norm = Scoped(_register_autograd_decompositions, _destroy)
 
 
 @contextlib.contextmanager

@@ -127,11 +127,11 @@ def test_rules_equal_pytorch_rules():
 def test_rules_are_scoped_and_reentrant():
     with _vmap_rules.symbolic_vmap_rules():
         with _vmap_rules.symbolic_vmap_rules(decompose_layer_norm=True):
-            assert _vmap_rules._batching._library is not None
-            assert _vmap_rules._layer_norm._library is not None
-        assert _vmap_rules._layer_norm._library is None
-        assert _vmap_rules._batching._library is not None
-    assert _vmap_rules._batching._library is None
+            assert _vmap_rules._batching.installed is not None
+            assert _vmap_rules._layer_norm.installed is not None
+        assert _vmap_rules._layer_norm.installed is None
+        assert _vmap_rules._batching.installed is not None
+    assert _vmap_rules._batching.installed is None
     # PyTorch's own rules are back: nested vmaps of cat still work
     x = torch.randn(2, 3, 4)
     out = vmap(vmap(lambda r: torch.cat([r, r])))(x)

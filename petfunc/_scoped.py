@@ -1,0 +1,37 @@
+"""A change to torch's global state that holds while at least one ``with`` block
+uses it: installed on entering the first, undone on leaving the last (re-entrant,
+thread-safe). petfunc's batching rules and shape functions live in such scopes, so
+that outside them torch behaves as it ships."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable
+
+
+class Scoped:
+    """``install()`` returns what ``uninstall(it)`` undoes; ``installed`` is that
+    object while some block is active, else ``None``."""
+
+    def __init__(self, install: Callable[[], Any], uninstall: Callable[[Any], None]):
+        self._install = install
+        self._uninstall = uninstall
+        self._lock = threading.RLock()
+        self._depth = 0
+        self.installed = None
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with self._lock:
+            if self._depth == 0:
+                self.installed = self._install()
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._uninstall(self.installed)
+                    self.installed = None
