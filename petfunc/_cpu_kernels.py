@@ -39,8 +39,9 @@ import contextlib
 import functools
 import os
 import re
-import threading
 import warnings
+
+from ._scoped import Scoped
 
 _KERNEL = re.compile(r'^extern\s+"C"\s+void\s+kernel\s*\(', re.M)
 # a C++ kernel as inductor's code generation defines it for the Python wrapper
@@ -50,9 +51,6 @@ _DEFINITION = re.compile(r"\Aasync_compile\.cpp_pybinding\((\[.*?\]), r'''(.*)''
 #: stress); a group of 150 kB builds in about 5 s on this project's CPU)
 GROUP_CHARS = 150_000
 _SCALARS = {"int64_t", "uintptr_t", "float", "double"}
-_lock = threading.Lock()
-_depth = 0
-_saved = None
 
 
 def _argument_type(argtype: str):
@@ -324,56 +322,57 @@ def _wrapper_class():
     return PythonWrapperCodegen
 
 
-@contextlib.contextmanager
+def _install():
+    """Route inductor's C++ kernels through the groups; returns what to restore."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    wrapper = _wrapper_class()
+    saved = (AsyncCompile.cpp_pybinding, AsyncCompile.wait, wrapper, getattr(wrapper, "define_kernel", None))
+    original_pybinding, original_wait, wrapper, original_define = saved
+
+    def cpp_pybinding(self, argtypes, source_code):
+        if not groupable(argtypes, source_code):
+            return original_pybinding(self, argtypes, source_code)
+        kernel = _Pending(self, list(argtypes), source_code, original_pybinding)
+        self.__dict__.setdefault("_petfunc_pending", []).append(kernel)
+        return kernel
+
+    def wait(self, scope):
+        _build(self)
+        for key, value in list(scope.items()):
+            if isinstance(value, _Pending):
+                scope[key] = value.result()
+        return original_wait(self, scope)
+
+    AsyncCompile.cpp_pybinding, AsyncCompile.wait = cpp_pybinding, wait
+    if original_define is not None:
+        def define_kernel(self, kernel_name, kernel_body, *args, **kwargs):
+            if isinstance(kernel_body, str):
+                _on_definition(kernel_body)
+            return original_define(self, kernel_name, kernel_body, *args, **kwargs)
+
+        wrapper.define_kernel = define_kernel
+    return saved
+
+
+def _uninstall(saved):
+    from torch._inductor.async_compile import AsyncCompile
+
+    AsyncCompile.cpp_pybinding, AsyncCompile.wait, wrapper, original_define = saved
+    if original_define is not None:
+        wrapper.define_kernel = original_define
+    del _defined[:]
+
+
+_scope = Scoped(_install, _uninstall)
+
+
 def grouped():
     """While active, inductor's C++ kernels are built in groups (module docstring)."""
-    global _depth, _saved
     if os.environ.get("PETFUNC_GROUP_KERNELS", "1") == "0":
-        yield
-        return
+        return contextlib.nullcontext()
     try:
-        from torch._inductor.async_compile import AsyncCompile
+        import torch._inductor.async_compile  # noqa: F401
     except ImportError:  # pragma: no cover - inductor unavailable
-        yield
-        return
-    with _lock:
-        if _depth == 0:
-            wrapper = _wrapper_class()
-            _saved = (AsyncCompile.cpp_pybinding, AsyncCompile.wait, wrapper,
-                      getattr(wrapper, "define_kernel", None))
-            original_pybinding, original_wait, wrapper, original_define = _saved
-
-            def cpp_pybinding(self, argtypes, source_code):
-                if not groupable(argtypes, source_code):
-                    return original_pybinding(self, argtypes, source_code)
-                kernel = _Pending(self, list(argtypes), source_code, original_pybinding)
-                self.__dict__.setdefault("_petfunc_pending", []).append(kernel)
-                return kernel
-
-            def wait(self, scope):
-                _build(self)
-                for key, value in list(scope.items()):
-                    if isinstance(value, _Pending):
-                        scope[key] = value.result()
-                return original_wait(self, scope)
-
-            AsyncCompile.cpp_pybinding, AsyncCompile.wait = cpp_pybinding, wait
-            if original_define is not None:
-                def define_kernel(self, kernel_name, kernel_body, *args, **kwargs):
-                    if isinstance(kernel_body, str):
-                        _on_definition(kernel_body)
-                    return original_define(self, kernel_name, kernel_body, *args, **kwargs)
-
-                wrapper.define_kernel = define_kernel
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                AsyncCompile.cpp_pybinding, AsyncCompile.wait, wrapper, original_define = _saved
-                if original_define is not None:
-                    wrapper.define_kernel = original_define
-                _saved = None
-                del _defined[:]
+        return contextlib.nullcontext()
+    return _scope()

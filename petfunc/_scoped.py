@@ -1,7 +1,8 @@
 """A change to torch's global state that holds while at least one ``with`` block
 uses it: installed on entering the first, undone on leaving the last (re-entrant,
-thread-safe). petfunc's batching rules and shape functions live in such scopes, so
-that outside them torch behaves as it ships."""
+thread-safe). petfunc's vmap batching rules, FFT shape functions and inductor
+kernel-grouping hooks live in such scopes, so that outside them torch behaves as it
+ships."""
 
 from __future__ import annotations
 
