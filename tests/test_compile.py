@@ -118,6 +118,29 @@ def test_float_sums_of_any_length_share_the_graph():
     assert compiled.num_graphs == 1
 
 
+def test_cascade_helper_only_for_long_float_sums():
+    """The choice above follows the example's length: short float32 sums (softmax
+    rows, layer norms) are plain vector sums, long ones use the cascade helper. On
+    torch 2.13 the example's length was looked up under inductor's old method name,
+    the lookup failed, and every sum took the helper (softmax kernels 4-5x slower)."""
+    from torch._inductor.utils import run_and_get_code
+
+    def fn(x, bias):
+        return (x + bias[:, None, :]).softmax(-1).square().sum(), x.sum()
+
+    def code(n_rows, width):
+        x, bias = torch.randn(n_rows, 7, width), torch.randn(n_rows, width)
+        compiled = petfunc.compile(fn, x, bias, static_argnums=(), options={"fx_graph_cache": False})
+        result, codes = run_and_get_code(lambda: compiled(x, bias))
+        for a, b in zip(result, fn(x, bias)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        return "\n".join(codes)
+
+    short = code(20, 15)  # rows of 15, whole sum 2100
+    assert "CascadeSumHelper" not in short
+    assert "CascadeSumHelper" in code(20, 300)  # whole sum 42000 elements
+
+
 def test_sizes_the_trace_fixed_are_checked():
     """A trace that read a size as a plain integer is valid for that size only (torch
     2.11's mm batching rule did that to vmapped ensembles): other sizes are refused
