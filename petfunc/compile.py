@@ -289,6 +289,35 @@ def _source_hash() -> str:
     return digest.hexdigest()
 
 
+@functools.lru_cache(maxsize=1)
+def _codegen_hash() -> str:
+    """Hash of the petfunc modules that change what inductor generates for a given
+    graph (the summation choice above, the FFT shape functions, the kernel
+    grouping)."""
+    digest = hashlib.sha256()
+    for name in ("compile.py", "_cpu_kernels.py", "_fft_meta.py"):
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def _codegen_identity():
+    """A post-grad graph pass that changes nothing, for inductor's
+    ``post_grad_custom_post_pass``. Inductor puts a custom pass's ``uuid()`` into
+    the key of its FX-graph cache, and sees petfunc's code-generation hooks no other
+    way: without it, a graph compiled by an earlier petfunc (for instance before the
+    summation fix above) would be loaded from the cache with its old kernels."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class CodegenIdentity(CustomGraphPass):
+        def __call__(self, graph):
+            return None
+
+        def uuid(self):
+            return "petfunc-codegen-" + _codegen_hash()
+
+    return CodegenIdentity()
+
+
 def _cache_file(key: str, signature) -> Optional[Path]:
     folder = trace_cache_dir()
     if folder is None:
@@ -499,8 +528,10 @@ class Compiled:
         """
         mode, fakes = _fake_inputs(inputs, self._static)
         inner = torch._dynamo.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend
-        patch = torch._inductor.config.patch(self.options) if self.options else contextlib.nullcontext()
-        with patch, no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped(), unguarded_sum_helper(), fft_meta():
+        options = dict(self.options)
+        if torch._inductor.config.post_grad_custom_post_pass is None:
+            options.setdefault("post_grad_custom_post_pass", _codegen_identity())
+        with torch._inductor.config.patch(options), no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped(), unguarded_sum_helper(), fft_meta():
             compiled = inner(self.graph, fakes)
         # symbolic sizes: the relations the backend assumed; data sizes torch
         # specialised (0 or 1) are fixed numbers, checked one by one (parameter

@@ -7,6 +7,8 @@ gives the right numbers; a dtype or parameter shape the graph was not traced for
 is refused.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -139,6 +141,32 @@ def test_cascade_helper_only_for_long_float_sums():
     short = code(20, 15)  # rows of 15, whole sum 2100
     assert "CascadeSumHelper" not in short
     assert "CascadeSumHelper" in code(20, 300)  # whole sum 42000 elements
+
+
+def test_inductor_cache_key_names_petfunc_codegen(tmp_path, monkeypatch):
+    """Inductor's FX-graph cache keys a graph by the graph and inductor's config; the
+    hash of petfunc's code-generation hooks enters it too (as a custom pass's uuid),
+    so a graph compiled by an older petfunc is compiled again, not loaded."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    compile_module = sys.modules["petfunc.compile"]
+
+    def fn(x):
+        return torch.tanh(x).sum(-1)
+
+    x = torch.randn(5, 3)
+
+    def hits():
+        before = counters["inductor"]["fxgraph_cache_hit"]
+        torch.testing.assert_close(petfunc.compile(fn, x, static_argnums=())(x), fn(x))
+        return counters["inductor"]["fxgraph_cache_hit"] - before
+
+    assert hits() == 0
+    assert hits() == 1  # the same petfunc: loaded from inductor's cache
+    compile_module._codegen_hash.cache_clear()
+    monkeypatch.setattr(compile_module, "_codegen_hash", lambda: "another petfunc")
+    assert hits() == 0
 
 
 def test_sizes_the_trace_fixed_are_checked():
