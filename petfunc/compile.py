@@ -68,6 +68,11 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+try:  # torch's C++ pytree, on optree (a dependency of torchopt)
+    import torch.utils._cxx_pytree as _cxx_pytree
+except ImportError:
+    _cxx_pytree = None
+
 from . import _cpu_kernels, tree
 from ._fft_meta import fft_meta
 
@@ -256,8 +261,90 @@ class _Layout:
             out += [t] if stop is None else tree.unravel(t, self.shapes[i:stop])
         return out
 
+    def unpack_views(self, tensors):
+        """:meth:`unpack` for the call path: each run's views made in one C++ call
+        (``unflatten_dense_tensors``; 2 µs a leaf instead of 3.3, 345 leaves a qm9
+        training step). Not for traced tensors: :meth:`unpack` records plain views."""
+        templates = self.__dict__.get("_templates")
+        if templates is None:
+            templates = self._templates = {
+                i: [torch.empty(shape, device="meta") for shape in self.shapes[i:stop]]
+                for i, stop in self.items if stop is not None
+            }
+        out = []
+        for (i, stop), t in zip(self.items, tensors):
+            out += [t] if stop is None else _unflatten_dense(t, templates[i])
+        return out
+
+    def __getstate__(self):  # the meta templates are rebuilt when needed
+        state = dict(self.__dict__)
+        state.pop("_templates", None)
+        return state
+
     def key(self):
         return [stop for _, stop in self.items]
+
+
+def _unflatten_dense(flat, templates):
+    try:
+        return list(torch._C._nn.unflatten_dense_tensors(flat, templates))
+    except (AttributeError, RuntimeError):  # not in this torch build
+        return tree.unravel(flat, [t.shape for t in templates])
+
+
+class _FastTree:
+    """Flatten and unflatten one fixed pytree structure with torch's C++ pytree
+    (optree), giving the leaves in the order of torch's Python pytree.
+
+    A training state has hundreds of leaves (366 for a qm9 step: parameters and two
+    Adam moments, in nested dicts); the Python pytree took 1.1 ms a call to flatten,
+    compare and unflatten them, the C++ one about 0.35 ms. On torch 2.11-2.13 both
+    order dict leaves by insertion and take ``None`` for a leaf; the leaf order is
+    still mapped once, through a copy of the structure holding distinct sentinels,
+    so that an optree that orders otherwise (older ones sorted dict keys) gives the
+    same leaves. A structure the C++ pytree sees differently (a node type registered
+    with the Python pytree only) keeps the Python path.
+    """
+
+    def __init__(self, spec):
+        if _cxx_pytree is None:
+            raise ValueError("torch's C++ pytree is not available")
+        sentinels = [object() for _ in range(spec.num_leaves)]
+        leaves, self.spec = _cxx_pytree.tree_flatten(pytree.tree_unflatten(sentinels, spec))
+        where = {id(x): i for i, x in enumerate(sentinels)}
+        # for each C++ leaf: its Python leaf index (None: a leaf the Python pytree
+        # does not have, which must then hold None)
+        self.order = [where.get(id(x)) for x in leaves]
+        if sorted(i for i in self.order if i is not None) != list(range(len(sentinels))) or any(
+            i is None and x is not None for i, x in zip(self.order, leaves)
+        ):
+            raise ValueError("the C++ pytree sees this structure differently")
+        self.nones = [j for j, i in enumerate(self.order) if i is None]
+        # the C++ index of each Python leaf (the same order, unless this optree
+        # sorts dict keys)
+        take = {i: j for j, i in enumerate(self.order) if i is not None}
+        self.take = [take[i] for i in range(len(sentinels))]
+        self.same_order = self.order == list(range(len(sentinels)))
+
+    def flatten(self, tree_):
+        """The Python-pytree leaves of ``tree_``, or None if its structure differs."""
+        leaves, spec = _cxx_pytree.tree_flatten(tree_)
+        if spec != self.spec or any(leaves[j] is not None for j in self.nones):
+            return None
+        return leaves if self.same_order else [leaves[j] for j in self.take]
+
+    def unflatten(self, leaves):
+        """The tree of the Python-pytree ``leaves``."""
+        if not self.same_order:
+            leaves = [None if i is None else leaves[i] for i in self.order]
+        return _cxx_pytree.tree_unflatten(leaves, self.spec)
+
+
+def _fast_tree(spec) -> Optional[_FastTree]:
+    try:
+        return _FastTree(spec)
+    except Exception:  # noqa: BLE001 - the Python pytree is always right
+        return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -382,6 +469,9 @@ class Compiled:
         self.fn = fn
         self.backend = backend
         tensors, self._constants, self._is_tensor, self._spec = _split(example_args)
+        self._fast_in = _fast_tree(self._spec)
+        self._tensor_index = [i for i, t in enumerate(self._is_tensor) if t]
+        self._constant_index = [i for i, t in enumerate(self._is_tensor) if not t]
         # which leaves have static sizes (parameters, optimizer state)
         static = []
         for index, arg in enumerate(example_args):
@@ -558,7 +648,41 @@ class Compiled:
                 return compiled
         return self._compile_for(inputs)
 
+    def _fast_tensors(self, args):
+        """The tensor leaves of ``args`` through the C++ pytree; None when anything
+        differs from the example (the Python path then says what)."""
+        if self._fast_in is None:
+            return None
+        leaves = self._fast_in.flatten(args)
+        if leaves is None:
+            return None
+        tensors = [leaves[i] for i in self._tensor_index]
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            return None
+        for i in self._constant_index:
+            a, b = leaves[i], self._constants[i]
+            if isinstance(a, torch.Tensor) or (a is not b and a != b):
+                return None
+        return tensors
+
+    def _unflatten_out(self, leaves):
+        fast = self.__dict__.get("_fast_out", False)
+        if fast is False:
+            fast = self._fast_out = _fast_tree(self._out_spec)
+        return pytree.tree_unflatten(leaves, self._out_spec) if fast is None else fast.unflatten(leaves)
+
     def __call__(self, *args):
+        tensors = self._fast_tensors(args)
+        if tensors is None:
+            tensors = self._checked_tensors(args)
+        self._check_inputs(tensors)
+        inputs = self._graph_inputs(tensors)
+        self._check_trace_guards(inputs)
+        with torch.no_grad():
+            out = self._select(inputs)(*inputs)
+        return self._unflatten_out(self._out_layout.unpack_views(out))
+
+    def _checked_tensors(self, args):
         tensors, constants, is_tensor, spec = _split(args)
         if spec != self._spec or is_tensor != self._is_tensor:
             raise TypeError(
@@ -571,12 +695,7 @@ class Compiled:
                     f"compiled function called with a non-tensor argument {a!r} that differs "
                     f"from the traced value {b!r}; trace again for other constants"
                 )
-        self._check_inputs(tensors)
-        inputs = self._graph_inputs(tensors)
-        self._check_trace_guards(inputs)
-        with torch.no_grad():
-            out = self._select(inputs)(*inputs)
-        return pytree.tree_unflatten(self._out_layout.unpack(out), self._out_spec)
+        return tensors
 
     def eager_graph(self, *args):
         """Run the traced (uncompiled) graph: the reference for compiled == traced."""

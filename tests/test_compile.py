@@ -8,9 +8,11 @@ is refused.
 """
 
 import sys
+from typing import NamedTuple
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 import petfunc
 
@@ -50,6 +52,48 @@ def test_one_graph_guards_and_checks():
         compiled({"w": torch.randn(3, 6, dtype=torch.float64)}, *x)
     with pytest.raises(TypeError, match="structure"):
         compiled({"w": params["w"], "b": params["w"]}, *x)
+
+
+class _Pair(NamedTuple):
+    first: object
+    second: object
+
+
+def test_call_path_pytree_equals_python_pytree():
+    """The call path flattens and unflattens with torch's C++ pytree (optree), in
+    the Python pytree's leaf order. Anything that differs from the example (dict
+    order, a tensor where the example had None or a constant, another constant)
+    goes to the Python path, which says what differs."""
+    compile_module = sys.modules["petfunc.compile"]
+    example_tree = ({"b": torch.ones(2), "a": [torch.zeros(()), None, 3]}, _Pair(torch.ones(1), {"x": None, "y": 2.0}))
+    leaves, spec = pytree.tree_flatten(example_tree)
+    fast = compile_module._fast_tree(spec)
+    if compile_module._cxx_pytree is None:
+        assert fast is None
+        return
+    got = fast.flatten(example_tree)
+    assert len(got) == len(leaves) and all(a is b for a, b in zip(got, leaves))
+    rebuilt = fast.unflatten(leaves)
+    assert pytree.tree_structure(rebuilt) == spec and type(rebuilt[1]) is _Pair
+    assert list(rebuilt[0]) == ["b", "a"] and list(rebuilt[1].second) == ["x", "y"]
+    reordered = ({"a": example_tree[0]["a"], "b": example_tree[0]["b"]}, example_tree[1])
+    assert fast.flatten(reordered) is None
+    filled = ({"b": torch.ones(2), "a": [torch.zeros(()), torch.ones(1), 3]}, example_tree[1])
+
+    def fn(tree_, scale):
+        (first, pair) = tree_
+        return {"sum": first["b"].sum() * first["a"][2] + pair.first.sum() * pair.second["y"] * scale}
+
+    compiled = petfunc.compile(fn, example_tree, torch.tensor(2.0), backend="aot_eager", static_argnums=())
+    assert compiled._fast_in is not None
+    torch.testing.assert_close(compiled(example_tree, torch.tensor(3.0)), fn(example_tree, torch.tensor(3.0)))
+    with pytest.raises(TypeError, match="structure"):
+        compiled(reordered, torch.tensor(3.0))
+    with pytest.raises(TypeError, match="structure"):
+        compiled(filled, torch.tensor(3.0))
+    other_constant = ({"b": torch.ones(2), "a": [torch.zeros(()), None, 4]}, example_tree[1])
+    with pytest.raises(ValueError, match="non-tensor argument 4"):
+        compiled(other_constant, torch.tensor(3.0))
 
 
 def test_views_and_strides_reuse_the_graph():
