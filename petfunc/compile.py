@@ -621,7 +621,8 @@ class Compiled:
         options = dict(self.options)
         if torch._inductor.config.post_grad_custom_post_pass is None:
             options.setdefault("post_grad_custom_post_pass", _codegen_identity())
-        with torch._inductor.config.patch(options), no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped(), unguarded_sum_helper(), fft_meta():
+        with (torch._inductor.config.patch(options), no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped(),
+              unguarded_sum_helper(), fft_meta()):
             compiled = inner(self.graph, fakes)
         # symbolic sizes: the relations the backend assumed; data sizes torch
         # specialised (0 or 1) are fixed numbers, checked one by one (parameter
