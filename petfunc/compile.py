@@ -273,7 +273,7 @@ class _Layout:
             }
         out = []
         for (i, stop), t in zip(self.items, tensors):
-            out += [t] if stop is None else _unflatten_dense(t, templates[i])
+            out += [t] if stop is None else torch._C._nn.unflatten_dense_tensors(t, templates[i])
         return out
 
     def __getstate__(self):  # the meta templates are rebuilt when needed
@@ -285,25 +285,17 @@ class _Layout:
         return [stop for _, stop in self.items]
 
 
-def _unflatten_dense(flat, templates):
-    try:
-        return list(torch._C._nn.unflatten_dense_tensors(flat, templates))
-    except (AttributeError, RuntimeError):  # not in this torch build
-        return tree.unravel(flat, [t.shape for t in templates])
-
-
 class _FastTree:
     """Flatten and unflatten one fixed pytree structure with torch's C++ pytree
-    (optree), giving the leaves in the order of torch's Python pytree.
+    (optree), for the call path.
 
     A training state has hundreds of leaves (366 for a qm9 step: parameters and two
     Adam moments, in nested dicts); the Python pytree took 1.1 ms a call to flatten,
-    compare and unflatten them, the C++ one about 0.35 ms. On torch 2.11-2.13 both
-    order dict leaves by insertion and take ``None`` for a leaf; the leaf order is
-    still mapped once, through a copy of the structure holding distinct sentinels,
-    so that an optree that orders otherwise (older ones sorted dict keys) gives the
-    same leaves. A structure the C++ pytree sees differently (a node type registered
-    with the Python pytree only) keeps the Python path.
+    compare and unflatten them, the C++ one about 0.35 ms. Used only where both give
+    the same leaves in the same order (on torch 2.11-2.13 both order dict leaves by
+    insertion and take ``None`` for a leaf), checked once through a copy of the
+    structure holding distinct sentinels; any other structure (a node type
+    registered with the Python pytree only) keeps the Python path.
     """
 
     def __init__(self, spec):
@@ -311,32 +303,15 @@ class _FastTree:
             raise ValueError("torch's C++ pytree is not available")
         sentinels = [object() for _ in range(spec.num_leaves)]
         leaves, self.spec = _cxx_pytree.tree_flatten(pytree.tree_unflatten(sentinels, spec))
-        where = {id(x): i for i, x in enumerate(sentinels)}
-        # for each C++ leaf: its Python leaf index (None: a leaf the Python pytree
-        # does not have, which must then hold None)
-        self.order = [where.get(id(x)) for x in leaves]
-        if sorted(i for i in self.order if i is not None) != list(range(len(sentinels))) or any(
-            i is None and x is not None for i, x in zip(self.order, leaves)
-        ):
+        if len(leaves) != len(sentinels) or any(a is not b for a, b in zip(leaves, sentinels)):
             raise ValueError("the C++ pytree sees this structure differently")
-        self.nones = [j for j, i in enumerate(self.order) if i is None]
-        # the C++ index of each Python leaf (the same order, unless this optree
-        # sorts dict keys)
-        take = {i: j for j, i in enumerate(self.order) if i is not None}
-        self.take = [take[i] for i in range(len(sentinels))]
-        self.same_order = self.order == list(range(len(sentinels)))
 
     def flatten(self, tree_):
-        """The Python-pytree leaves of ``tree_``, or None if its structure differs."""
+        """The leaves of ``tree_``, or None if its structure differs."""
         leaves, spec = _cxx_pytree.tree_flatten(tree_)
-        if spec != self.spec or any(leaves[j] is not None for j in self.nones):
-            return None
-        return leaves if self.same_order else [leaves[j] for j in self.take]
+        return leaves if spec == self.spec else None
 
     def unflatten(self, leaves):
-        """The tree of the Python-pytree ``leaves``."""
-        if not self.same_order:
-            leaves = [None if i is None else leaves[i] for i in self.order]
         return _cxx_pytree.tree_unflatten(leaves, self.spec)
 
 
@@ -535,6 +510,7 @@ class Compiled:
                 if reloaded is not None:
                     self.graph = reloaded[0]
         self._set_trace_guards(trace_guards, example_args)
+        self._fast_out = _fast_tree(self._out_spec)
         self.num_graphs = 0
         self.options = dict(options or {})
         self._entries = []  # (guard code or None, fixed data sizes, compiled callable)
@@ -649,54 +625,39 @@ class Compiled:
                 return compiled
         return self._compile_for(inputs)
 
-    def _fast_tensors(self, args):
-        """The tensor leaves of ``args`` through the C++ pytree; None when anything
-        differs from the example (the Python path then says what)."""
-        if self._fast_in is None:
-            return None
-        leaves = self._fast_in.flatten(args)
-        if leaves is None:
-            return None
-        tensors = [leaves[i] for i in self._tensor_index]
-        if not all(isinstance(t, torch.Tensor) for t in tensors):
-            return None
-        for i in self._constant_index:
-            a, b = leaves[i], self._constants[i]
-            if isinstance(a, torch.Tensor) or (a is not b and a != b):
-                return None
-        return tensors
-
-    def _unflatten_out(self, leaves):
-        fast = self.__dict__.get("_fast_out", False)
-        if fast is False:
-            fast = self._fast_out = _fast_tree(self._out_spec)
-        return pytree.tree_unflatten(leaves, self._out_spec) if fast is None else fast.unflatten(leaves)
-
     def __call__(self, *args):
-        tensors = self._fast_tensors(args)
-        if tensors is None:
-            tensors = self._checked_tensors(args)
+        tensors = self._checked_tensors(args)
         self._check_inputs(tensors)
         inputs = self._graph_inputs(tensors)
         self._check_trace_guards(inputs)
         with torch.no_grad():
             out = self._select(inputs)(*inputs)
-        return self._unflatten_out(self._out_layout.unpack_views(out))
+        leaves = self._out_layout.unpack_views(out)
+        if self._fast_out is not None:
+            return self._fast_out.unflatten(leaves)
+        return pytree.tree_unflatten(leaves, self._out_spec)
 
     def _checked_tensors(self, args):
-        tensors, constants, is_tensor, spec = _split(args)
-        if spec != self._spec or is_tensor != self._is_tensor:
+        """The tensor leaves of ``args``, whose structure and non-tensor leaves must
+        be the example's."""
+        leaves = None if self._fast_in is None else self._fast_in.flatten(args)
+        same = leaves is not None
+        if not same:
+            leaves, spec = pytree.tree_flatten(args)
+            same = spec == self._spec
+        if not same or [isinstance(x, torch.Tensor) for x in leaves] != self._is_tensor:
             raise TypeError(
                 "compiled function called with arguments whose structure differs from "
                 "the example it was traced with"
             )
-        for a, b in zip(constants, self._constants):
+        for i in self._constant_index:
+            a, b = leaves[i], self._constants[i]
             if a is not b and a != b:
                 raise ValueError(
                     f"compiled function called with a non-tensor argument {a!r} that differs "
                     f"from the traced value {b!r}; trace again for other constants"
                 )
-        return tensors
+        return [leaves[i] for i in self._tensor_index]
 
     def eager_graph(self, *args):
         """Run the traced (uncompiled) graph: the reference for compiled == traced."""
