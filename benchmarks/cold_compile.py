@@ -1,4 +1,5 @@
-"""Cold compile time of the training step: what kernel grouping saves.
+"""Cold compile time of the training step: what kernel grouping and the direct
+inductor path save.
 
 Each measurement is a fresh process with an empty inductor cache and no trace
 cache: ``petfunc.compile`` of the default PET's training step (the setting of
@@ -7,7 +8,11 @@ stress), then its first call. Variants, interleaved (A B A B ...):
 
 * ``separate``: inductor builds each C++ kernel alone (``PETFUNC_GROUP_KERNELS=0``);
 * ``grouped``: kernels built a few per library (:mod:`petfunc._cpu_kernels`,
-  petfunc's default).
+  petfunc's default);
+* ``aot``: grouped, but the graph goes to inductor through AOTAutograd's two
+  re-traces, as torch.compile's backend does (``PETFUNC_DIRECT_INDUCTOR=0``;
+  petfunc's default is one functionalizing re-trace, see
+  ``petfunc.compile._compile_inductor_direct``).
 
 Also printed: the median step time of each variant over the other batches, so that
 a compile-time gain that costs step time would show. ``--compare-with CHECKOUT``
@@ -17,6 +22,7 @@ before/after comparison of a change:
     python benchmarks/cold_compile.py --dataset qm9 --repeats 2
     git worktree add /tmp/before <commit>
     python benchmarks/cold_compile.py --variants grouped --compare-with /tmp/before
+    python benchmarks/cold_compile.py --variants grouped aot --repeats 2
 """
 
 from __future__ import annotations
@@ -34,7 +40,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # the datasets every child reads (see train_step.DATA), whichever checkout it runs
 DATA = Path(os.environ.get("PETFUNC_BENCH_DATA") or HERE.parent.parent / "shared" / "data")
-VARIANTS = {"separate": "0", "grouped": "1"}
+# environment of each variant's process
+VARIANTS = {
+    "separate": {"PETFUNC_GROUP_KERNELS": "0"},
+    "grouped": {"PETFUNC_GROUP_KERNELS": "1"},
+    "aot": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_DIRECT_INDUCTOR": "0"},
+}
 
 
 def child(dataset: str, variant: str, threads: int) -> None:
@@ -70,8 +81,7 @@ def measure(dataset: str, variant: str, threads: int, checkout: Path = HERE.pare
     script = checkout / "benchmarks" / "cold_compile.py"
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PETFUNC_TRACE_CACHE="0",
-                   PETFUNC_GROUP_KERNELS=VARIANTS[variant], PYTHONPATH=str(checkout),
-                   PETFUNC_BENCH_DATA=str(DATA))
+                   PYTHONPATH=str(checkout), PETFUNC_BENCH_DATA=str(DATA), **VARIANTS[variant])
         out = subprocess.run([sys.executable, str(script), "--child", dataset, variant, "--threads", str(threads)],
                              env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -84,7 +94,7 @@ def main(argv=None):
     parser.add_argument("--dataset", choices=["qm9", "carbon"], default="qm9")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["separate", "grouped"])
     parser.add_argument("--compare-with", type=Path, metavar="CHECKOUT",
                         help="also run each variant with the petfunc of another checkout (for example a "
                              "git worktree of an earlier commit), interleaved")

@@ -333,6 +333,7 @@ class PETCalculator(Calculator):
                     backend=self.backend, static_argnums=(0,),
                     cache_key=f"PETCalculator energy_terms_forces_strain_derivative {self.config!r}",
                     keep_freed_memory=False,  # decided by this object's own option
+                    aot_autograd=True,  # AOTAutograd's cache: faster warm starts, which calculators mostly have
                 )
             return self._compiled(params, positions, cell, neighbors)
         return self._efs_eager(params, positions, cell, neighbors)
@@ -462,6 +463,7 @@ class PETCalculator(Calculator):
                 fn, *args, backend=self.backend, static_argnums=static,
                 cache_key=f"PETCalculator LLPR {name} {self.config!r} members={members}",
                 keep_freed_memory=False,  # decided by this object's own option
+                aot_autograd=True,  # AOTAutograd's cache: faster warm starts, which calculators mostly have
             )
         return self._llpr_compiled[name](*args)
 

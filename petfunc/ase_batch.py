@@ -119,6 +119,7 @@ class BatchEvaluator:
                 backend=self.backend, static_argnums=(0,),
                 cache_key=f"{self.cache_tag} {self._derivatives.__name__} {self.config!r}",
                 keep_freed_memory=False,  # decided by this object's own option
+                aot_autograd=True,  # AOTAutograd's cache: faster warm starts, which calculators mostly have
             )
         return self._compiled(self.params, positions, cell, neighbors)
 

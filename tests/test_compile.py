@@ -213,6 +213,55 @@ def test_inductor_cache_key_names_petfunc_codegen(tmp_path, monkeypatch):
     assert hits() == 0
 
 
+def test_inductor_without_aotautograd(monkeypatch):
+    """Inductor gets one functionalized, decomposed re-trace of the graph instead of
+    AOTAutograd's two re-traces (15-20 s of a training step's cold compile): the
+    same numbers as eager and as the path through AOTAutograd, one graph for every
+    size, and no AOTAutograd call. The function updates fresh temporaries in place
+    and writes through views of a fresh buffer, as the optimizer step does: handed
+    to inductor without functionalization, that compiled to wrong numbers (4.1 off)."""
+    from torch._dynamo.utils import counters
+
+    def fn(state, g):
+        p, m0, v0, count = state
+        count = count + 1
+        bias = 1.0 - torch.exp(count.to(torch.float64) * -0.1)
+        m = torch.lerp(m0, g, 0.1)
+        v = (v0 * 0.999).addcmul_(g, g, value=0.001)
+        update = ((-1e-3 / bias).to(p.dtype) * m).div_(v.sqrt().div_(bias.sqrt().to(p.dtype)).add_(1e-8))
+        update = update.sub_(0.01 * p)
+        out = torch.zeros(2 * p.shape[0], dtype=p.dtype)
+        out[: p.shape[0]].copy_(p + update)
+        out[p.shape[0]:].add_(m)
+        return (out[: p.shape[0]], m, v, count), out.softmax(0)
+
+    def aot_calls():
+        return sum(counters["aot_autograd"].values())
+
+    def inputs(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        p, m, g_ = (torch.randn(n, generator=g, dtype=torch.float64) for _ in range(3))
+        return (p, m, torch.rand(n, generator=g, dtype=torch.float64), torch.tensor(seed)), g_
+
+    results = {}
+    for aot in (False, True):
+        before = aot_calls()
+        compiled = petfunc.compile(fn, *inputs(7, 0), static_argnums=(), options={"fx_graph_cache": False},
+                                   aot_autograd=aot)
+        results[aot] = []
+        for n in (7, 30, 1000):
+            got, want = compiled(*inputs(n, n)), fn(*inputs(n, n))
+            for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+            results[aot].append(got)
+        assert compiled.num_graphs == 1
+        assert (aot_calls() > before) == aot, "counter idle" if aot else "AOTAutograd ran"
+    monkeypatch.setenv("PETFUNC_DIRECT_INDUCTOR", "0")  # the environment's default
+    assert petfunc.compile(fn, *inputs(7, 0), static_argnums=()).aot_autograd
+    for a, b in zip(pytree.tree_leaves(results[False]), pytree.tree_leaves(results[True])):
+        torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-14)
+
+
 def test_sizes_the_trace_fixed_are_checked():
     """A trace that read a size as a plain integer is valid for that size only (torch
     2.11's mm batching rule did that to vmapped ensembles): other sizes are refused
