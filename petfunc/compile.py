@@ -408,14 +408,14 @@ def _compile_inductor_direct(graph: torch.fx.GraphModule, mode, fakes):
     no autograd left in it, so one re-trace, functionalized and decomposed with
     the same table, gives what inductor's inference compiler
     (``compile_fx_forward``: joint-graph passes, then ``compile_fx_inner`` with its
-    FX-graph cache) expects. That saves 5-15 s of a 50-90 s cold compile of a
-    training step; the generated code is the same. A warm start pays the re-trace
+    FX-graph cache) expects, the graph AOTAutograd would hand over. That saves
+    5-15 s of a 50-90 s cold compile of a training step. A warm start pays the re-trace
     (about 4 s for PET's training step or forces), where AOTAutograd's own cache
     would load the compiled code without any.
 
-    Returns a callable on the graph's inputs, or None (inductor's config asks for
-    freezing or the C++ wrapper, whose AOTAutograd path differs): then the caller
-    uses the backend as usual.
+    Returns a callable on the graph's inputs, or None (this torch lacks those entry
+    points, or inductor's config asks for freezing or the C++ wrapper, whose
+    AOTAutograd path differs): then the caller uses the backend as usual.
     """
     from torch._dispatch.python import enable_python_dispatcher
     from torch._guards import TracingContext, tracing
@@ -426,8 +426,8 @@ def _compile_inductor_direct(graph: torch.fx.GraphModule, mode, fakes):
         return None
     compile_forward, config_extra, decompositions = entry
     with mode, enable_python_dispatcher():
-        # the training step computes its optimizer update in place on fresh
-        # temporaries: those mutations must go before inductor sees the graph
+        # the graph mutates fresh temporaries (the optimizer update, some of torch's
+        # derivative formulas); inductor must get them functionalized, as from AOTAutograd
         functional = make_fx(
             torch.func.functionalize(graph, remove="mutations"),
             decomposition_table=decompositions(), tracing_mode="real",
@@ -671,7 +671,7 @@ class Compiled:
         options = dict(self.options)
         if torch._inductor.config.post_grad_custom_post_pass is None:
             options.setdefault("post_grad_custom_post_pass", _codegen_identity())
-        direct = self.backend == "inductor" and not self.aot_autograd and _inductor_entry_points() is not None
+        direct = self.backend == "inductor" and not self.aot_autograd
         with (torch._inductor.config.patch(options), no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped(),
               unguarded_sum_helper(), fft_meta()):
             compiled = _compile_inductor_direct(self.graph, mode, fakes) if direct else None
