@@ -215,11 +215,11 @@ def test_inductor_cache_key_names_petfunc_codegen(tmp_path, monkeypatch):
 
 def test_inductor_without_aotautograd(monkeypatch):
     """Inductor gets one functionalized, decomposed re-trace of the graph instead of
-    AOTAutograd's two re-traces (15-20 s of a training step's cold compile): the
+    AOTAutograd's two re-traces (5-15 s of a training step's cold compile): the
     same numbers as eager and as the path through AOTAutograd, one graph for every
     size, and no AOTAutograd call. The function updates fresh temporaries in place
     and writes through views of a fresh buffer, as the optimizer step does: handed
-    to inductor without functionalization, that compiled to wrong numbers (4.1 off)."""
+    to inductor without functionalization, that compiled to wrong numbers (2.2 off)."""
     from torch._dynamo.utils import counters
 
     def fn(state, g):
