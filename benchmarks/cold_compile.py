@@ -12,7 +12,10 @@ stress), then its first call. Variants, interleaved (A B A B ...):
 * ``aot``: grouped, but the graph goes to inductor through AOTAutograd's two
   re-traces, as torch.compile's backend does (``PETFUNC_DIRECT_INDUCTOR=0``;
   petfunc's default is one functionalizing re-trace, see
-  ``petfunc.compile._compile_inductor_direct``).
+  ``petfunc.compile._compile_inductor_direct``);
+* ``simplify``: grouped, but inductor's vectorization analysis runs
+  ``sympy.simplify`` on every index (``PETFUNC_FAST_STRIDES=0``; petfunc's default
+  expands polynomial indices instead, see :mod:`petfunc._vec_strides`).
 
 Also printed: the median step time of each variant over the other batches, so that
 a compile-time gain that costs step time would show. ``--compare-with CHECKOUT``
@@ -45,6 +48,7 @@ VARIANTS = {
     "separate": {"PETFUNC_GROUP_KERNELS": "0"},
     "grouped": {"PETFUNC_GROUP_KERNELS": "1"},
     "aot": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_DIRECT_INDUCTOR": "0"},
+    "simplify": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_FAST_STRIDES": "0"},
 }
 
 

@@ -80,7 +80,7 @@ try:  # torch's C++ pytree, on optree (a dependency of torchopt)
 except ImportError:
     _cxx_pytree = None
 
-from . import _cpu_kernels, tree
+from . import _cpu_kernels, _vec_strides, tree
 from ._fft_meta import fft_meta
 
 
@@ -364,7 +364,7 @@ def _codegen_hash() -> str:
     graph (the summation choice above, the FFT shape functions, the kernel
     grouping)."""
     digest = hashlib.sha256()
-    for name in ("compile.py", "_cpu_kernels.py", "_fft_meta.py"):
+    for name in ("compile.py", "_cpu_kernels.py", "_fft_meta.py", "_vec_strides.py"):
         digest.update((Path(__file__).parent / name).read_bytes())
     return digest.hexdigest()[:32]
 
@@ -673,7 +673,7 @@ class Compiled:
             options.setdefault("post_grad_custom_post_pass", _codegen_identity())
         direct = self.backend == "inductor" and not self.aot_autograd
         with (torch._inductor.config.patch(options), no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped(),
-              unguarded_sum_helper(), fft_meta()):
+              unguarded_sum_helper(), fft_meta(), _vec_strides.fast_strides()):
             compiled = _compile_inductor_direct(self.graph, mode, fakes) if direct else None
             if compiled is None:
                 compiled = inner(self.graph, fakes)

@@ -1,0 +1,105 @@
+"""Cheaper stride analysis for inductor's vectorized C++ kernels.
+
+For every load and store of a vectorized CPU loop, inductor asks how the index
+moves when the vectorized loop variable ``x`` steps by one (0: broadcast, 1:
+contiguous, else strided or gathered). It answers with ``sympy.simplify`` of the
+index and of the difference ``index(x + 1) - index(x)``
+(``torch._inductor.sizevars.simplify_index_in_vec_range`` and ``stride_at``).
+``simplify`` tries many rewrites, at about 5 ms per call on this project's CPU, and
+with symbolic sizes PET's training step has well over a thousand distinct indices:
+about 10 s of a 70-90 s cold compile of the carbon training step went there, nearly
+all on indices that are plain polynomials in the loop variables and size symbols
+(``384*d0*s53 + 384*d0 + 16*d1*s53 + 16*d1 + d2*s53 + d2 + d3``), which it returns
+unchanged.
+
+For such a polynomial (sums and products of integer symbols, rational numbers and
+non-negative integer powers, no ``FloorDiv``, ``ModularIndexing`` or other function)
+the expanded difference is the canonical form of the stride: it is a number exactly
+when ``simplify``'s is the same number, so every decision inductor takes on it
+(broadcast, contiguous, constant or symbolic stride) is the same, and a symbolic
+stride differs at most in how it is written (``s53 + 1`` either way in PET's
+graphs). Any other index goes to inductor's own functions unchanged.
+
+Measured with ``benchmarks/cold_compile.py``: see ``petfunc.compile``'s module
+docstring. ``PETFUNC_FAST_STRIDES=0`` turns this off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from ._scoped import Scoped
+
+
+def _is_polynomial(expr) -> bool:
+    """Whether ``expr`` is built of symbols and rational numbers by ``+``, ``*`` and
+    non-negative integer powers only."""
+    import sympy
+
+    stack = [expr]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (sympy.Symbol, sympy.Rational)):
+            continue
+        if isinstance(node, (sympy.Add, sympy.Mul)):
+            stack.extend(node.args)
+        elif isinstance(node, sympy.Pow):
+            base, exponent = node.args
+            if not (isinstance(exponent, sympy.Integer) and exponent >= 0):
+                return False
+            stack.append(base)
+        else:
+            return False
+    return True
+
+
+def _install():
+    from torch._inductor import sizevars
+
+    original_stride = getattr(sizevars, "stride_at", None)
+    original_range = getattr(sizevars, "simplify_index_in_vec_range", None)
+    if original_stride is None or original_range is None:
+        return None
+
+    @functools.lru_cache
+    def stride_at(index, var):
+        if _is_polynomial(index):
+            import sympy
+
+            return sympy.expand(index.xreplace({var: var + 1}) - index)
+        return original_stride(index, var)
+
+    @functools.lru_cache
+    def simplify_index_in_vec_range(index, var, vec_length):
+        # the simplified index only feeds stride_at (the docstring above), which
+        # needs no rewriting of a polynomial
+        if _is_polynomial(index):
+            return index
+        return original_range(index, var, vec_length)
+
+    sizevars.stride_at = stride_at
+    sizevars.simplify_index_in_vec_range = simplify_index_in_vec_range
+    return sizevars, original_stride, original_range
+
+
+def _uninstall(saved) -> None:
+    if saved is None:
+        return
+    sizevars, original_stride, original_range = saved
+    sizevars.stride_at = original_stride
+    sizevars.simplify_index_in_vec_range = original_range
+
+
+_scope = Scoped(_install, _uninstall)
+
+
+def fast_strides():
+    """A ``with`` block in which inductor analyses polynomial indices by expansion
+    instead of ``sympy.simplify`` (the module docstring); a no-op with
+    ``PETFUNC_FAST_STRIDES=0`` or a torch without these functions."""
+    if os.environ.get("PETFUNC_FAST_STRIDES", "1") == "0":
+        import contextlib
+
+        return contextlib.nullcontext()
+    return _scope()
