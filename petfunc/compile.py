@@ -410,7 +410,7 @@ def _compile_inductor_direct(graph: torch.fx.GraphModule, mode, fakes):
     (``compile_fx_forward``: joint-graph passes, then ``compile_fx_inner`` with its
     FX-graph cache) expects, the graph AOTAutograd would hand over. That saves
     5-15 s of a 50-90 s cold compile of a training step. A warm start pays the re-trace
-    (about 4 s for PET's training step or forces), where AOTAutograd's own cache
+    (4-12 s for PET's training step or forces), where AOTAutograd's own cache
     would load the compiled code without any.
 
     Returns a callable on the graph's inputs, or None (this torch lacks those entry
