@@ -4,7 +4,8 @@ For every load and store of a vectorized CPU loop, inductor asks how the index
 moves when the vectorized loop variable ``x`` steps by one (0: broadcast, 1:
 contiguous, else strided or gathered). It answers with ``sympy.simplify`` of the
 index and of the difference ``index(x + 1) - index(x)``
-(``torch._inductor.sizevars.simplify_index_in_vec_range`` and ``stride_at``).
+(``simplify_index_in_vec_range`` and ``stride_at`` of ``torch._inductor.sizevars``;
+``torch._inductor.codegen.cpp`` in torch 2.11).
 ``simplify`` tries many rewrites, at about 5 ms per call on this project's CPU, and
 with symbolic sizes PET's training step has well over a thousand distinct indices:
 about 10 s of a 70-90 s cold compile of the carbon training step went there, nearly
@@ -54,13 +55,28 @@ def _is_polynomial(expr) -> bool:
     return True
 
 
-def _install():
-    from torch._inductor import sizevars
+def analysis_module():
+    """The module whose ``stride_at_vec_range`` looks up ``stride_at`` and
+    ``simplify_index_in_vec_range`` (``torch._inductor.sizevars`` in torch 2.13,
+    ``torch._inductor.codegen.cpp`` in 2.11), or None."""
+    import importlib
 
-    original_stride = getattr(sizevars, "stride_at", None)
-    original_range = getattr(sizevars, "simplify_index_in_vec_range", None)
-    if original_stride is None or original_range is None:
+    for name in ("torch._inductor.sizevars", "torch._inductor.codegen.cpp"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # pragma: no cover - inductor unavailable
+            continue
+        if all(hasattr(module, f) for f in ("stride_at_vec_range", "stride_at", "simplify_index_in_vec_range")):
+            return module
+    return None
+
+
+def _install():
+    sizevars = analysis_module()
+    if sizevars is None:
         return None
+    original_stride = sizevars.stride_at
+    original_range = sizevars.simplify_index_in_vec_range
 
     @functools.lru_cache
     def stride_at(index, var):
