@@ -36,6 +36,9 @@ take and return any pytree of tensors (dicts, lists, NamedTuples such as
    terms).
 6. On CPU, inductor's C++ kernels are built a few per library rather than one
    ``g++`` run each (:mod:`petfunc._cpu_kernels`): a third less cold compile time.
+   Inductor's analysis of how each vectorized load moves along the vector lane
+   expands polynomial indices instead of calling ``sympy.simplify``
+   (:mod:`petfunc._vec_strides`): the same code, 4 s less of a carbon cold compile.
 7. Static tensors that are consecutive views of one buffer (a state made by
    :func:`petfunc.init_state`: the parameters, each optimizer moment) enter the
    graph as that one buffer, and outputs packed the same way leave it as one. The
@@ -362,7 +365,7 @@ def _source_hash() -> str:
 def _codegen_hash() -> str:
     """Hash of the petfunc modules that change what inductor generates for a given
     graph (the summation choice above, the FFT shape functions, the kernel
-    grouping)."""
+    grouping, the stride analysis)."""
     digest = hashlib.sha256()
     for name in ("compile.py", "_cpu_kernels.py", "_fft_meta.py", "_vec_strides.py"):
         digest.update((Path(__file__).parent / name).read_bytes())
