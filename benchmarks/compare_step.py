@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import contextlib
+import inspect
 import statistics
 import sys
 import time
@@ -91,7 +92,9 @@ def main(argv=None):
                 b = this if label == "this" else that
                 v[0] = pkg.make_train_step(b.model, b.optimizer, b.weights, autodiff="autograd")
             else:
-                v[0] = pkg.compile(step, state, batches[0])
+                # donate the state as `petfunc train` does, where the version can
+                donate = "donate_argnums" in inspect.signature(pkg.compile).parameters
+                v[0] = pkg.compile(step, state, batches[0], **({"donate_argnums": (0,)} if donate else {}))
             new_state, metrics = v[0](state, batches[0])
         losses[label] = float(metrics["loss"])
         v[1] = new_state

@@ -205,14 +205,18 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
     print(f"# {len(batches)} batches, atoms {min(atoms)}-{max(atoms)}, NEF width {min(widths)}-{max(widths)}")
 
     results = {}
+    compiled_state = None
     if "metatrain" in variants:
         mtt = MetatrainStep(config, params, dtype, weights, device)
         mtt_systems = [mtt.systems(s) for s in samples]
     if "compiled" in variants:
+        # the compiled step donates its state, as `petfunc train` does: it trains its
+        # own copy, step after step (metatrain's step updates its model too)
+        compiled_state = petfunc.init_state(petfunc.tree.tree_map(lambda t: t.clone(), params), optimizer)
         start = time.perf_counter()
-        compiled = petfunc.compile(step, state, batches[0], backend=backend)
+        compiled = petfunc.compile(step, compiled_state, batches[0], backend=backend, donate_argnums=(0,))
         trace_time = time.perf_counter() - start
-        compiled(state, batches[0])
+        compiled_state, _ = compiled(compiled_state, batches[0])
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize()
         compile_time = time.perf_counter() - start
@@ -224,6 +228,7 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
     cuda = torch.device(device).type == "cuda"
 
     def call(v, i):
+        nonlocal compiled_state
         if v == "metatrain":
             mtt(mtt_systems[i], batches[i])
         elif v == "eager":
@@ -231,7 +236,7 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
         elif v == "eager func":
             step(state, batches[i])
         else:
-            compiled(state, batches[i])
+            compiled_state, _ = compiled(compiled_state, batches[i])
         if cuda:
             torch.cuda.synchronize()
 

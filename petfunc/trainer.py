@@ -920,7 +920,10 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
         log(f"compiling the training step ({backend}); the first call takes a while ...")
         t0 = time.perf_counter()
         args = (state.params, example) if split else (state, example)
-        compiled = compile_fn(raw_step, *args, backend=backend, cache_key=f"fit step {trace_key}")
+        # the fused step overwrites the state it is given (never used again; the
+        # state owns its buffers, pack_state copied them): Adam updates in place
+        compiled = compile_fn(raw_step, *args, backend=backend, cache_key=f"fit step {trace_key}",
+                              donate_argnums=() if split else (0,))
         log(f"{'loaded the cached trace' if compiled.from_cache else 'traced'} in {time.perf_counter() - t0:.1f} s")
         return compiled
 

@@ -295,3 +295,143 @@ def test_sizes_the_trace_fixed_are_checked():
     with pytest.raises(ValueError, match=r"args\[3\]\.size\(\)\[0\] == args\[2\]\.size\(\)\[0\]"):
         compiled(params, *pair_example(6, 11, 12))
     assert compiled.num_graphs == 1
+
+
+# ---------------------------------------------------------------------------------------
+# donated arguments
+
+
+def momentum_step(state, positions, index):
+    """A toy training step on a (params, moment) state: gradient, momentum, update."""
+    params, moment = state
+    grads, energy = torch.func.grad_and_value(lambda p: _energy(p, positions, index))(params)
+    new_moment = {k: 0.9 * moment[k] + grads[k] for k in moment}
+    new_params = {k: params[k] - 0.1 * new_moment[k] for k in params}
+    return (new_params, new_moment), energy
+
+
+def _packed_state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = {"w": torch.randn(3, 5, generator=g, dtype=torch.float64), "v": torch.randn(4, generator=g, dtype=torch.float64)}
+    moment = {k: 0.1 * torch.randn(t.shape, generator=g, dtype=t.dtype) for k, t in params.items()}
+    return (petfunc.tree.pack(params), petfunc.tree.pack(moment))
+
+
+def _energy(params, positions, index):
+    return scatter_energy({"w": params["w"]}, positions, index).sum() * params["v"].sum()
+
+
+def _clone(state):
+    return petfunc.tree.tree_map(lambda t: t.clone(), state)
+
+
+def _assert_state_close(a, b):
+    for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("order", ["same", "swapped", "passthrough"])
+def test_donated_state_is_updated_in_place(order):
+    """With ``donate_argnums`` the graph writes the new parameters and moments into
+    the buffers of the state it was given; the results equal the function's, step
+    after step, for any pairing of outputs with donated buffers (an output may even
+    be a donated input itself, passed through)."""
+
+    def step(state, positions, index):
+        (params, moment), energy = momentum_step(state, positions, index)
+        if order == "swapped":  # the moment goes back into the parameters' buffer
+            return (moment, params), energy
+        if order == "passthrough":  # the old parameters, unchanged
+            return (state[0], moment), energy
+        return (params, moment), energy
+
+    state = _packed_state()
+    compiled = petfunc.compile(step, state, *example(4, 7), backend="aot_eager", donate_argnums=(0,))
+    reference = _clone(state)
+    for n_atoms, n_edges in ((4, 7), (9, 30), (6, 11), (9, 30)):
+        x = example(n_atoms, n_edges, seed=n_atoms)
+        buffers = [petfunc.tree.ravel(pytree.tree_leaves(part)) for part in state]
+        old_leaves = pytree.tree_leaves(state)
+        expected, expected_energy = step(_clone(reference), *x)
+        state, energy = compiled(state, *x)
+        torch.testing.assert_close(energy, expected_energy, rtol=1e-12, atol=1e-12)
+        _assert_state_close(state, expected)
+        # the new state lives in the donated buffers: no new memory
+        new_buffers = [petfunc.tree.ravel(pytree.tree_leaves(part)) for part in state]
+        assert {b.data_ptr() for b in new_buffers} == {b.data_ptr() for b in buffers}
+        if order == "same":  # the very same view objects, now showing the new values
+            assert all(a is b for a, b in zip(pytree.tree_leaves(state), old_leaves))
+        reference = expected
+    assert compiled.num_graphs == 1
+
+
+def test_donation_never_writes_memory_the_caller_keeps():
+    """A state that is not packed is copied into fresh buffers before the graph
+    overwrites them; one buffer donated twice is copied once. Either way the
+    caller's tensors keep their values. Without donation nothing is written."""
+    x = example(9, 30, seed=3)
+    state = _packed_state(1)
+    expected, _ = momentum_step(_clone(state), *x)
+    compiled = petfunc.compile(momentum_step, state, *example(4, 7), backend="aot_eager", donate_argnums=(0,))
+    # separate tensors, not views of one buffer
+    loose = _clone(state)
+    kept = _clone(loose)
+    out, _ = compiled(loose, *x)
+    _assert_state_close(out, expected)
+    _assert_state_close(loose, kept)
+    # the same buffer as parameters and moment (now overwritten: it was donated)
+    twice = (state[0], state[0])
+    expected_twice, _ = momentum_step(_clone(twice), *x)
+    out, _ = compiled(twice, *x)
+    _assert_state_close(out, expected_twice)
+    assert petfunc.tree.ravel(pytree.tree_leaves(out[0])).data_ptr() != petfunc.tree.ravel(pytree.tree_leaves(out[1])).data_ptr()
+    # no donation: the inputs are untouched
+    state = _packed_state(1)
+    plain = petfunc.compile(momentum_step, state, *example(4, 7), backend="aot_eager")
+    kept = _clone(state)
+    out, _ = plain(state, *x)
+    _assert_state_close(state, kept)
+    _assert_state_close(out, expected)
+    with pytest.raises(ValueError, match="static_argnums"):
+        petfunc.compile(momentum_step, state, *example(4, 7), backend="aot_eager", donate_argnums=(1,))
+
+
+def test_donation_survives_the_trace_cache(tmp_path, monkeypatch):
+    """Which outputs go into which donated buffers is part of the cached trace, and
+    donating or not are different cache entries."""
+    monkeypatch.setenv("PETFUNC_TRACE_CACHE_DIR", str(tmp_path))
+    x = example(9, 30, seed=3)
+    state = _packed_state(2)
+    expected, _ = momentum_step(_clone(state), *x)
+    for _ in range(2):
+        plain = petfunc.compile(momentum_step, state, *example(4, 7), backend="aot_eager", cache_key="momentum")
+    assert plain.from_cache
+    first = petfunc.compile(momentum_step, state, *example(4, 7), backend="aot_eager", cache_key="momentum",
+                            donate_argnums=(0,))
+    assert not first.from_cache
+    second = petfunc.compile(momentum_step, state, *example(4, 7), backend="aot_eager", cache_key="momentum",
+                             donate_argnums=(0,))
+    assert second.from_cache
+    out, _ = second(state, *x)
+    _assert_state_close(out, expected)
+    assert petfunc.tree.ravel(pytree.tree_leaves(out[0])).data_ptr() == petfunc.tree.ravel(pytree.tree_leaves(state[0])).data_ptr()
+
+
+def test_donated_state_with_inductor():
+    """Inductor, directly and through AOTAutograd, writes the new state into the
+    donated buffers (the graph's ``copy_`` into its inputs) with the same numbers as
+    the function, step after step."""
+    for aot in (False, True):
+        state = _packed_state(4)
+        reference = _clone(state)
+        buffers = {petfunc.tree.ravel(pytree.tree_leaves(part)).data_ptr() for part in state}
+        compiled = petfunc.compile(momentum_step, state, *example(4, 7), options={"fx_graph_cache": False},
+                                   aot_autograd=aot, donate_argnums=(0,))
+        for n_atoms, n_edges in ((4, 7), (9, 30), (40, 300)):
+            x = example(n_atoms, n_edges, seed=n_atoms)
+            reference, expected_energy = momentum_step(reference, *x)
+            state, energy = compiled(state, *x)
+            torch.testing.assert_close(energy, expected_energy, rtol=1e-12, atol=1e-12)
+            _assert_state_close(state, reference)
+            assert {petfunc.tree.ravel(pytree.tree_leaves(part)).data_ptr() for part in state} == buffers
+        assert compiled.num_graphs == 1

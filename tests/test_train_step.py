@@ -181,6 +181,40 @@ def test_compiled_step_equals_eager_on_every_shape(dataset, fitted, compiled_set
     assert compiled.num_graphs == 1, f"{compiled.num_graphs} graphs compiled"
 
 
+def test_donated_compiled_step_trains_like_eager(dataset, fitted, compiled_setup):
+    """The compiled step with its state donated (as ``petfunc train`` runs it):
+    trained step after step over batches of every shape, it follows the eager step,
+    and the new state lives in the buffers of the one it was given."""
+    step, _, state = compiled_setup
+    _check_donated_step(step, state, dataset, fitted, "aot_eager")
+
+
+def _check_donated_step(step, state, dataset, fitted, backend):
+    reference = torch.utils._pytree.tree_map(torch.clone, state)
+    state = petfunc.pack_state(torch.utils._pytree.tree_map(torch.clone, state))
+    compiled = petfunc.compile(step, state, _batch(dataset, fitted, [5, 6]), backend=backend, donate_argnums=(0,))
+
+    def buffers(state):  # where the trained parameters and each moment live
+        parts = [petfunc.train.trainable(state.params), state.opt_state.mu, state.opt_state.nu]
+        return [petfunc.tree._packed_range(torch.utils._pytree.tree_leaves(p))[0].data_ptr() for p in parts]
+
+    donated = buffers(state)
+    for index in SHAPES:
+        batch = _batch(dataset, fitted, index)
+        before = petfunc.tree.flatten(reference.params)
+        reference, eager_metrics = step(reference, batch)
+        state, metrics = compiled(state, batch)
+        assert _relative(metrics["loss"], eager_metrics["loss"]) < 1e-9
+        flat_eager = petfunc.tree.flatten(reference.params)
+        flat_compiled = petfunc.tree.flatten(state.params)
+        for key in flat_eager:
+            update = flat_eager[key] - before[key]
+            if update.abs().max() > 0:
+                assert _relative(flat_compiled[key] - before[key], update) < 1e-8, key
+        assert buffers(state) == donated
+    assert compiled.num_graphs == 1
+
+
 def test_compiled_energy_forces_stress_and_gradients_equal_eager(dataset, fitted):
     params = _params(fitted, seed=5)
     model = petfunc.PET(CONFIG)
@@ -420,6 +454,8 @@ def test_inductor_compiled_step_equals_eager(dataset, fitted):
             if (a[key] - before[key]).abs().max() > 0:
                 assert _relative(b[key] - before[key], a[key] - before[key]) < 1e-9, key
     assert compiled.num_graphs == 1
+    # donated, as petfunc train runs it: inductor writes the update into the state
+    _check_donated_step(step, state, dataset, fitted, "inductor")
 
 
 @pytest.mark.parametrize("weight_decay", [None, 0.01])
