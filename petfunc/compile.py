@@ -44,6 +44,10 @@ take and return any pytree of tensors (dicts, lists, NamedTuples such as
    graph as that one buffer, and outputs packed the same way leave it as one. The
    traced optimizer step then runs on whole vectors. Any later call may pass
    other tensors: a run that is not packed any more is copied into a buffer first.
+8. ``donate_argnums`` (as in JAX): outputs laid out like a donated packed buffer
+   (the new parameters, each new moment) are written into it by the graph itself,
+   so inductor's update kernel overwrites the old state in place. The donated
+   argument must not be used after the call.
 
 ``compiled.num_graphs`` counts the graphs compiled for this function: 1 after the
 first call, and it must stay 1.
