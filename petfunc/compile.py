@@ -410,20 +410,27 @@ def _donation_runs(leaves, in_layout, placeholders, donated_inputs):
     return runs
 
 
-def _donate(packed, donated: dict, placeholders) -> None:
+def _donate(packed, donated: dict, placeholders) -> list:
     """Record, at the end of the traced function, the copies of the packed outputs
     ``packed[k]`` into their donated inputs ``placeholders[donated[k]]``. Inductor
     then computes the optimizer's elementwise update straight into the inputs'
-    memory instead of new buffers. An output that is a view of an input (a
-    parameter passed through unchanged) is cloned first, so that no copy reads
-    memory an earlier copy overwrote."""
-    sources = {}
-    for k in donated:
-        t = packed[k]
-        base = t._base if t._base is not None else t
-        sources[k] = t.clone() if any(base is p for p in placeholders) else t
+    memory instead of new buffers.
+
+    Any output that is a view of a donated input (a parameter passed through
+    unchanged, a metric that returns one) is cloned first: otherwise a copy could
+    read memory an earlier copy overwrote, or an output show the new values where
+    the function returned the old ones. Returns ``packed`` with those clones.
+    """
+    targets = [placeholders[j] for j in donated.values()]
+    packed = list(packed)
+    for k, t in enumerate(packed):
+        if isinstance(t, torch.Tensor):
+            base = t._base if t._base is not None else t
+            if any(base is p for p in targets):
+                packed[k] = t.clone()
     for k, j in donated.items():
-        placeholders[j].copy_(sources[k])
+        placeholders[j].copy_(packed[k])
+    return packed
 
 
 def _with_donated(outputs, donated, inputs, n_items):
@@ -665,8 +672,8 @@ class Compiled:
             out_leaves, out_spec = pytree.tree_flatten(out)
             self._out_spec = out_spec
             # outputs packed like the inputs (the new parameters and moments) leave
-            # the graph as their whole buffers too
-            # Donated inputs take the outputs laid out like them (the new state).
+            # the graph as their whole buffers too; donated inputs take the outputs
+            # laid out like them (the new state)
             donation = _donation_runs(out_leaves, self._in_layout, placeholders, self._donated_inputs)
             eligible = [isinstance(t, torch.Tensor) and t.dim() > 0 for t in out_leaves]
             for start, stop, _ in donation:
@@ -676,7 +683,8 @@ class Compiled:
             packed = self._out_layout.pack(out_leaves)
             item = {i: k for k, (i, _) in enumerate(self._out_layout.items)}
             self._out_layout.donated = {item[start]: j for start, _, j in donation}
-            _donate(packed, self._out_layout.donated, placeholders)
+            if donation:
+                packed = _donate(packed, self._out_layout.donated, placeholders)
             return tuple(t for k, t in enumerate(packed) if k not in self._out_layout.donated)
 
         inputs = self._graph_inputs(tensors)

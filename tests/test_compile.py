@@ -330,12 +330,12 @@ def _assert_state_close(a, b):
         torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("order", ["same", "swapped", "passthrough"])
+@pytest.mark.parametrize("order", ["same", "swapped", "passthrough", "old_view"])
 def test_donated_state_is_updated_in_place(order):
     """With ``donate_argnums`` the graph writes the new parameters and moments into
     the buffers of the state it was given; the results equal the function's, step
     after step, for any pairing of outputs with donated buffers (an output may even
-    be a donated input itself, passed through)."""
+    be a donated input itself, passed through, or another output a view of one)."""
 
     def step(state, positions, index):
         (params, moment), energy = momentum_step(state, positions, index)
@@ -343,6 +343,8 @@ def test_donated_state_is_updated_in_place(order):
             return (moment, params), energy
         if order == "passthrough":  # the old parameters, unchanged
             return (state[0], moment), energy
+        if order == "old_view":  # an output that is the old value of a donated tensor
+            return (params, moment), state[0]["v"]
         return (params, moment), energy
 
     state = _packed_state()
