@@ -719,11 +719,6 @@ class Compiled:
                     self.graph = reloaded[0]
         self._set_trace_guards(trace_guards, example_args)
         self._fast_out = _fast_tree(self._out_spec)
-        # donated output runs laid out like their input run can reuse its views
-        self._same_views = {
-            k: self._out_layout.run_shapes(k) == self._in_layout.run_shapes(j)
-            for k, j in self._out_layout.donated.items()
-        }
         self.num_graphs = 0
         self.options = dict(options or {})
         self._entries = []  # (guard code or None, fixed data sizes, compiled callable)
@@ -775,7 +770,7 @@ class Compiled:
         )
 
     def _call_inputs(self, tensors):
-        """:meth:`_check_inputs` and :meth:`_graph_inputs` for the call path.
+        """The graph's inputs for the tensor leaves ``tensors``, checked.
 
         A packed run whose leaves are still consecutive, contiguous views of one
         buffer with the traced shapes is passed as that buffer after one pass of
@@ -797,15 +792,13 @@ class Compiled:
             else:
                 t = tensors[i]
                 self._check_inputs([t], offset=i)
+                # contiguous: the compiled code is specialised to the strides it was given
                 inputs.append((t.reshape(1) if self._scalar[i] else t).contiguous())
         return inputs, views
 
     def _graph_inputs(self, tensors):
-        # contiguous: the compiled code is specialised to the strides it was given
-        return [
-            (t.reshape(1) if self._scalar[i] else t).contiguous() if stop is None else t
-            for t, (i, stop) in zip(self._in_layout.pack(tensors), self._in_layout.items)
-        ]
+        """The graph's inputs for ``tensors`` (:meth:`_call_inputs` without the views)."""
+        return self._call_inputs(tensors)[0]
 
     def _check_inputs(self, tensors, offset=0):
         for index, (t, (dtype, device, dim), static) in enumerate(
@@ -875,15 +868,16 @@ class Compiled:
         if donated:
             given = inputs
             inputs = self._distinct_donations(inputs)
-            # (a buffer copied by _distinct_donations is not what the views show)
-            views = {k: views.get(j) for k, j in donated.items() if inputs[j] is given[j] and self._same_views.get(k)}
+            # a donated run that came in as views of its buffer leaves as those same
+            # views (the buffer now holds the new values; _donation_runs paired it
+            # with an output run of the same shapes): no new view objects. Not for a
+            # buffer _distinct_donations copied: the views do not show that one
+            views = {k: views[j] for k, j in donated.items() if j in views and inputs[j] is given[j]}
         with torch.no_grad():
             out = self._select(inputs)(*inputs)
         if donated:
             out = _with_donated(out, donated, inputs, len(self._out_layout.items))
-            # a donated run that came in as views of its buffer leaves as those same
-            # views (the buffer now holds the new values): no new view objects
-            leaves = self._out_layout.unpack_views(out, {k: v for k, v in views.items() if v is not None})
+            leaves = self._out_layout.unpack_views(out, views)
         else:
             leaves = self._out_layout.unpack_views(out)
         if self._fast_out is not None:
