@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from . import nn
+from .bmm import bmm_nn, bmm_nt
 from .permute import permute_rows
 
 
@@ -97,9 +98,9 @@ def attention(params, x: torch.Tensor, grid: TokenGrid, num_heads: int, temperat
     q, k, v = (z.transpose(1, 2).reshape(n_atoms * num_heads, t, h) for z in qkv.unbind(dim=2))
     # scaling q rather than the scores touches t / h times fewer numbers
     q = q * (1.0 / (math.sqrt(h) * temperature))
-    scores = torch.bmm(q, k.transpose(1, 2)).view(n_atoms, num_heads, t, t)
+    scores = bmm_nt(q, k).view(n_atoms, num_heads, t, t)
     weights = torch.softmax(scores + grid.bias[:, None, None, :], dim=-1)
-    out = torch.bmm(weights.view(n_atoms * num_heads, t, t), v)
+    out = bmm_nn(weights.view(n_atoms * num_heads, t, t), v)
     out = out.view(n_atoms, num_heads, t, h).transpose(1, 2).reshape(n_atoms * t, d)
     out = permute_rows(out, grid.slot, index, inverse_mask=mask)  # back to the token list
     return nn.linear(params["output_linear"], out)
