@@ -41,8 +41,18 @@ class _Product(torch.autograd.Function):
         ctx.save_for_forward(*inputs)
 
 
-def _sum(x, y):
-    return y if x is None else x + y
+def _product_rule(product):
+    """The forward-mode derivative of a bilinear ``product``:
+    ``product(a_dot, b) + product(a, b_dot)`` (absent tangents are zero)."""
+
+    def jvp(ctx, a_dot, b_dot):
+        a, b = ctx.saved_tensors
+        terms = [product(a_dot, b)] if a_dot is not None else []
+        if b_dot is not None:
+            terms.append(product(a, b_dot))
+        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+    return staticmethod(jvp)
 
 
 class _NN(_Product):
@@ -57,11 +67,7 @@ class _NN(_Product):
         a, b = ctx.saved_tensors
         return _NT.apply(g, b), _TN.apply(a, g)
 
-    @staticmethod
-    def jvp(ctx, a_dot, b_dot):
-        a, b = ctx.saved_tensors
-        out = None if a_dot is None else _NN.apply(a_dot, b)
-        return out if b_dot is None else _sum(out, _NN.apply(a, b_dot))
+    jvp = _product_rule(lambda a, b: _NN.apply(a, b))
 
 
 class _NT(_Product):
@@ -76,11 +82,7 @@ class _NT(_Product):
         a, b = ctx.saved_tensors
         return _NN.apply(g, b), _TN.apply(g, a)
 
-    @staticmethod
-    def jvp(ctx, a_dot, b_dot):
-        a, b = ctx.saved_tensors
-        out = None if a_dot is None else _NT.apply(a_dot, b)
-        return out if b_dot is None else _sum(out, _NT.apply(a, b_dot))
+    jvp = _product_rule(lambda a, b: _NT.apply(a, b))
 
 
 class _TN(_Product):
@@ -95,11 +97,7 @@ class _TN(_Product):
         a, b = ctx.saved_tensors
         return _NT.apply(b, g), _NN.apply(a, g)
 
-    @staticmethod
-    def jvp(ctx, a_dot, b_dot):
-        a, b = ctx.saved_tensors
-        out = None if a_dot is None else _TN.apply(a_dot, b)
-        return out if b_dot is None else _sum(out, _TN.apply(a, b_dot))
+    jvp = _product_rule(lambda a, b: _TN.apply(a, b))
 
 
 def bmm_nn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
