@@ -100,22 +100,22 @@ class _TN(_Product):
     jvp = _product_rule(lambda a, b: _TN.apply(a, b))
 
 
+def _call(product, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if get_proxy_mode() is None:  # eager: its own forward, a plain bmm (module docstring)
+        return product.forward(a, b)
+    return product.apply(a, b)
+
+
 def bmm_nn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of ``[n, i, k]`` and ``[n, k, j]``: ``[n, i, j]``."""
-    if get_proxy_mode() is None:  # eager: see the module docstring
-        return torch.bmm(a, b)
-    return _NN.apply(a, b)
+    return _call(_NN, a, b)
 
 
 def bmm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b^T`` of ``[n, i, k]`` and ``[n, j, k]``: ``[n, i, j]``."""
-    if get_proxy_mode() is None:
-        return torch.bmm(a, _t(b))
-    return _NT.apply(a, b)
+    return _call(_NT, a, b)
 
 
 def bmm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a^T @ b`` of ``[n, k, i]`` and ``[n, k, j]``: ``[n, i, j]``."""
-    if get_proxy_mode() is None:
-        return torch.bmm(_t(a), b)
-    return _TN.apply(a, b)
+    return _call(_TN, a, b)

@@ -74,9 +74,8 @@ def test_traced_functions_use_the_family(name):
 
 
 def test_key_gradient_is_laid_out_like_the_keys():
-    """The point of the family: in q @ k^T the gradient of k comes out contiguous
-    (autograd's bmm rule gives a transposed view), and so does the second-order
-    gradient of the [t, t] scores' cotangent."""
+    """The point of the family: in q @ k^T the traced gradient of k comes out
+    contiguous, where autograd's bmm rule gives a transposed view."""
     q, k = operands(((8, 7, 4), (8, 7, 4)))
     weights = torch.randn(8, 7, 7, dtype=DT)
 
