@@ -30,6 +30,11 @@ compile from an empty cache: qm9 116 -> 80 s, carbon 158 -> 118 s with groups bu
 after code generation; starting them during code generation then took carbon from
 118.6 to 107.4 s (qm9 unchanged).
 ``PETFUNC_GROUP_KERNELS=0`` turns this off.
+
+:func:`start_isa_probe` runs inductor's probe of the CPU's vector instruction sets
+(one test program built and loaded per instruction set, about 8 s on this
+project's CPU when inductor's cache is empty) in a background thread, while
+``make_fx`` traces; :func:`wait_isa_probe` joins it before inductor needs it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import contextlib
 import functools
 import os
 import re
+import threading
 import warnings
 
 from ._scoped import Scoped
@@ -376,3 +382,42 @@ def grouped():
     except ImportError:  # pragma: no cover - inductor unavailable
         return contextlib.nullcontext()
     return _scope()
+
+
+_probe = None  # the background thread of start_isa_probe, once started
+
+
+def start_isa_probe() -> None:
+    """Start inductor's probe of the vector instruction sets of this CPU
+    (``torch._inductor.cpu_vec_isa.valid_vec_isa_list``) in a background thread,
+    once per process.
+
+    Inductor asks for it when it generates its first C++ kernel. With an empty
+    cache it builds a test program for each candidate instruction set and loads
+    each in a fresh Python process: 7-10 s of a cold compile, spent in ``g++`` and
+    subprocesses while the compiling thread waits. Started before ``make_fx``
+    traces (single-threaded Python), it runs on another core meanwhile. The probe
+    caches its answer in the process (``functools.cache``), so inductor then finds
+    it done; :func:`wait_isa_probe` must be called before inductor runs, so that
+    the two never probe at once. ``PETFUNC_EARLY_ISA_PROBE=0`` turns this off.
+    """
+    global _probe
+    if _probe is not None or os.environ.get("PETFUNC_EARLY_ISA_PROBE", "1") == "0":
+        return
+
+    def probe():
+        try:
+            from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+            valid_vec_isa_list()
+        except Exception:  # noqa: BLE001 - inductor probes again itself and reports
+            pass
+
+    _probe = threading.Thread(target=probe, name="petfunc-isa-probe", daemon=True)
+    _probe.start()
+
+
+def wait_isa_probe() -> None:
+    """Wait for :func:`start_isa_probe`'s thread, if one was started."""
+    if _probe is not None:
+        _probe.join()

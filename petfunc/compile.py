@@ -27,7 +27,11 @@ take and return any pytree of tensors (dicts, lists, NamedTuples such as
    straight to inductor's inference compiler instead, 5-15 s less per cold
    compile of a training step (``aot_autograd=True`` or
    ``PETFUNC_DIRECT_INDUCTOR=0`` restores the usual path, whose cache gives
-   faster warm starts).
+   faster warm starts). Inductor's own fake-tensor propagation through that
+   graph is skipped, since the re-trace has just computed the same values
+   (:func:`_known_fake_values`), and inductor's probe of the CPU's vector
+   instruction sets runs in a background thread while ``make_fx`` traces
+   (:func:`petfunc._cpu_kernels.start_isa_probe`).
 4. Any later batch, whatever its numbers of structures, atoms, edges and
    neighbours, reuses the graph, provided no size is 0 or 1 (torch specialises
    those): :func:`petfunc.data.make_batch` pads batches for this.
@@ -554,6 +558,34 @@ def _inductor_entry_points():
     return compile_fx_forward, create_compiler_config_extra, select_decomp_table
 
 
+@contextlib.contextmanager
+def _known_fake_values(graph: torch.fx.GraphModule, mode):
+    """Inductor propagates fake tensors through the graph it is given (about 4 s
+    for the carbon training step), to give every node a ``val``. The re-trace of
+    :func:`_compile_inductor_direct` has just computed those values, with the same
+    fake mode and inputs: while active, that propagation is skipped for ``graph``
+    if every node already has its value (a node added since, by a joint-graph
+    pass, has none: then inductor propagates as usual)."""
+    from torch._inductor import compile_fx
+
+    original = getattr(compile_fx, "fake_tensor_prop", None)
+    if original is None or os.environ.get("PETFUNC_KNOWN_FAKE_VALUES", "1") == "0":
+        yield
+        return
+
+    def fake_tensor_prop(gm, example_inputs, *args, **kwargs):
+        known = gm is graph and all(
+            isinstance(x, torch._subclasses.FakeTensor) and x.fake_mode is mode for x in example_inputs
+        ) and all("val" in n.meta for n in gm.graph.nodes if n.op != "output")
+        return mode if known else original(gm, example_inputs, *args, **kwargs)
+
+    compile_fx.fake_tensor_prop = fake_tensor_prop
+    try:
+        yield
+    finally:
+        compile_fx.fake_tensor_prop = original
+
+
 def _compile_inductor_direct(graph: torch.fx.GraphModule, mode, fakes):
     """Compile an aten graph with inductor as torch.compile would, minus AOTAutograd.
 
@@ -592,7 +624,7 @@ def _compile_inductor_direct(graph: torch.fx.GraphModule, mode, fakes):
     # torch 2.11 builds the extra settings from inductor's config, 2.13 from the graph
     first = next(iter(inspect.signature(config_extra).parameters))
     extra = config_extra(config if first == "config" else functional)
-    with tracing(TracingContext(mode)), enable_python_dispatcher():
+    with tracing(TracingContext(mode)), enable_python_dispatcher(), _known_fake_values(functional, mode):
         compiled = compile_forward(
             functional, fakes, num_orig_model_outputs=n_outputs, num_example_inputs=len(fakes),
             compiler_config_extra=extra, is_inference=True,
@@ -696,6 +728,9 @@ class Compiled:
         self._leaf_signature = [(t.dtype, t.device, t.dim()) for t in tensors]
         self._leaf_static_shapes = [tuple(t.shape) if s else None for t, s in zip(tensors, static)]
         self._run_info = {k: _RunInfo(tensors[i:stop]) for k, (i, stop) in enumerate(self._in_layout.items) if stop is not None}
+        if backend == "inductor" and any(t.device.type == "cpu" for t in tensors):
+            # inductor's C++ code generation will need it: probe while make_fx traces
+            _cpu_kernels.start_isa_probe()
         self._out_spec = None
         self._out_layout = None
 
@@ -867,6 +902,7 @@ class Compiled:
         if torch._inductor.config.post_grad_custom_post_pass is None:
             options.setdefault("post_grad_custom_post_pass", _post_grad_pass())
         direct = self.backend == "inductor" and not self.aot_autograd
+        _cpu_kernels.wait_isa_probe()
         with (torch._inductor.config.patch(options), no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped(),
               unguarded_sum_helper(), fft_meta(), _vec_strides.fast_strides()):
             compiled = _compile_inductor_direct(self.graph, mode, fakes) if direct else None

@@ -437,3 +437,55 @@ def test_donated_state_with_inductor():
             _assert_state_close(state, reference)
             assert {petfunc.tree.ravel(pytree.tree_leaves(part)).data_ptr() for part in state} == buffers
         assert compiled.num_graphs == 1
+
+
+def test_inductor_reuses_the_fake_values_of_the_retrace(monkeypatch):
+    """Inductor propagates fake tensors through the graph it is given; the direct
+    path's re-trace has just computed them with the same fake mode, so petfunc
+    skips that propagation (4 s of a carbon cold compile). The generated code is
+    the same either way; a graph whose nodes lack values is still propagated."""
+    from torch._inductor import compile_fx
+    from torch._inductor.utils import run_and_get_code
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    propagated = []
+    original = FakeTensorProp.propagate_dont_convert_inputs
+    monkeypatch.setattr(FakeTensorProp, "propagate_dont_convert_inputs",
+                        lambda self, *args: propagated.append(1) or original(self, *args))
+
+    def fn(x, w):
+        y = torch.tanh(x @ w).softmax(-1)
+        out = torch.zeros_like(y)
+        out[:, :2].add_(y[:, :2])
+        return (out * x[:, :1]).sum(0), y.t() @ x
+
+    x, w = torch.randn(9, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    codes = {}
+    for known in ("1", "0"):
+        monkeypatch.setenv("PETFUNC_KNOWN_FAKE_VALUES", known)
+        propagated.clear()
+        compiled = petfunc.compile(fn, x, w, static_argnums=(), options={"fx_graph_cache": False})
+        result, code = run_and_get_code(lambda: compiled(x, w))
+        for a, b in zip(result, fn(x, w)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        codes[known] = code
+        assert len(propagated) == (0 if known == "1" else 1)
+    assert codes["1"] == codes["0"]
+
+    # the skip needs every node's value from the given mode
+    monkeypatch.delenv("PETFUNC_KNOWN_FAKE_VALUES")
+    compile_module = sys.modules["petfunc.compile"]
+    mode, fakes = compile_module._fake_inputs([x, w], [False, False])
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with mode:
+        graph = make_fx(lambda a, b: (a @ b).exp())(*fakes)
+    propagated.clear()
+    with compile_module._known_fake_values(graph, mode):
+        assert compile_fx.fake_tensor_prop(graph, fakes) is mode
+        assert propagated == []
+        node = next(n for n in graph.graph.nodes if n.op == "call_function")
+        del node.meta["val"]
+        compile_fx.fake_tensor_prop(graph, fakes)
+        assert propagated == [1] and "val" in node.meta
+    assert compile_fx.fake_tensor_prop is not None and compile_fx.fake_tensor_prop.__module__ == compile_fx.__name__

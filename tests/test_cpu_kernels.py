@@ -5,6 +5,8 @@ floats), and the whole compiled function must give the numbers it gives when
 inductor builds each kernel alone.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -172,3 +174,39 @@ def test_groups_start_while_code_is_generated(monkeypatch):
     # a module loaded from the cache (no code generation) cuts the same groups
     groups, last = _cpu_kernels._groups(pending)
     assert [[p.source for p in g] for g in groups + [last]] == started
+
+
+def test_vector_isa_probe_runs_once_in_the_background(monkeypatch):
+    """``petfunc.compile`` with inductor on CPU starts inductor's probe of the vector
+    instruction sets (7-10 s with an empty cache) in a thread while ``make_fx``
+    traces, once per process, and joins it before inductor compiles; other
+    backends do not start it, nor does ``PETFUNC_EARLY_ISA_PROBE=0``."""
+    import threading
+
+    import torch._inductor.cpu_vec_isa as cpu_vec_isa
+
+    calls = []
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: calls.append(threading.current_thread().name))
+    monkeypatch.setattr(_cpu_kernels, "_probe", None)
+    x = torch.randn(4, 3)
+
+    petfunc.compile(lambda y: y.sin(), x, static_argnums=(), backend="aot_eager")
+    assert _cpu_kernels._probe is None
+    monkeypatch.setenv("PETFUNC_EARLY_ISA_PROBE", "0")
+    petfunc.compile(lambda y: y.sin(), x, static_argnums=())
+    assert _cpu_kernels._probe is None
+    monkeypatch.delenv("PETFUNC_EARLY_ISA_PROBE")
+
+    compiled = petfunc.compile(lambda y: y.sin(), x, static_argnums=())  # traces; no compile yet
+    probe = _cpu_kernels._probe
+    assert probe is not None and probe.name == "petfunc-isa-probe"
+    _cpu_kernels.start_isa_probe()  # once per process
+    assert _cpu_kernels._probe is probe
+    waited = []
+    monkeypatch.setattr(_cpu_kernels, "wait_isa_probe", lambda: waited.append("wait"))
+    monkeypatch.setattr(sys.modules["petfunc.compile"], "_compile_inductor_direct",
+                        lambda *args: waited.append("compile") or (lambda *inputs: inputs[0].sin()))
+    compiled(x)
+    assert waited == ["wait", "compile"]  # joined before inductor compiles
+    probe.join()
+    assert calls == ["petfunc-isa-probe"]
