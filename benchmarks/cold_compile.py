@@ -16,9 +16,6 @@ stress), then its first call. Variants, interleaved (A B A B ...):
 * ``late_probe``: grouped, but inductor probes the CPU's vector instruction sets
   when it first needs them, not in the background while ``make_fx`` traces
   (``PETFUNC_EARLY_ISA_PROBE=0``; see :func:`petfunc._cpu_kernels.start_isa_probe`);
-* ``propagate``: grouped, but inductor propagates fake tensors through the graph
-  again after petfunc's re-trace (``PETFUNC_KNOWN_FAKE_VALUES=0``; see
-  ``petfunc.compile._known_fake_values``);
 * ``simplify``: grouped, but inductor's vectorization analysis runs
   ``sympy.simplify`` on every index (``PETFUNC_FAST_STRIDES=0``; petfunc's default
   expands polynomial indices instead, see :mod:`petfunc._vec_strides`).
@@ -56,7 +53,6 @@ VARIANTS = {
     "aot": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_DIRECT_INDUCTOR": "0"},
     "simplify": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_FAST_STRIDES": "0"},
     "late_probe": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_EARLY_ISA_PROBE": "0"},
-    "propagate": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_KNOWN_FAKE_VALUES": "0"},
 }
 
 

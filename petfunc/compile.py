@@ -27,10 +27,8 @@ take and return any pytree of tensors (dicts, lists, NamedTuples such as
    straight to inductor's inference compiler instead, 5-15 s less per cold
    compile of a training step (``aot_autograd=True`` or
    ``PETFUNC_DIRECT_INDUCTOR=0`` restores the usual path, whose cache gives
-   faster warm starts). Inductor's own fake-tensor propagation through that
-   graph is skipped, since the re-trace has just computed the same values
-   (:func:`_known_fake_values`), and inductor's probe of the CPU's vector
-   instruction sets runs in a background thread while ``make_fx`` traces
+   faster warm starts). Inductor's probe of the CPU's vector instruction sets
+   runs in a background thread while ``make_fx`` traces
    (:func:`petfunc._cpu_kernels.start_isa_probe`).
 4. Any later batch, whatever its numbers of structures, atoms, edges and
    neighbours, reuses the graph, provided no size is 0 or 1 (torch specialises
@@ -558,34 +556,6 @@ def _inductor_entry_points():
     return compile_fx_forward, create_compiler_config_extra, select_decomp_table
 
 
-@contextlib.contextmanager
-def _known_fake_values(graph: torch.fx.GraphModule, mode):
-    """Inductor propagates fake tensors through the graph it is given (about 4 s
-    for the carbon training step), to give every node a ``val``. The re-trace of
-    :func:`_compile_inductor_direct` has just computed those values, with the same
-    fake mode and inputs: while active, that propagation is skipped for ``graph``
-    if every node already has its value (a node added since, by a joint-graph
-    pass, has none: then inductor propagates as usual)."""
-    from torch._inductor import compile_fx
-
-    original = getattr(compile_fx, "fake_tensor_prop", None)
-    if original is None or os.environ.get("PETFUNC_KNOWN_FAKE_VALUES", "1") == "0":
-        yield
-        return
-
-    def fake_tensor_prop(gm, example_inputs, *args, **kwargs):
-        known = gm is graph and all(
-            isinstance(x, torch._subclasses.FakeTensor) and x.fake_mode is mode for x in example_inputs
-        ) and all("val" in n.meta for n in gm.graph.nodes if n.op != "output")
-        return mode if known else original(gm, example_inputs, *args, **kwargs)
-
-    compile_fx.fake_tensor_prop = fake_tensor_prop
-    try:
-        yield
-    finally:
-        compile_fx.fake_tensor_prop = original
-
-
 def _compile_inductor_direct(graph: torch.fx.GraphModule, mode, fakes):
     """Compile an aten graph with inductor as torch.compile would, minus AOTAutograd.
 
@@ -624,7 +594,7 @@ def _compile_inductor_direct(graph: torch.fx.GraphModule, mode, fakes):
     # torch 2.11 builds the extra settings from inductor's config, 2.13 from the graph
     first = next(iter(inspect.signature(config_extra).parameters))
     extra = config_extra(config if first == "config" else functional)
-    with tracing(TracingContext(mode)), enable_python_dispatcher(), _known_fake_values(functional, mode):
+    with tracing(TracingContext(mode)), enable_python_dispatcher():
         compiled = compile_forward(
             functional, fakes, num_orig_model_outputs=n_outputs, num_example_inputs=len(fakes),
             compiler_config_extra=extra, is_inference=True,
