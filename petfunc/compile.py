@@ -530,8 +530,9 @@ def _post_grad_pass():
     """petfunc's graph pass for inductor's ``post_grad_custom_post_pass``
     (:func:`_unfuse_addmm`), run after inductor's own. Inductor puts a custom
     pass's ``uuid()`` into the key of its FX-graph cache, and sees petfunc's
-    code-generation hooks no other way: without it, a graph compiled by an earlier petfunc (for instance before the
-    summation fix above) would be loaded from the cache with its old kernels."""
+    code-generation hooks no other way: without it, a graph compiled by an
+    earlier petfunc (for instance before the summation fix above) would be
+    loaded from the cache with its old kernels."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class PetfuncPostGrad(CustomGraphPass):
