@@ -26,6 +26,7 @@ import torch
 from . import adaptive, nn, transformer
 from .config import PETConfig
 from .cutoff import switching_function
+from .lookup import lookup_rows
 from .neighbors import Neighbors
 from .permute import permute_rows
 from .remat import call as remat_call
@@ -207,7 +208,7 @@ def _compress(params, layer: int, geometry, species_nbr, messages, message_table
         inputs = torch.cat([geometry, messages], dim=1)
         hidden = torch.addmm(bias, inputs, torch.cat([w_folded, w_messages], dim=1).t())
     if table is not None:
-        hidden = hidden + table[species_nbr]
+        hidden = hidden + lookup_rows(table, species_nbr)
     return nn.linear(params["compress"]["2"], torch.nn.functional.silu(hidden))
 
 

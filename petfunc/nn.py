@@ -14,6 +14,8 @@ from typing import Dict
 import torch
 import torch.nn.functional as F
 
+from .lookup import lookup_rows
+
 
 Tensor = torch.Tensor
 
@@ -114,4 +116,5 @@ def mlp2(params, x: Tensor, final_activation: bool = False) -> Tensor:
 
 
 def embedding(params: Dict[str, Tensor], index: Tensor) -> Tensor:
-    return params["weight"][index]
+    """Rows ``params["weight"][index]`` (see :func:`petfunc.lookup.lookup_rows`)."""
+    return lookup_rows(params["weight"], index)
