@@ -6,8 +6,8 @@ linear map (see ``petfunc.model._compress``). The adjoint of ``table[index]`` is
 scatter-add of the ``[n, d]`` output gradient into the ``[n_rows, d]`` table, and
 inductor's CPU code emits it with one atomic add (a compare-and-swap loop) per
 element, because many rows share an index: about 1.7 ns per element on this
-project's CPU, 2.5-3 ms per lookup in the carbon benchmark's training step (8 %
-of its time for three lookups, with one table row for one species).
+project's CPU, 2.5-3 ms per lookup in the carbon benchmark's training step (about
+4 % of its time for its three lookups; one table row, carbon the only species).
 
 With ``one_hot[r, i] = (index[i] == r)`` the same adjoint is the product
 ``one_hot @ grad``: ``2 n_rows`` FLOPs per gradient element in a library matrix
