@@ -160,10 +160,6 @@ class MetatrainStep:
         return loss.detach()
 
 
-#: datasets compiled so far in this process (the first compile pays inductor's one-time work)
-_COMPILED_BEFORE: list = []
-
-
 def median_ms(values):
     return 1e3 * statistics.median(values)
 
@@ -203,7 +199,9 @@ def setup(name, dtype, n_batches, device="cpu", pkg=petfunc, structures=None, pa
 
 
 def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "eager func", "compiled"), device="cpu",
-        peak_gflops=None):
+        peak_gflops=None, first_compile=True):
+    """Benchmark one dataset; ``first_compile`` false: an earlier dataset of this
+    process was compiled already (its compile time is then not a cold one)."""
     torch.manual_seed(0)
     bench = setup(name, dtype, steps + warmup, device)
     config, energy_only, weights, model, params = bench.config, bench.energy_only, bench.weights, bench.model, bench.params
@@ -232,13 +230,12 @@ def run(name, steps, dtype, backend, warmup=2, variants=("metatrain", "eager", "
         compile_time = time.perf_counter() - start
         results["compile_s"] = compile_time
         print(f"# petfunc.compile: trace {trace_time:.1f} s, trace + compile + first call {compile_time:.1f} s")
-        if _COMPILED_BEFORE and backend == "inductor":
+        if not first_compile and backend == "inductor":
             # inductor's once-per-process work was paid by the previous dataset's
             # compile: not a fully cold compile
             print("# (not the process's first compile: inductor's one-time setup (imports, its probe of the CPU, "
                   "its check of the precompiled C++ header) ran in the previous one; run this dataset alone "
                   "for a cold compile)")
-        _COMPILED_BEFORE.append(name)
         if os.environ.get("PETFUNC_COMPILE_TIMES"):
             print(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
 
@@ -354,8 +351,8 @@ def main(argv=None):
     peak = peak_matmul_gflops(dtype, args.device)
     print(f"# torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} CPU threads, "
           f"malloc {args.malloc}; measured matmul peak {peak:.0f} GFLOP/s ({args.dtype})")
-    for name in names:
-        run(name, args.steps, dtype, args.backend, device=args.device, peak_gflops=peak)
+    for i, name in enumerate(names):
+        run(name, args.steps, dtype, args.backend, device=args.device, peak_gflops=peak, first_compile=i == 0)
 
 
 if __name__ == "__main__":
