@@ -18,7 +18,17 @@ stress), then its first call. Variants, interleaved (A B A B ...):
   (``PETFUNC_EARLY_ISA_PROBE=0``; see :func:`petfunc._cpu_kernels.start_isa_probe`);
 * ``simplify``: grouped, but inductor's vectorization analysis runs
   ``sympy.simplify`` on every index (``PETFUNC_FAST_STRIDES=0``; petfunc's default
-  expands polynomial indices instead, see :mod:`petfunc._vec_strides`).
+  expands polynomial indices instead, see :mod:`petfunc._vec_strides`);
+* ``late_split``: grouped, but CPU ``addmm`` is split after inductor's passes have
+  merged ``mm + add``, not before them (``PETFUNC_EARLY_ADDMM_SPLIT=0``; see
+  ``petfunc.compile.hold_cpu_addmm_merge``);
+* ``fusion64``: grouped, but inductor's scheduler tries 64 fusion partners per
+  node and buffer, as shipped, instead of petfunc's 16
+  (``PETFUNC_FUSION_PAIR_ATTEMPTS=64``; see ``petfunc.compile.fusion_pair_attempts``);
+* ``late_split_fusion64``: both of the last two, what petfunc did before them;
+* ``no_lofa``, ``no_asserts``: grouped, with inductor's loop reordering after
+  fusion off, or without the size, alignment and scalar assertions in its
+  generated code (both tried and not kept: no faster).
 
 Also printed: the median step time of each variant over the other batches, so that
 a compile-time gain that costs step time would show. ``--compare-with CHECKOUT``
@@ -29,6 +39,7 @@ before/after comparison of a change:
     git worktree add /tmp/before <commit>
     python benchmarks/cold_compile.py --variants grouped --compare-with /tmp/before
     python benchmarks/cold_compile.py --variants grouped aot --repeats 2
+    python benchmarks/cold_compile.py --dataset carbon --variants grouped late_split_fusion64 --repeats 4
 """
 
 from __future__ import annotations
@@ -53,6 +64,13 @@ VARIANTS = {
     "aot": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_DIRECT_INDUCTOR": "0"},
     "simplify": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_FAST_STRIDES": "0"},
     "late_probe": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_EARLY_ISA_PROBE": "0"},
+    "late_split": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_EARLY_ADDMM_SPLIT": "0"},
+    "fusion64": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_FUSION_PAIR_ATTEMPTS": "64"},
+    "late_split_fusion64": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_EARLY_ADDMM_SPLIT": "0",
+                            "PETFUNC_FUSION_PAIR_ATTEMPTS": "64"},
+    "no_lofa": {"PETFUNC_GROUP_KERNELS": "1", "TORCHINDUCTOR_LOOP_ORDERING_AFTER_FUSION": "0"},
+    "no_asserts": {"PETFUNC_GROUP_KERNELS": "1", "TORCHINDUCTOR_SIZE_ASSERTS": "0",
+                   "TORCHINDUCTOR_ALIGNMENT_ASSERTS": "0", "TORCHINDUCTOR_SCALAR_ASSERTS": "0"},
 }
 
 

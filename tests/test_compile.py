@@ -187,6 +187,45 @@ def test_cascade_helper_only_for_long_float_sums():
     assert "CascadeSumHelper" in code(20, 300)  # whole sum 42000 elements
 
 
+def test_cpu_addmm_split_before_inductor(monkeypatch):
+    """CPU ``addmm`` is split into ``mm`` + add before inductor's passes, and
+    inductor's merge of ``mm + add`` is held back, so the post-grad pass finds
+    nothing left to split (each late split sent inductor's fake-tensor update
+    through the rest of the graph). With ``PETFUNC_EARLY_ADDMM_SPLIT=0`` the split
+    happens after inductor's merge, as before; the code has no ``addmm`` either way."""
+    from torch._inductor.utils import run_and_get_code
+
+    compile_module = sys.modules["petfunc.compile"]
+    seen = []  # addmm nodes in each graph the split runs on: before inductor, then post-grad
+    split = compile_module._unfuse_addmm
+
+    def counting(graph):
+        seen.append(sum(n.target is torch.ops.aten.addmm.default for n in graph.nodes))
+        split(graph)
+
+    monkeypatch.setattr(compile_module, "_unfuse_addmm", counting)
+
+    def fn(params, x):
+        hidden = torch.tanh(torch.nn.functional.linear(x, params["w1"], params["b1"]))
+        return (x + hidden @ params["w2"]).square().sum()
+
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(6, 4, generator=g), "b1": torch.randn(6, generator=g),
+              "w2": torch.randn(6, 4, generator=g)}
+    x = torch.randn(9, 4, generator=g)
+    for early, expected in (("1", [1, 0]), ("0", [2])):
+        monkeypatch.setenv("PETFUNC_EARLY_ADDMM_SPLIT", early)
+        seen.clear()
+        compiled = petfunc.compile(fn, params, x, options={"fx_graph_cache": False})
+        result, codes = run_and_get_code(lambda: compiled(params, x))
+        torch.testing.assert_close(result, fn(params, x), rtol=1e-5, atol=1e-5)
+        assert "addmm" not in "\n".join(codes)
+        # early: the linear's addmm is split before inductor and the post-grad pass
+        # sees none; late: inductor has merged the residual sum too, and the
+        # post-grad pass splits both
+        assert seen == expected, (early, seen)
+
+
 def test_inductor_cache_key_names_petfunc_codegen(tmp_path, monkeypatch):
     """Inductor's FX-graph cache keys a graph by the graph and inductor's config; the
     hash of petfunc's code-generation hooks enters it too (as a custom pass's uuid),
