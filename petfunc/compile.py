@@ -615,8 +615,9 @@ def fusion_pair_attempts() -> int:
     parameter buffer: 268 nodes in the benchmarks' carbon step, 150 in qm9's, so
     some 17 000 candidate pairs, nearly all of them nodes on unrelated slices.
     With 16 the generated code of both steps is the same, byte for byte, and the
-    carbon step's fusion takes 2.4 s instead of 4.2-4.4 s. A user's own setting
-    in ``options`` takes precedence."""
+    carbon step's fusion takes 2.4 s instead of 4.2-4.4 s. Applied to graphs on the
+    CPU only (the only device it was measured on); a user's own setting in
+    ``options`` takes precedence."""
     return int(os.environ.get("PETFUNC_FUSION_PAIR_ATTEMPTS", "16"))
 
 
@@ -951,7 +952,9 @@ class Compiled:
         options = dict(self.options)
         if torch._inductor.config.post_grad_custom_post_pass is None:
             options.setdefault("post_grad_custom_post_pass", _post_grad_pass())
-        if hasattr(torch._inductor.config, "max_fusion_buffer_group_pairwise_attempts"):
+        on_cpu = all(t.device.type == "cpu" for t in inputs if isinstance(t, torch.Tensor))
+        if on_cpu and hasattr(torch._inductor.config, "max_fusion_buffer_group_pairwise_attempts"):
+            # measured on CPU only; GPU graphs keep inductor's setting
             options.setdefault("max_fusion_buffer_group_pairwise_attempts", fusion_pair_attempts())
         direct = self.backend == "inductor" and not self.aot_autograd
         _cpu_kernels.wait_isa_probe()

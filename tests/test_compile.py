@@ -226,6 +226,31 @@ def test_cpu_addmm_split_before_inductor(monkeypatch):
         assert seen == expected, (early, seen)
 
 
+def test_fusion_pair_attempts_reach_the_backend(monkeypatch):
+    """On CPU the backend compiles with petfunc's 16 fusion partners per buffer
+    (inductor ships 64), the environment's number, or the caller's option."""
+    seen = []
+
+    def backend(graph, example_inputs):
+        seen.append(torch._inductor.config.max_fusion_buffer_group_pairwise_attempts)
+        return graph
+
+    def fn(x):
+        return torch.tanh(x).sum(-1)
+
+    x = torch.randn(5, 3)
+    own = {"max_fusion_buffer_group_pairwise_attempts": 4}
+    for env, options, expected in ((None, None, 16), ("64", None, 64), ("64", own, 4)):
+        if env is None:
+            monkeypatch.delenv("PETFUNC_FUSION_PAIR_ATTEMPTS", raising=False)
+        else:
+            monkeypatch.setenv("PETFUNC_FUSION_PAIR_ATTEMPTS", env)
+        compiled = petfunc.compile(fn, x, static_argnums=(), backend=backend, options=options)
+        torch.testing.assert_close(compiled(x), fn(x))
+        assert seen[-1] == expected
+    assert torch._inductor.config.max_fusion_buffer_group_pairwise_attempts == 64  # restored
+
+
 def test_inductor_cache_key_names_petfunc_codegen(tmp_path, monkeypatch):
     """Inductor's FX-graph cache keys a graph by the graph and inductor's config; the
     hash of petfunc's code-generation hooks enters it too (as a custom pass's uuid),
