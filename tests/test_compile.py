@@ -193,8 +193,11 @@ def test_cpu_addmm_split_before_inductor(monkeypatch):
     nothing left to split (each late split sent inductor's fake-tensor update
     through the rest of the graph). With ``PETFUNC_EARLY_ADDMM_SPLIT=0`` the split
     happens after inductor's merge, as before; the code has no ``addmm`` either way."""
+    from torch._inductor.fx_passes import post_grad
     from torch._inductor.utils import run_and_get_code
 
+    if not all(hasattr(post_grad, f) for f in ("should_prefer_unfused_addmm", "is_valid_addmm_fusion")):
+        pytest.skip("this torch's inductor has no merge check to hold back")
     compile_module = sys.modules["petfunc.compile"]
     seen = []  # addmm nodes in each graph the split runs on: before inductor, then post-grad
     split = compile_module._unfuse_addmm
