@@ -959,7 +959,8 @@ class Compiled:
         direct = self.backend == "inductor" and not self.aot_autograd
         _cpu_kernels.wait_isa_probe()
         with (torch._inductor.config.patch(options), no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped(),
-              unguarded_sum_helper(), fft_meta(), _vec_strides.fast_strides(), hold_cpu_addmm_merge()):
+              unguarded_sum_helper(), fft_meta(), _vec_strides.fast_strides(), hold_cpu_addmm_merge(),
+              _cpu_kernels.optimization_level()):
             compiled = _compile_inductor_direct(self.graph, mode, fakes) if direct else None
             if compiled is None:
                 compiled = inner(self.graph, fakes)
