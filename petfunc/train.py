@@ -194,9 +194,11 @@ def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None
             return torch.lerp(m, g, 1.0 - b1)
 
         # in-place operations on fresh temporaries only: on whole vectors, each
-        # temporary is as large as the model (11 MB for the default PET)
+        # temporary is as large as the model (11 MB for the default PET).
+        # addcmul out of place: vmap (ensembles) has no batching rule for addcmul_
+        # and would run it member by member (the same kernel, the same numbers)
         def second(v, g):
-            return (v * b2).addcmul_(g, g, value=1.0 - b2)
+            return torch.addcmul(v * b2, g, g, value=1.0 - b2)
 
         def step(m, v, p):
             step_size, b2_sqrt, decay = scalars(m.dtype)
