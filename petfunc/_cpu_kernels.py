@@ -47,7 +47,7 @@ import re
 import threading
 import warnings
 
-from ._scoped import Scoped
+from ._scoped import Scoped, scoped_attribute
 
 _KERNEL = re.compile(r'^extern\s+"C"\s+void\s+kernel\s*\(', re.M)
 # a C++ kernel as inductor's code generation defines it for the Python wrapper
@@ -411,9 +411,10 @@ def kernel_opt_level() -> str:
     return level
 
 
-def _install_level():
-    """Make inductor's ``-O3`` for C++ kernels :func:`kernel_opt_level`; returns
-    what to restore (None where this torch has other internals)."""
+def _level_flags():
+    """The replacement of inductor's optimisation flags that makes its ``-O3`` for
+    C++ kernels :func:`kernel_opt_level`, or None (the level is inductor's own, or
+    this torch has other internals)."""
     level = kernel_opt_level()
     try:
         from torch._inductor import cpp_builder
@@ -429,17 +430,10 @@ def _install_level():
         # only the kernels' level: the AOT wrapper's own (min_optimize) is left as is
         return [level if flag == _INDUCTOR_LEVEL else flag for flag in cflags], ldflags
 
-    cpp_builder._get_optimization_cflags = optimization_cflags
-    return cpp_builder, original
+    return cpp_builder, "_get_optimization_cflags", optimization_cflags
 
 
-def _uninstall_level(saved) -> None:
-    if saved is not None:
-        cpp_builder, original = saved
-        cpp_builder._get_optimization_cflags = original
-
-
-_level_scope = Scoped(_install_level, _uninstall_level)
+_level_scope = scoped_attribute(_level_flags)
 
 
 def optimization_level():

@@ -36,3 +36,26 @@ class Scoped:
                 if self._depth == 0:
                     self._uninstall(self.installed)
                     self.installed = None
+
+
+def scoped_attribute(replacement: Callable[[], Any]) -> Scoped:
+    """A :class:`Scoped` that replaces one attribute: ``replacement()`` returns
+    ``(owner, name, value)``, or None when there is nothing to replace (another torch
+    version, a setting that keeps torch's own); ``owner.name`` is ``value`` inside the
+    blocks and what it was before outside."""
+
+    def install():
+        target = replacement()
+        if target is None:
+            return None
+        owner, name, value = target
+        original = getattr(owner, name)
+        setattr(owner, name, value)
+        return owner, name, original
+
+    def uninstall(saved):
+        if saved is not None:
+            owner, name, original = saved
+            setattr(owner, name, original)
+
+    return Scoped(install, uninstall)

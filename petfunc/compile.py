@@ -96,7 +96,7 @@ except ImportError:
 
 from . import _cpu_kernels, _vec_strides, tree
 from ._fft_meta import fft_meta
-from ._scoped import Scoped
+from ._scoped import scoped_attribute
 
 
 @contextlib.contextmanager
@@ -536,7 +536,8 @@ def early_addmm_split() -> bool:
     return os.environ.get("PETFUNC_EARLY_ADDMM_SPLIT", "1") != "0"
 
 
-def _install_merge_hold():
+def _merge_check_replacement():
+    """The replacement of inductor's merge check (see :func:`hold_cpu_addmm_merge`), or None."""
     try:
         from torch._inductor.fx_passes import post_grad
     except ImportError:  # pragma: no cover - inductor unavailable
@@ -552,17 +553,10 @@ def _install_merge_hold():
             return True
         return original(match)
 
-    post_grad.should_prefer_unfused_addmm = prefer_unfused
-    return post_grad, original
+    return post_grad, "should_prefer_unfused_addmm", prefer_unfused
 
 
-def _uninstall_merge_hold(saved) -> None:
-    if saved is not None:
-        post_grad, original = saved
-        post_grad.should_prefer_unfused_addmm = original
-
-
-_merge_hold = Scoped(_install_merge_hold, _uninstall_merge_hold)
+_merge_hold = scoped_attribute(_merge_check_replacement)
 
 
 def hold_cpu_addmm_merge():
