@@ -12,6 +12,8 @@ take and return any pytree of tensors (dicts, lists, NamedTuples such as
    aten graph, on fake inputs whose data sizes are symbols (parameter sizes, in
    ``static_argnums``, stay fixed). Duck shaping is off, so equal sizes at trace
    time (say 3 structures and the 3 of xyz) are not merged into one symbol.
+   Inputs on one GPU are traced as CPU tensors and the graph is moved to the GPU
+   afterwards (:func:`_trace_device`, :func:`_move_graph`).
 3. At the first call the ``torch.compile`` backend (``"inductor"``,
    ``"aot_eager"``, ... or a backend callable) compiles that graph, given fake
    inputs with symbolic sizes, exactly as Dynamo hands a graph to a backend. Dynamo
@@ -182,21 +184,68 @@ def _merge(tensors, constants, is_tensor, spec):
     return pytree.tree_unflatten(leaves, spec)
 
 
-def _fake_inputs(tensors, static):
-    """Fake copies of the inputs: symbolic sizes for data, static sizes for ``static``."""
+def _fake_inputs(tensors, static, device=None):
+    """Fake copies of the inputs: symbolic sizes for data, static sizes for ``static``;
+    on ``device`` instead of each input's own device if given."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
     mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False), allow_non_fake_inputs=True)
     fakes = []
     for t, is_static in zip(tensors, static):
-        if t._base is not None:
+        if t._base is not None or (device is not None and t.device != device):
             # a view is fake-ified with its base, whose sizes would not follow ``static``
-            t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            # (an unwritten empty tensor: its pages are never touched)
+            t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device or t.device)
         kind = DimDynamic.STATIC if is_static else DimDynamic.DYNAMIC
         context = StatelessSymbolicContext(dynamic_sizes=[kind] * t.dim())
         fakes.append(mode.from_tensor(t, symbolic_context=context))
     return mode, fakes
+
+
+def _trace_device(tensors) -> Optional[torch.device]:
+    """The device to trace on in place of the inputs' own: the CPU when every input is
+    on one accelerator (CUDA), else None (trace where the inputs are).
+
+    ``torch.func.grad`` runs ``torch.autograd``'s engine, which executes the backward
+    of CUDA tensors on its own per-device thread. Under ``make_fx`` with fake CUDA
+    tensors that thread fails on torch 2.11 ("cannot access PyObject for Tensor - no
+    interpreter set", measured on an H200). On the CPU the engine runs in the calling
+    thread, and the aten graph is the same but for the device of the tensors it
+    creates: :func:`_move_graph` sets those afterwards.
+    """
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        return None
+    (device,) = devices
+    return None if device.type in ("cpu", "meta") else torch.device("cpu")
+
+
+def _move_graph(graph_module: torch.fx.GraphModule, source: torch.device, target: torch.device) -> None:
+    """Make a graph traced on ``source`` run on ``target``: the ``device`` of every
+    op that creates a tensor (``arange``, ``zeros``, ``full``, ``scalar_tensor``,
+    ``_to_copy``...) and the tensor constants kept on the module move from
+    ``source`` to ``target``. The graph must not move data between devices itself
+    (an explicit ``.cpu()`` in the traced function would move too)."""
+
+    def moved(value):
+        if isinstance(value, torch.device) and value.type == source.type:
+            return target
+        if isinstance(value, (list, tuple)):
+            return type(value)(moved(v) for v in value)
+        return value
+
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function":
+            node.args = moved(node.args)
+            node.kwargs = {k: moved(v) for k, v in node.kwargs.items()}
+    for module_name, module in graph_module.named_modules():
+        for name, value in list(vars(module).items()):
+            # tensor constants: buffers, or plain attributes read by get_attr
+            if isinstance(value, torch.Tensor) and value.device.type == source.type:
+                setattr(module, name, value.to(target))
+    graph_module.to(target)
+    graph_module.recompile()
 
 
 def _shape_guards(shape_env, fakes, static) -> list:
@@ -817,9 +866,12 @@ class Compiled:
         if loaded is not None:
             self.graph, self._out_spec, self._out_layout, trace_guards = loaded
         else:
-            mode, fakes = _fake_inputs(inputs, self._static)
+            trace_device = _trace_device(inputs)
+            mode, fakes = _fake_inputs(inputs, self._static, trace_device)
             with fft_meta(), mode, torch.no_grad():
                 self.graph = make_fx(flat_fn, tracing_mode="real")(*fakes)
+            if trace_device is not None:
+                _move_graph(self.graph, trace_device, inputs[0].device)
             trace_guards = _shape_guards(mode.shape_env, fakes, self._static)
             # forward-mode AD (jvp) leaves unused checks such as aten.is_same_size, which
             # return Python bools that Dynamo cannot put in a graph: drop dead nodes
@@ -950,6 +1002,12 @@ class Compiled:
         if on_cpu and hasattr(torch._inductor.config, "max_fusion_buffer_group_pairwise_attempts"):
             # measured on CPU only; GPU graphs keep inductor's setting
             options.setdefault("max_fusion_buffer_group_pairwise_attempts", fusion_pair_attempts())
+        if not on_cpu and hasattr(torch._inductor.config.triton, "coalesce_tiling_analysis"):
+            # Triton kernels: inductor's memory-coalescing analysis of tilings (meant for
+            # static shapes, says its config) failed an assertion on the symbolic sizes
+            # of PET's carbon training step (torch 2.11, H200: get_pw_red_splits in
+            # tiling_utils). Off, that step compiled and ran 3.95x faster than metatrain
+            options.setdefault("triton.coalesce_tiling_analysis", False)
         direct = self.backend == "inductor" and not self.aot_autograd
         _cpu_kernels.wait_isa_probe()
         with (torch._inductor.config.patch(options), no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped(),

@@ -552,3 +552,47 @@ def test_donated_state_with_inductor():
             _assert_state_close(state, reference)
             assert {petfunc.tree.ravel(pytree.tree_leaves(part)).data_ptr() for part in state} == buffers
         assert compiled.num_graphs == 1
+
+
+def test_graph_traced_on_the_cpu_moves_to_another_device():
+    """Inputs on one accelerator are traced as CPU tensors (torch.autograd's CUDA
+    thread fails under make_fx on torch 2.11), and the graph is then moved: every
+    tensor it creates (arange, zeros, eye, scalar_tensor...) and every constant it
+    keeps must follow. Checked by moving a PET training step to the meta device and
+    running it there: any tensor left on the CPU fails the run."""
+    import importlib
+
+    compile_module = importlib.import_module("petfunc.compile")
+    config = petfunc.PETConfig(atomic_types=(1, 6, 8), d_pet=4, d_node=4, d_head=4, d_feedforward=4, num_heads=1,
+                               cutoff=4.0, num_gnn_layers=1, num_attention_layers=1, num_neighbors_adaptive=6.0)
+    import ase.build
+
+    from petfunc.data import make_batch, sample_from_atoms
+
+    samples = []
+    for k, name in enumerate(["CH3CH2OH", "H2O", "CH4", "CH3OH"]):
+        atoms = ase.build.molecule(name)
+        atoms.rattle(0.05, seed=k)
+        sample = sample_from_atoms(atoms, config, energy_key=None, forces_key=None, stress_key=None)
+        sample.energy = -float(k)
+        samples.append(sample)
+    model = petfunc.PET(config)
+    params = model.init(seed=0, dtype=torch.float64)
+    optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(1e-3, 10, 0.1))
+    state = petfunc.init_state(params, optimizer)
+    step = petfunc.make_train_step(model, optimizer, petfunc.LossWeights.make(forces=1.0, stress=0.0))
+    batch = make_batch(samples[:2], config, [0.0] * 3, 1.0, dtype=torch.float64)
+    compiled = petfunc.compile(step, state, batch, backend="aot_eager")
+
+    assert compile_module._trace_device([torch.zeros(1), torch.zeros(1)]) is None
+    assert compile_module._trace_device([torch.zeros(1, device="meta")]) is None
+    inputs, _ = compiled._call_inputs(compiled._checked_tensors((state, make_batch(samples[1:], config, [0.0] * 3, 1.0, dtype=torch.float64))))
+    on_meta = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in inputs]
+    creates = [n for n in compiled.graph.graph.nodes if n.kwargs.get("device") == torch.device("cpu")]
+    assert len(creates) >= 3
+    with pytest.raises(RuntimeError, match="device"):
+        compiled.graph(*on_meta)
+    compile_module._move_graph(compiled.graph, torch.device("cpu"), torch.device("meta"))
+    out = compiled.graph(*on_meta)
+    assert out and all(t.device.type == "meta" for t in out)
+    assert not any("cpu" in str(n.args) + str(n.kwargs) for n in compiled.graph.graph.nodes)
