@@ -1,0 +1,306 @@
+"""PET on a CUDA device: the same numbers as on the CPU, metatrain's gradients, and
+the compiled training step equal to eager with one graph for every batch shape.
+
+Skipped where torch sees no CUDA device (CI has none); ``benchmarks/cuda_check.sh``
+runs them on a GPU machine. ``PETFUNC_TEST_DEVICE=cpu`` runs them on the CPU
+instead, to check the tests themselves on a machine without a GPU.
+"""
+
+import os
+
+import ase.build
+import numpy as np
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import petfunc
+import petfunc.ensemble as ensemble
+from petfunc.data import Dataset, make_batch
+
+from test_train_step import CONFIG, _emt_samples
+
+
+DEVICE = torch.device(os.environ.get("PETFUNC_TEST_DEVICE", "cuda"))
+F64 = torch.float64
+pytestmark = pytest.mark.skipif(
+    DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="torch sees no CUDA device"
+)
+
+# the shapes of test_train_step: 3, 4, 2, 1 (padded to 2) and 5 structures
+SHAPES = [[0, 1, 2], [3, 4, 5, 6], [7, 8], [9], [10, 11, 0, 1, 2]]
+# metatrain's default PET widths with an adaptive cutoff: every position-dependent
+# term of the energy (switching functions, adaptive radii) on the device
+ADAPTIVE = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), cutoff=5.0, num_neighbors_adaptive=8.0)
+
+
+def _relative(a, b):
+    a, b = a.detach().cpu(), b.detach().cpu()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return Dataset(_emt_samples(12, 0), CONFIG)
+
+
+@pytest.fixture(scope="module")
+def fitted(dataset):
+    return dataset.fit_composition_and_scale()
+
+
+def _params(fitted, seed=0, device=DEVICE, config=CONFIG):
+    w, c = fitted
+    params = petfunc.PET(config).init(seed=seed, dtype=F64, device=device)
+    params["composition_weights"] = torch.tensor(w, dtype=F64, device=device)
+    params["energy_scale"] = torch.tensor(c, dtype=F64, device=device)
+    return params
+
+
+def _batch(dataset, fitted, index, device=DEVICE):
+    return make_batch([dataset.samples[i] for i in index], CONFIG, *fitted, dtype=F64, device=device)
+
+
+def _molecules():
+    frames = []
+    for k, name in enumerate(["CH3CH2OH", "C6H6", "CH3COOH", "H2O"]):
+        atoms = ase.build.molecule(name)
+        atoms.rattle(0.05, seed=k)
+        frames.append(atoms)
+    # a periodic structure too, for the stress
+    bulk = ase.build.bulk("C", "diamond", a=3.57, cubic=True)
+    bulk.rattle(0.05, seed=7)
+    frames.append(bulk)
+    return frames
+
+
+def test_energy_forces_stress_equal_cpu():
+    """Default-width PET with an adaptive cutoff, float64: the device's energies,
+    forces and stress equal the CPU's to round-off."""
+    model = petfunc.PET(ADAPTIVE)
+    frames = _molecules()
+    efs = petfunc.energy_forces_stress(model.energy)
+    results = {}
+    for device in ("cpu", DEVICE):
+        params = model.init(seed=1, dtype=F64, device=device)
+        positions, cell, neighbors = petfunc.from_atoms(frames, ADAPTIVE, dtype=F64, device=device)
+        assert positions.device.type == torch.device(device).type
+        results[str(device)] = efs(params, positions, cell, neighbors)
+    cpu, dev = results["cpu"], results[str(DEVICE)]
+    for name, a, b in zip(("energy", "forces", "stress"), dev, cpu):
+        finite = torch.isfinite(b)
+        assert torch.equal(torch.isfinite(a).cpu(), finite), name
+        assert _relative(a[finite.to(a.device)], b[finite]) < 1e-10, name
+    # the autograd path (the trainer's and the calculator's eager one) agrees too
+    positions, cell, neighbors = petfunc.from_atoms(frames, ADAPTIVE, dtype=F64, device=DEVICE)
+    params = model.init(seed=1, dtype=F64, device=DEVICE)
+    autograd = petfunc.energy_forces_stress(model.energy, autodiff="autograd")(params, positions, cell, neighbors)
+    assert _relative(autograd[1], dev[1]) < 1e-10
+
+
+def test_forces_are_finite_differences_of_the_energy():
+    """Forces on the device are -dE/dx, adaptive cutoff included (central differences)."""
+    model = petfunc.PET(ADAPTIVE)
+    frames = _molecules()[:2]
+    params = model.init(seed=2, dtype=F64, device=DEVICE)
+    positions, cell, neighbors = petfunc.from_atoms(frames, ADAPTIVE, dtype=F64, device=DEVICE)
+    forces = petfunc.forces(model.energy)(params, positions, cell, neighbors)
+    h = 1e-5
+    for atom, axis in [(0, 0), (3, 1), (positions.shape[0] - 1, 2)]:
+        shifted = []
+        for sign in (1, -1):
+            p = positions.clone()
+            p[atom, axis] += sign * h
+            shifted.append(model.energy(params, p, cell, neighbors).sum())
+        numeric = -(shifted[0] - shifted[1]) / (2 * h)
+        assert abs(forces[atom, axis].item() - numeric.item()) < 1e-6 * max(1.0, abs(numeric.item())), (atom, axis)
+
+
+def test_parameter_gradients_match_metatrain_on_device(dataset, fitted):
+    """petfunc's torch.func parameter gradients of the training loss (energy, forces,
+    stress) on the device equal metatrain's training-mode gradients on the device."""
+    pytest.importorskip("metatrain")
+    from metatomic.torch import systems_to_torch
+    from metatrain.utils.data.target_info import get_energy_target_info
+    from metatrain.utils.evaluate_model import evaluate_model
+    from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
+
+    import mtt_reference as ref
+
+    params = _params(fitted, seed=3)
+    batch = _batch(dataset, fitted, [0, 1, 2])
+    weights = petfunc.LossWeights.make(energy=1.0, forces=2.0, stress=0.5)
+    grads, metrics = petfunc.make_grad_step(petfunc.PET(CONFIG), weights)(params, batch)
+
+    model = ref.make_model(CONFIG)
+    ref.load_params(model, pytree.tree_map(lambda t: t.cpu(), params))
+    model = model.to(DEVICE).train()
+    frames = []
+    for i in range(3):
+        s = dataset.samples[i].structure
+        frames.append(ase.Atoms(numbers=s.numbers, positions=s.positions, cell=s.cell, pbc=s.pbc))
+    systems = [
+        get_system_with_neighbor_lists(s, model.requested_neighbor_lists()).to(DEVICE)
+        for s in systems_to_torch(frames, dtype=F64)
+    ]
+    info = get_energy_target_info(
+        "energy", {"quantity": "energy", "unit": "eV"}, add_position_gradients=True, add_strain_gradients=True
+    )
+    out = evaluate_model(model, systems, {"energy": info}, is_training=True)["energy"].block()
+    energy = out.values[:, 0]
+    de_dx = out.gradient("positions").values[:, :, 0]
+    de_deps = out.gradient("strain").values[:, :, :, 0]
+    n_atoms = torch.tensor([len(f) for f in frames], dtype=F64, device=DEVICE)
+    loss = (
+        1.0 * ((energy - batch.energy) / n_atoms).pow(2).mean()
+        + 2.0 * (de_dx + batch.forces).pow(2).mean()
+        + 0.5 * ((de_deps - batch.strain_derivative) / n_atoms[:, None, None]).pow(2).mean()
+    )
+    loss.backward()
+    assert abs(loss.item() - metrics["loss"].item()) <= 1e-12 * loss.item()
+    ours = petfunc.tree.flatten(grads)
+    checked = 0
+    for name, parameter in model.named_parameters():
+        key = name.removeprefix("backend.")
+        if key in ours:
+            assert ours[key].device.type == DEVICE.type
+            err = _relative(ours[key], parameter.grad)
+            assert err < 1e-8, f"{key}: relative gradient error {err:.2e}"
+            checked += 1
+    assert checked == len(ours)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_step_equals_eager_on_every_shape(dataset, fitted, backend):
+    """The whole training step compiled on the device: every metric, parameter update
+    and optimizer moment equals eager's (float64, 1e-9) on five batch shapes (one of a
+    single structure), one graph; then donated, step after step, as `petfunc train`
+    runs it."""
+    params = _params(fitted)
+    optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(1e-3, 100, 0.05))
+    state = petfunc.init_state(params, optimizer)
+    step = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights())
+    for index in ([0, 1], [2, 3, 4]):  # non-trivial moments and schedule
+        state, _ = step(state, _batch(dataset, fitted, index))
+    compiled = petfunc.compile(step, state, _batch(dataset, fitted, [5, 6]), backend=backend)
+    for index in SHAPES:
+        batch = _batch(dataset, fitted, index)
+        eager_state, eager_metrics = step(state, batch)
+        new_state, metrics = compiled(state, batch)
+        for key in eager_metrics:
+            assert _relative(metrics[key], eager_metrics[key]) < 1e-9, key
+        before = petfunc.tree.flatten(state.params)
+        got = petfunc.tree.flatten(new_state.params)
+        for key, value in petfunc.tree.flatten(eager_state.params).items():
+            assert got[key].device.type == DEVICE.type
+            update = value - before[key]
+            if update.abs().max() > 0:
+                assert _relative(got[key] - before[key], update) < 1e-9, key
+        for a, b in zip(pytree.tree_leaves(new_state.opt_state), pytree.tree_leaves(eager_state.opt_state)):
+            assert _relative(a.double(), b.double()) < 1e-9
+    assert compiled.num_graphs == 1, f"{compiled.num_graphs} graphs compiled"
+
+    # donated: the compiled step trains its own state in place, following eager
+    reference = pytree.tree_map(torch.clone, state)
+    state = petfunc.pack_state(pytree.tree_map(torch.clone, state))
+    donated = petfunc.compile(step, state, _batch(dataset, fitted, [5, 6]), backend=backend, donate_argnums=(0,))
+    for index in SHAPES:
+        batch = _batch(dataset, fitted, index)
+        before = petfunc.tree.flatten(reference.params)
+        reference, eager_metrics = step(reference, batch)
+        state, metrics = donated(state, batch)
+        assert _relative(metrics["loss"], eager_metrics["loss"]) < 1e-9
+        got = petfunc.tree.flatten(state.params)
+        for key, value in petfunc.tree.flatten(reference.params).items():
+            update = value - before[key]
+            if update.abs().max() > 0:
+                assert _relative(got[key] - before[key], update) < 1e-8, key
+    assert donated.num_graphs == 1
+
+
+def test_ensemble_equals_members():
+    """A vmap'd committee of three on the device equals its members one by one."""
+    model = petfunc.PET(ADAPTIVE)
+    frames = _molecules()
+    positions, cell, neighbors = petfunc.from_atoms(frames, ADAPTIVE, dtype=F64, device=DEVICE)
+    stacked = ensemble.init(model, [0, 1, 2], dtype=F64, device=DEVICE)
+    energies, forces, stress = ensemble.energy_forces_stress(model.energy)(stacked, positions, cell, neighbors)
+    efs = petfunc.energy_forces_stress(model.energy)
+    for k, member in enumerate(ensemble.unstack(stacked)):
+        e, f, s = efs(member, positions, cell, neighbors)
+        assert _relative(energies[k], e) < 1e-10
+        assert _relative(forces[k], f) < 1e-10
+        assert _relative(stress[k][-1], s[-1]) < 1e-10
+
+
+def test_hessian_equals_cpu():
+    """The Hessian (reverse over reverse) on the device equals the CPU's; it is
+    symmetric."""
+    config = petfunc.PETConfig(atomic_types=(1, 6, 8), d_pet=16, d_node=16, d_head=8, d_feedforward=16,
+                               num_heads=2, cutoff=4.0, num_neighbors_adaptive=6.0)
+    model = petfunc.PET(config)
+    frames = [ase.build.molecule("CH3CH2OH")]
+    frames[0].rattle(0.05, seed=3)
+    result = {}
+    for device in ("cpu", DEVICE):
+        params = model.init(seed=4, dtype=F64, device=device)
+        positions, cell, neighbors = petfunc.from_atoms(frames, config, dtype=F64, device=device)
+        result[str(device)] = petfunc.hessian(model.energy)(params, positions, cell, neighbors)
+    h = result[str(DEVICE)]
+    assert _relative(h, result["cpu"]) < 1e-9
+    n = h.shape[0] * 3
+    assert _relative(h.reshape(n, n), h.reshape(n, n).T) < 1e-9
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_calculator_equals_cpu(compile):
+    """The ASE calculator on the device (eager, and compiled with aot_eager) gives the
+    CPU's energy, forces and stress."""
+    from petfunc.ase import PETCalculator
+
+    config = petfunc.PETConfig(atomic_types=(6,), d_pet=16, d_node=16, d_head=8, d_feedforward=16,
+                               num_heads=2, cutoff=4.0)
+    params = petfunc.PET(config).init(seed=5, dtype=F64)
+    atoms = ase.build.bulk("C", "diamond", a=3.57, cubic=True).repeat((2, 1, 1))
+    atoms.rattle(0.05, seed=1)
+    results = {}
+    for device in ("cpu", DEVICE):
+        calc = PETCalculator(config, pytree.tree_map(lambda t: t.to(device), params), device=device,
+                             dtype=F64, compile=compile and device != "cpu", backend="aot_eager")
+        a = atoms.copy()
+        a.calc = calc
+        results[str(device)] = (a.get_potential_energy(), a.get_forces(), a.get_stress())
+        if compile and device != "cpu":
+            for k in range(3):  # MD-like moves: the edge count changes, never a new graph
+                a.positions += np.random.default_rng(k).normal(scale=0.05, size=a.positions.shape)
+                a.get_forces()
+            assert calc.num_compilations == 1
+    (e0, f0, s0), (e1, f1, s1) = results["cpu"], results[str(DEVICE)]
+    assert abs(e1 - e0) < 1e-10 * abs(e0)
+    np.testing.assert_allclose(f1, f0, rtol=0, atol=1e-10 * np.abs(f0).max())
+    np.testing.assert_allclose(s1, s0, rtol=0, atol=1e-10 * np.abs(s0).max())
+
+
+def test_train_cli_compiled(tmp_path):
+    """`petfunc train` on the device with compile (aot_eager): the demo trains two
+    epochs, with one training and one validation graph, and a restart resumes."""
+    import csv
+
+    from petfunc.cli import main
+
+    tiny = ["--set", "architecture.model.d_pet=16", "--set", "architecture.model.d_node=16",
+            "--set", "architecture.model.d_head=8", "--set", "architecture.model.d_feedforward=16",
+            "--set", "architecture.model.num_gnn_layers=1", "--batch-size", "4", "--no-progress"]
+    out = tmp_path / "run"
+    code = main(["train", "--output", str(out), "--structures", "24", "--epochs", "2", "--device", str(DEVICE),
+                 "--compile", "--backend", "aot_eager", "--dtype", "float64", *tiny])
+    assert code == 0
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert [r["epoch"] for r in rows] == ["1", "2"]
+    assert all(np.isfinite(float(r["val_forces_rmse"])) for r in rows)
+    ckpt = torch.load(out / "last.ckpt", weights_only=True, map_location="cpu")
+    assert ckpt["epoch"] == 2
+    more = tmp_path / "more"
+    assert main(["train", "--restart", str(out / "last.ckpt"), "--epochs", "3", "--output", str(more),
+                 "--no-progress"]) == 0
+    assert [r["epoch"] for r in csv.DictReader(open(more / "metrics.csv"))] == ["1", "2", "3"]
