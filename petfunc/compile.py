@@ -99,6 +99,7 @@ except ImportError:
 from . import _cpu_kernels, _vec_strides, tree
 from ._fft_meta import fft_meta
 from ._scoped import scoped_attribute
+from ._vmap_rules import symbolic_vmap_rules
 
 
 @contextlib.contextmanager
@@ -868,7 +869,11 @@ class Compiled:
         else:
             trace_device = _trace_device(inputs)
             mode, fakes = _fake_inputs(inputs, self._static, trace_device)
-            with fft_meta(), mode, torch.no_grad():
+            # vmap's symbolic-size rules for the whole trace: a vmap inside a grad (a
+            # Hessian-vector loss, an ensemble) is replayed by the backward of that grad,
+            # after the vmap's own block has exited (torch 2.12's C++ rule of bmm
+            # then read the sizes as integers and fixed the atom count)
+            with fft_meta(), symbolic_vmap_rules(), mode, torch.no_grad():
                 self.graph = make_fx(flat_fn, tracing_mode="real")(*fakes)
             if trace_device is not None:
                 _move_graph(self.graph, trace_device, inputs[0].device)

@@ -596,3 +596,57 @@ def test_graph_traced_on_the_cpu_moves_to_another_device():
     out = compiled.graph(*on_meta)
     assert out and all(t.device.type == "meta" for t in out)
     assert not any("cpu" in str(n.args) + str(n.kwargs) for n in compiled.graph.graph.nodes)
+
+
+class _Twice(torch.autograd.Function):
+    """``2 x``, whose derivative is written with ``cat`` (as petfunc.bmm's are
+    written with products): under vmap, torch runs it as a vmap of the backward."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return 2 * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * torch.cat([g[:1], g[1:]])
+
+
+def test_vmap_inside_grad_keeps_sizes_symbolic():
+    """A vmap inside a differentiated function (as in a Hessian-vector loss) runs the
+    backward of an autograd.Function as a vmap again, in the backward of the outer
+    grad, after the function's own ``symbolic_vmap_rules`` block has exited. torch's
+    C++ batching rule of ``cat`` reads sizes as integers, which fixed the data sizes
+    of the trace to the example's (torch 2.12 did so with ``bmm``, in petfunc.bmm's
+    derivatives); petfunc.compile keeps its symbolic rules in place for the whole
+    trace."""
+    from torch.func import grad, vmap
+
+    from petfunc._vmap_rules import symbolic_vmap_rules
+
+    def loss(w, x):
+        def row(r):
+            return torch.tanh(_Twice.apply(r * w)).square().sum()
+
+        with symbolic_vmap_rules():
+            values = vmap(row)(x)
+        return values.sum()
+
+    def fn(w, x):
+        return grad(loss)(w, x)
+
+    g = torch.Generator().manual_seed(0)
+
+    def example(rows):
+        return torch.randn(7, generator=g, dtype=torch.float64), torch.randn(rows, 7, generator=g, dtype=torch.float64)
+
+    compiled = petfunc.compile(fn, *example(3), backend="aot_eager")
+    for rows in (3, 4, 9):
+        args = example(rows)
+        torch.testing.assert_close(compiled(*args), fn(*args), rtol=1e-12, atol=1e-12)
+    assert compiled.num_graphs == 1
