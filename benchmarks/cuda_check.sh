@@ -2,17 +2,18 @@
 # The checks that need a CUDA device, in one run (for a GPU machine lent for minutes):
 #   1. tests/test_cuda.py, slow ones included (inductor on CUDA): CPU == CUDA, metatrain's
 #      gradients on CUDA, compiled == eager with one graph, ensembles, Hessians, the
-#      ASE calculator and `petfunc train` on the device;
+#      ASE calculator, `petfunc train` and `petfunc export` on the device;
 #   2. benchmarks/train_step.py --device cuda on qm9 and on carbon, each dataset in its
-#      own process (cold compiles), with metatrain's step where metatrain imports.
+#      own process (cold compiles), with metatrain's step where metatrain imports;
+#   3. benchmarks/ddp.py on NCCL (RUN_DDP=0 leaves it out).
 # Each stage has its own time limit, so that one that hangs or fails leaves the others
 # their time. Logs go to LOGDIR (default cuda_logs/).
 #
 #     bash benchmarks/cuda_check.sh [LOGDIR]
 #
-# Environment: RUN_TESTS (0: benchmarks only), TEST_TIMEOUT (s, default 220), BENCH_TIMEOUT (s per dataset, default
-# 170), STEPS (timed steps per dataset, default 20), PETFUNC_BENCH_DATA (the datasets'
-# folder, see train_step.py).
+# Environment: RUN_TESTS (0: benchmarks only), TEST_TIMEOUT (s, default 220),
+# BENCH_TIMEOUT (s per dataset, default 170), STEPS (timed steps per dataset, default
+# 20), DDP_TIMEOUT (s, default 90), PETFUNC_BENCH_DATA (the datasets' folder, see train_step.py).
 set -u
 cd "$(dirname "$0")/.."
 logs=${1:-cuda_logs}
@@ -46,3 +47,12 @@ for dataset in qm9 carbon; do
         --variants "${variants[@]}" 2>&1 | tee "$logs/bench_$dataset.log"
     stamp "benchmark $dataset done (exit ${PIPESTATUS[0]})"
 done
+
+if [ "${RUN_DDP:-1}" = 1 ]; then
+    # data parallel on NCCL, 1..#GPUs processes (tests/test_distributed.py checks the
+    # exactness on CPU/gloo in the default suite)
+    stamp "benchmark ddp"
+    timeout "${DDP_TIMEOUT:-90}" $python benchmarks/ddp.py --device cuda --steps 10 --warmup 2 --batch 16 \
+        2>&1 | tee "$logs/bench_ddp.log"
+    stamp "benchmark ddp done (exit ${PIPESTATUS[0]})"
+fi

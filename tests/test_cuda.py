@@ -304,3 +304,30 @@ def test_train_cli_compiled(tmp_path):
     assert main(["train", "--restart", str(out / "last.ckpt"), "--epochs", "3", "--output", str(more),
                  "--no-progress"]) == 0
     assert [r["epoch"] for r in csv.DictReader(open(more / "metrics.csv"))] == ["1", "2", "3"]
+
+
+@pytest.mark.parametrize("aoti", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["program", "aoti"])
+def test_export_equals_eager(tmp_path, aoti):
+    """`petfunc export` for the device (the exported program, and its AOTInductor
+    build) gives the eager energies, forces and strain derivatives on three sizes,
+    adaptive cutoff included (float64)."""
+    from petfunc import export as pexport
+    from petfunc.data import padding_sample
+    from petfunc.structures import collate, prepare_atoms
+
+    config = petfunc.PETConfig(atomic_types=(1, 6, 8), num_neighbors_adaptive=12.0, d_pet=16, d_node=32, d_head=16,
+                               d_feedforward=32, num_heads=2)
+    params = petfunc.init(config, seed=3, dtype=F64)
+    path = pexport.export(config, params, tmp_path / "model.pt2", dtype=F64, device=DEVICE, aoti=aoti)
+    model = pexport.load(path)
+    assert model.aoti == aoti
+    fn = petfunc.derivatives.energy_terms_forces_strain_derivative(petfunc.PET(config).energy_terms)
+    on_device = pytree.tree_map(lambda t: t.to(DEVICE), params)
+    for repeat in ((1, 1, 1), (2, 1, 1), (2, 2, 1)):
+        atoms = ase.build.bulk("C", "diamond", a=3.57, cubic=True).repeat(repeat)
+        atoms.rattle(0.05, seed=1)
+        inputs = collate([prepare_atoms(atoms, config), padding_sample(config).structure], config, dtype=F64,
+                         device=DEVICE)
+        for name, a, b in zip(pexport.OUTPUTS, model(*inputs), fn(on_device, *inputs)):
+            assert a.device.type == DEVICE.type, name
+            assert _relative(a, b) < 1e-10, name
