@@ -102,22 +102,26 @@ def trace(config: PETConfig, params, dtype=torch.float32, device="cpu"):
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from .compile import _fake_inputs, no_duck_shape
+    from .compile import _fake_inputs, _move_graph, _trace_device, no_duck_shape
     from .model import PET
 
     device = torch.device(device)
-    params = cast_params(params, dtype, device)
+    positions, cell, neighbors = _example_inputs(config, dtype, device)
+    example = (positions, cell, *neighbors[:N_GRAPH_FIELDS])
+    # for a GPU: traced on the CPU, then moved, as petfunc.compile does (see _trace_device)
+    trace_device = _trace_device(list(example))
+    params = cast_params(params, dtype, trace_device or device)
     fn = energy_terms_forces_strain_derivative(PET(config).energy_terms)
 
     def flat(positions, cell, *fields):
         return fn(params, positions, cell, Neighbors(*fields))
 
-    positions, cell, neighbors = _example_inputs(config, dtype, device)
-    example = (positions, cell, *neighbors[:N_GRAPH_FIELDS])
-    mode, fakes = _fake_inputs(list(example), [False] * len(example))
+    mode, fakes = _fake_inputs(list(example), [False] * len(example), trace_device)
     with mode, torch.no_grad():
         graph = make_fx(flat, tracing_mode="real")(*fakes)
     graph.graph.eliminate_dead_code()
+    if trace_device is not None:
+        _move_graph(graph, trace_device, device)
     graph.recompile()
 
     auto = torch.export.Dim.AUTO
