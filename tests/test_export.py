@@ -136,3 +136,23 @@ def test_aoti_artifact_equals_eager(tmp_path):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
     # the program stays loadable on its own
     assert not pexport.load(path, aoti=False).aoti
+
+
+def test_export_for_another_device_is_traced_on_the_cpu(monkeypatch):
+    """For a GPU the export is traced on the CPU and moved (petfunc.compile's
+    _trace_device and _move_graph). Checked with the meta device standing in for the
+    GPU: every constant of the program (the weights included) and every output must
+    be on it, or the run fails."""
+    import importlib
+
+    compile_module = importlib.import_module("petfunc.compile")
+    own = compile_module._trace_device
+    monkeypatch.setattr(compile_module, "_trace_device",
+                        lambda tensors: torch.device("cpu") if tensors[0].device.type == "meta" else own(tensors))
+    program, example = pexport.trace(CONFIG, make_params(), torch.float64, "meta")
+    assert {t.device.type for t in example} == {"meta"}
+    constants = [v for v in list(program.constants.values()) + list(program.state_dict.values())
+                 if isinstance(v, torch.Tensor)]
+    assert constants and all(v.device.type == "meta" for v in constants)
+    out = program.module()(*example)
+    assert len(out) == len(pexport.OUTPUTS) and all(t.device.type == "meta" for t in out)
