@@ -195,8 +195,9 @@ def _fake_inputs(tensors, static, device=None):
     fakes = []
     for t, is_static in zip(tensors, static):
         if t._base is not None or (device is not None and t.device != device):
-            # a view is fake-ified with its base, whose sizes would not follow ``static``
-            # (an unwritten empty tensor: its pages are never touched)
+            # a view is fake-ified with its base, whose sizes would not follow
+            # ``static``; a stand-in on ``device`` is needed for another device (an
+            # unwritten empty tensor: its pages are never touched)
             t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device or t.device)
         kind = DimDynamic.STATIC if is_static else DimDynamic.DYNAMIC
         context = StatelessSymbolicContext(dynamic_sizes=[kind] * t.dim())
@@ -240,7 +241,7 @@ def _move_graph(graph_module: torch.fx.GraphModule, source: torch.device, target
         if node.op == "call_function":
             node.args = moved(node.args)
             node.kwargs = {k: moved(v) for k, v in node.kwargs.items()}
-    for module_name, module in graph_module.named_modules():
+    for _, module in graph_module.named_modules():
         for name, value in list(vars(module).items()):
             # tensor constants: buffers, or plain attributes read by get_attr
             if isinstance(value, torch.Tensor) and value.device.type == source.type:
