@@ -264,18 +264,18 @@ def test_calculator_equals_cpu(compile):
     atoms = ase.build.bulk("C", "diamond", a=3.57, cubic=True).repeat((2, 1, 1))
     atoms.rattle(0.05, seed=1)
     results = {}
-    for device in ("cpu", DEVICE):
+    for device, compiled in ((torch.device("cpu"), False), (DEVICE, compile)):  # the reference: CPU, eager
         calc = PETCalculator(config, pytree.tree_map(lambda t: t.to(device), params), device=device,
-                             dtype=F64, compile=compile and device != "cpu", backend="aot_eager")
+                             dtype=F64, compile=compiled, backend="aot_eager")
         a = atoms.copy()
         a.calc = calc
-        results[str(device)] = (a.get_potential_energy(), a.get_forces(), a.get_stress())
-        if compile and device != "cpu":
+        results[compiled, str(device)] = (a.get_potential_energy(), a.get_forces(), a.get_stress())
+        if compiled:
             for k in range(3):  # MD-like moves: the edge count changes, never a new graph
                 a.positions += np.random.default_rng(k).normal(scale=0.05, size=a.positions.shape)
                 a.get_forces()
             assert calc.num_compilations == 1
-    (e0, f0, s0), (e1, f1, s1) = results["cpu"], results[str(DEVICE)]
+    (e0, f0, s0), (e1, f1, s1) = results[False, "cpu"], results[compile, str(DEVICE)]
     assert abs(e1 - e0) < 1e-10 * abs(e0)
     np.testing.assert_allclose(f1, f0, rtol=0, atol=1e-10 * np.abs(f0).max())
     np.testing.assert_allclose(s1, s0, rtol=0, atol=1e-10 * np.abs(s0).max())
