@@ -16,9 +16,10 @@ import torch.utils._pytree as pytree
 
 import petfunc
 import petfunc.ensemble as ensemble
-from petfunc.data import Dataset, make_batch
+from petfunc.data import Dataset
 
-from test_train_step import CONFIG, _emt_samples
+import test_train_step as cpu_tests
+from test_train_step import CONFIG, SHAPES, _emt_samples, _relative
 
 
 DEVICE = torch.device(os.environ.get("PETFUNC_TEST_DEVICE", "cuda"))
@@ -27,16 +28,9 @@ pytestmark = pytest.mark.skipif(
     DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="torch sees no CUDA device"
 )
 
-# the shapes of test_train_step: 3, 4, 2, 1 (padded to 2) and 5 structures
-SHAPES = [[0, 1, 2], [3, 4, 5, 6], [7, 8], [9], [10, 11, 0, 1, 2]]
 # metatrain's default PET widths with an adaptive cutoff: every position-dependent
 # term of the energy (switching functions, adaptive radii) on the device
 ADAPTIVE = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), cutoff=5.0, num_neighbors_adaptive=8.0)
-
-
-def _relative(a, b):
-    a, b = a.detach().cpu(), b.detach().cpu()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +44,11 @@ def fitted(dataset):
 
 
 def _params(fitted, seed=0, device=DEVICE, config=CONFIG):
-    w, c = fitted
-    params = petfunc.PET(config).init(seed=seed, dtype=F64, device=device)
-    params["composition_weights"] = torch.tensor(w, dtype=F64, device=device)
-    params["energy_scale"] = torch.tensor(c, dtype=F64, device=device)
-    return params
+    return cpu_tests._params(fitted, seed, F64, device, config)
 
 
 def _batch(dataset, fitted, index, device=DEVICE):
-    return make_batch([dataset.samples[i] for i in index], CONFIG, *fitted, dtype=F64, device=device)
+    return cpu_tests._batch(dataset, fitted, index, F64, device)
 
 
 def _molecules():
@@ -119,55 +109,7 @@ def test_forces_are_finite_differences_of_the_energy():
 def test_parameter_gradients_match_metatrain_on_device(dataset, fitted):
     """petfunc's torch.func parameter gradients of the training loss (energy, forces,
     stress) on the device equal metatrain's training-mode gradients on the device."""
-    pytest.importorskip("metatrain")
-    from metatomic.torch import systems_to_torch
-    from metatrain.utils.data.target_info import get_energy_target_info
-    from metatrain.utils.evaluate_model import evaluate_model
-    from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
-
-    import mtt_reference as ref
-
-    params = _params(fitted, seed=3)
-    batch = _batch(dataset, fitted, [0, 1, 2])
-    weights = petfunc.LossWeights.make(energy=1.0, forces=2.0, stress=0.5)
-    grads, metrics = petfunc.make_grad_step(petfunc.PET(CONFIG), weights)(params, batch)
-
-    model = ref.make_model(CONFIG)
-    ref.load_params(model, pytree.tree_map(lambda t: t.cpu(), params))
-    model = model.to(DEVICE).train()
-    frames = []
-    for i in range(3):
-        s = dataset.samples[i].structure
-        frames.append(ase.Atoms(numbers=s.numbers, positions=s.positions, cell=s.cell, pbc=s.pbc))
-    systems = [
-        get_system_with_neighbor_lists(s, model.requested_neighbor_lists()).to(DEVICE)
-        for s in systems_to_torch(frames, dtype=F64)
-    ]
-    info = get_energy_target_info(
-        "energy", {"quantity": "energy", "unit": "eV"}, add_position_gradients=True, add_strain_gradients=True
-    )
-    out = evaluate_model(model, systems, {"energy": info}, is_training=True)["energy"].block()
-    energy = out.values[:, 0]
-    de_dx = out.gradient("positions").values[:, :, 0]
-    de_deps = out.gradient("strain").values[:, :, :, 0]
-    n_atoms = torch.tensor([len(f) for f in frames], dtype=F64, device=DEVICE)
-    loss = (
-        1.0 * ((energy - batch.energy) / n_atoms).pow(2).mean()
-        + 2.0 * (de_dx + batch.forces).pow(2).mean()
-        + 0.5 * ((de_deps - batch.strain_derivative) / n_atoms[:, None, None]).pow(2).mean()
-    )
-    loss.backward()
-    assert abs(loss.item() - metrics["loss"].item()) <= 1e-12 * loss.item()
-    ours = petfunc.tree.flatten(grads)
-    checked = 0
-    for name, parameter in model.named_parameters():
-        key = name.removeprefix("backend.")
-        if key in ours:
-            assert ours[key].device.type == DEVICE.type
-            err = _relative(ours[key], parameter.grad)
-            assert err < 1e-8, f"{key}: relative gradient error {err:.2e}"
-            checked += 1
-    assert checked == len(ours)
+    cpu_tests._check_gradients_against_metatrain(dataset, fitted, DEVICE)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -183,39 +125,9 @@ def test_compiled_step_equals_eager_on_every_shape(dataset, fitted, backend):
     for index in ([0, 1], [2, 3, 4]):  # non-trivial moments and schedule
         state, _ = step(state, _batch(dataset, fitted, index))
     compiled = petfunc.compile(step, state, _batch(dataset, fitted, [5, 6]), backend=backend)
-    for index in SHAPES:
-        batch = _batch(dataset, fitted, index)
-        eager_state, eager_metrics = step(state, batch)
-        new_state, metrics = compiled(state, batch)
-        for key in eager_metrics:
-            assert _relative(metrics[key], eager_metrics[key]) < 1e-9, key
-        before = petfunc.tree.flatten(state.params)
-        got = petfunc.tree.flatten(new_state.params)
-        for key, value in petfunc.tree.flatten(eager_state.params).items():
-            assert got[key].device.type == DEVICE.type
-            update = value - before[key]
-            if update.abs().max() > 0:
-                assert _relative(got[key] - before[key], update) < 1e-9, key
-        for a, b in zip(pytree.tree_leaves(new_state.opt_state), pytree.tree_leaves(eager_state.opt_state)):
-            assert _relative(a.double(), b.double()) < 1e-9
-    assert compiled.num_graphs == 1, f"{compiled.num_graphs} graphs compiled"
-
+    cpu_tests._check_compiled_train_step(step, compiled, state, dataset, fitted, DEVICE)
     # donated: the compiled step trains its own state in place, following eager
-    reference = pytree.tree_map(torch.clone, state)
-    state = petfunc.pack_state(pytree.tree_map(torch.clone, state))
-    donated = petfunc.compile(step, state, _batch(dataset, fitted, [5, 6]), backend=backend, donate_argnums=(0,))
-    for index in SHAPES:
-        batch = _batch(dataset, fitted, index)
-        before = petfunc.tree.flatten(reference.params)
-        reference, eager_metrics = step(reference, batch)
-        state, metrics = donated(state, batch)
-        assert _relative(metrics["loss"], eager_metrics["loss"]) < 1e-9
-        got = petfunc.tree.flatten(state.params)
-        for key, value in petfunc.tree.flatten(reference.params).items():
-            update = value - before[key]
-            if update.abs().max() > 0:
-                assert _relative(got[key] - before[key], update) < 1e-8, key
-    assert donated.num_graphs == 1
+    cpu_tests._check_donated_step(step, state, dataset, fitted, backend, DEVICE)
 
 
 def test_ensemble_equals_members():

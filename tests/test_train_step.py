@@ -50,20 +50,22 @@ def fitted(dataset):
     return dataset.fit_composition_and_scale()
 
 
-def _params(fitted, seed=0, dtype=torch.float64):
+def _params(fitted, seed=0, dtype=torch.float64, device="cpu", config=CONFIG):
     w, c = fitted
-    params = petfunc.PET(CONFIG).init(seed=seed, dtype=dtype)
-    params["composition_weights"] = torch.tensor(w, dtype=dtype)
-    params["energy_scale"] = torch.tensor(c, dtype=dtype)
+    params = petfunc.PET(config).init(seed=seed, dtype=dtype, device=device)
+    params["composition_weights"] = torch.tensor(w, dtype=dtype, device=device)
+    params["energy_scale"] = torch.tensor(c, dtype=dtype, device=device)
     return params
 
 
-def _batch(dataset, fitted, index, dtype=torch.float64):
+def _batch(dataset, fitted, index, dtype=torch.float64, device="cpu"):
     w, c = fitted
-    return make_batch([dataset.samples[i] for i in index], CONFIG, w, c, dtype=dtype)
+    return make_batch([dataset.samples[i] for i in index], CONFIG, w, c, dtype=dtype, device=device)
 
 
 def _relative(a, b):
+    """max |a - b| / max |b|, computed on the CPU (``a`` and ``b`` may be on different devices)."""
+    a, b = a.detach().cpu(), b.detach().cpu()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
@@ -72,6 +74,13 @@ def _relative(a, b):
 
 
 def test_parameter_gradients_match_metatrain(dataset, fitted):
+    _check_gradients_against_metatrain(dataset, fitted, torch.device("cpu"))
+
+
+def _check_gradients_against_metatrain(dataset, fitted, device):
+    """petfunc's eager torch.func parameter gradients of the training loss (energy,
+    forces, stress) on ``device`` equal metatrain's training-mode gradients computed
+    there (1e-8 relative), and so do the losses (1e-12)."""
     pytest.importorskip("metatrain")
     from metatomic.torch import systems_to_torch
     from metatrain.utils.data.target_info import get_energy_target_info
@@ -81,21 +90,21 @@ def test_parameter_gradients_match_metatrain(dataset, fitted):
     import mtt_reference as ref
 
     # A batch of 3 structures (no padding needed), float64, energy + forces + stress.
-    params = _params(fitted, seed=3)
-    batch = _batch(dataset, fitted, [0, 1, 2])
+    params = _params(fitted, seed=3, device=device)
+    batch = _batch(dataset, fitted, [0, 1, 2], device=device)
     weights = petfunc.LossWeights.make(energy=1.0, forces=2.0, stress=0.5)
     grads, metrics = petfunc.make_grad_step(petfunc.PET(CONFIG), weights)(params, batch)
 
     # The same weights and structures in metatrain, train mode, its evaluate_model.
     model = ref.make_model(CONFIG)
-    ref.load_params(model, params)
-    model.train()
+    ref.load_params(model, torch.utils._pytree.tree_map(lambda t: t.cpu(), params))
+    model = model.to(device).train()
     frames = []
     for i in range(3):
         s = dataset.samples[i].structure
         frames.append(ase.Atoms(numbers=s.numbers, positions=s.positions, cell=s.cell, pbc=s.pbc))
     systems = [
-        get_system_with_neighbor_lists(s, model.requested_neighbor_lists())
+        get_system_with_neighbor_lists(s, model.requested_neighbor_lists()).to(device)
         for s in systems_to_torch(frames, dtype=torch.float64)
     ]
     info = get_energy_target_info(
@@ -105,7 +114,7 @@ def test_parameter_gradients_match_metatrain(dataset, fitted):
     energy = out.values[:, 0]
     de_dx = out.gradient("positions").values[:, :, 0]
     de_deps = out.gradient("strain").values[:, :, :, 0]
-    n_atoms = torch.tensor([len(f) for f in frames], dtype=torch.float64)
+    n_atoms = torch.tensor([len(f) for f in frames], dtype=torch.float64, device=device)
 
     # metatrain's loss (spec section 9.1), written out, on the same training-unit targets.
     loss = (
@@ -124,6 +133,7 @@ def test_parameter_gradients_match_metatrain(dataset, fitted):
             continue
         reference = parameter.grad
         assert reference is not None, name
+        assert ours[key].device.type == device.type, key
         err = _relative(ours[key], reference)
         assert err < 1e-8, f"{key}: relative gradient error {err:.2e}"
         checked += 1
@@ -152,10 +162,16 @@ SHAPES = [[0, 1, 2], [3, 4, 5, 6], [7, 8], [9], [10, 11, 0, 1, 2]]
 
 
 def test_compiled_step_equals_eager_on_every_shape(dataset, fitted, compiled_setup):
-    step, compiled, state = compiled_setup
+    _check_compiled_train_step(*compiled_setup, dataset, fitted)
+
+
+def _check_compiled_train_step(step, compiled, state, dataset, fitted, device="cpu"):
+    """On every batch of SHAPES (each a different size), the compiled step's metrics,
+    parameter updates and optimizer moments equal the eager step's (1e-9 relative),
+    on ``device``, from one compiled graph."""
     seen = set()
     for index in SHAPES:
-        batch = _batch(dataset, fitted, index)
+        batch = _batch(dataset, fitted, index, device=device)
         seen.add((batch.n_structures, batch.positions.shape[0], batch.neighbors.nef_index.shape[1]))
         eager_state, eager_metrics = step(state, batch)
         new_state, metrics = compiled(state, batch)
@@ -165,6 +181,7 @@ def test_compiled_step_equals_eager_on_every_shape(dataset, fitted, compiled_set
         flat_compiled = petfunc.tree.flatten(new_state.params)
         before = petfunc.tree.flatten(state.params)
         for key in flat_eager:
+            assert flat_compiled[key].device == before[key].device, key
             update = flat_eager[key] - before[key]
             if update.abs().max() == 0:
                 assert torch.equal(flat_compiled[key], flat_eager[key]), key
@@ -189,10 +206,11 @@ def test_donated_compiled_step_trains_like_eager(dataset, fitted, compiled_setup
     _check_donated_step(step, state, dataset, fitted, "aot_eager")
 
 
-def _check_donated_step(step, state, dataset, fitted, backend):
+def _check_donated_step(step, state, dataset, fitted, backend, device="cpu"):
     reference = torch.utils._pytree.tree_map(torch.clone, state)
     state = petfunc.pack_state(torch.utils._pytree.tree_map(torch.clone, state))
-    compiled = petfunc.compile(step, state, _batch(dataset, fitted, [5, 6]), backend=backend, donate_argnums=(0,))
+    example = _batch(dataset, fitted, [5, 6], device=device)
+    compiled = petfunc.compile(step, state, example, backend=backend, donate_argnums=(0,))
 
     def buffers(state):  # where the trained parameters and each moment live
         parts = [petfunc.train.trainable(state.params), state.opt_state.mu, state.opt_state.nu]
@@ -200,7 +218,7 @@ def _check_donated_step(step, state, dataset, fitted, backend):
 
     donated = buffers(state)
     for index in SHAPES:
-        batch = _batch(dataset, fitted, index)
+        batch = _batch(dataset, fitted, index, device=device)
         before = petfunc.tree.flatten(reference.params)
         reference, eager_metrics = step(reference, batch)
         state, metrics = compiled(state, batch)
@@ -262,14 +280,6 @@ def _check_compiled_equals_eager(config, samples, params, fitted):
     assert compiled.num_graphs == 1
 
 
-def _fitted_params(config, fitted, seed=2):
-    w, c = fitted
-    params = petfunc.PET(config).init(seed=seed, dtype=torch.float64)
-    params["composition_weights"] = torch.tensor(w, dtype=torch.float64)
-    params["energy_scale"] = torch.tensor(c, dtype=torch.float64)
-    return params
-
-
 @pytest.mark.slow  # 70 s; eager conditioning is checked against metatrain in the default run
 def test_compiled_conditioned_model_equals_eager(dataset, fitted):
     """Charge/spin conditioning in the compiled graph: gradients, energies, forces
@@ -280,7 +290,7 @@ def test_compiled_conditioned_model_equals_eager(dataset, fitted):
     samples = _emt_samples(8, 3, config)
     for k, sample in enumerate(samples):
         sample.structure.charge, sample.structure.spin_multiplicity = k % 5 - 2, 1 + k % 3
-    params = _fitted_params(config, fitted)
+    params = _params(fitted, seed=2, config=config)
     gate = params["system_conditioning"]["project"]["2"]
     gate["weight"] = torch.randn(gate["weight"].shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     _check_compiled_equals_eager(config, samples, params, fitted)
@@ -310,7 +320,7 @@ def test_compiled_long_range_model_equals_eager(fitted):
         for index in ([0, 1], [2, 3, 4], [5], [6, 7, 0, 1])
     }
     assert len(shapes) >= 3
-    _check_compiled_equals_eager(config, samples, _fitted_params(config, fitted), fitted)
+    _check_compiled_equals_eager(config, samples, _params(fitted, seed=2, config=config), fitted)
 
 
 def test_one_structure_batch_is_padded(dataset, fitted):
