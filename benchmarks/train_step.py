@@ -200,6 +200,9 @@ def setup(name, dtype, n_batches, device="cpu", pkg=petfunc, structures=None, pa
 
 
 VARIANTS = ("metatrain", "eager", "eager func", "compiled")
+#: also selectable: the compiled step with the fused CPU attention kernels
+#: (``petfunc.compile(..., fused_attention=True)``)
+EXTRA_VARIANTS = ("compiled fused",)
 
 
 def run(name, steps, dtype, backend, warmup=2, variants=VARIANTS, device="cpu",
@@ -217,7 +220,7 @@ def run(name, steps, dtype, backend, warmup=2, variants=VARIANTS, device="cpu",
     print(f"# {len(batches)} batches, atoms {min(atoms)}-{max(atoms)}, NEF width {min(widths)}-{max(widths)}")
 
     results = {}
-    compiled_state = None
+    compiled_state = fused_state = None
     if "metatrain" in variants:
         mtt = MetatrainStep(config, params, dtype, weights, device)
         mtt_systems = [mtt.systems(s) for s in samples]
@@ -243,16 +246,28 @@ def run(name, steps, dtype, backend, warmup=2, variants=VARIANTS, device="cpu",
         if os.environ.get("PETFUNC_COMPILE_TIMES"):
             print(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
 
+    if "compiled fused" in variants:
+        fused_state = petfunc.init_state(petfunc.tree.tree_map(lambda t: t.clone(), params), optimizer)
+        start = time.perf_counter()
+        fused = petfunc.compile(step, fused_state, batches[0], backend=backend, donate_argnums=(0,),
+                                fused_attention=True)
+        fused_state, _ = fused(fused_state, batches[0])
+        after = " (after the other compile: not a cold one)" if "compiled" in variants else ""
+        print(f"# petfunc.compile with fused_attention=True: trace + compile + first call "
+              f"{time.perf_counter() - start:.1f} s{after}")
+
     cuda = torch.device(device).type == "cuda"
 
     def call(v, i):
-        nonlocal compiled_state
+        nonlocal compiled_state, fused_state
         if v == "metatrain":
             mtt(mtt_systems[i], batches[i])
         elif v == "eager":
             step_autograd(state, batches[i])
         elif v == "eager func":
             step(state, batches[i])
+        elif v == "compiled fused":
+            fused_state, _ = fused(fused_state, batches[i])
         else:
             compiled_state, _ = compiled(compiled_state, batches[i])
         if cuda:
@@ -343,7 +358,7 @@ def main(argv=None):
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (all variants run there)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + EXTRA_VARIANTS,
                         help="the steps to time (default: all; leave out metatrain where it is not installed)")
     add_malloc_option(parser)
     args = parser.parse_args(argv)

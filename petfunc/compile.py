@@ -97,6 +97,7 @@ except ImportError:
     _cxx_pytree = None
 
 from . import _cpu_kernels, _vec_strides, tree
+from . import fused_attention as _fused
 from ._fft_meta import fft_meta
 from ._scoped import scoped_attribute
 from ._vmap_rules import symbolic_vmap_rules
@@ -794,7 +795,7 @@ class Compiled:
 
     def __init__(self, fn: Callable, example_args: tuple, backend: Any = "inductor",
                  options: Optional[dict] = None, static_argnums=(0,), cache_key: Optional[str] = None,
-                 aot_autograd: Optional[bool] = None, donate_argnums=()):
+                 aot_autograd: Optional[bool] = None, donate_argnums=(), fused_attention: Optional[bool] = None):
         self.fn = fn
         self.backend = backend
         if aot_autograd is None:
@@ -856,11 +857,22 @@ class Compiled:
             return tuple(t for k, t in enumerate(packed) if k not in self._out_layout.donated)
 
         inputs = self._graph_inputs(tensors)
+        trace_device = _trace_device(inputs)
+        if fused_attention is None:
+            fused_attention = os.environ.get("PETFUNC_FUSED_ATTENTION", "0") == "1"
+        if fused_attention:
+            if trace_device is not None or any(t.device.type != "cpu" for t in inputs):
+                raise ValueError("petfunc.compile: fused_attention=True is for functions on the CPU; "
+                                 "on a GPU the attention is compiled from its decomposition")
+            # False (with a warning) where the kernels cannot be built
+            fused_attention = _fused.library() is not None
+        self.fused_attention = bool(fused_attention)
         cache = None
         if cache_key is not None:
             signature = (
                 [(t.dtype, str(t.device), tuple(t.shape) if s else t.dim()) for t, s in zip(inputs, self._static)],
                 self._in_layout.key(), repr(self._spec), repr(self._constants), self._donated_inputs,
+                self.fused_attention,
             )
             cache = _cache_file(str(cache_key), signature)
         loaded = _load_trace(cache) if cache is not None and cache.exists() else None
@@ -868,13 +880,12 @@ class Compiled:
         if loaded is not None:
             self.graph, self._out_spec, self._out_layout, trace_guards = loaded
         else:
-            trace_device = _trace_device(inputs)
             mode, fakes = _fake_inputs(inputs, self._static, trace_device)
             # vmap's symbolic-size rules for the whole trace: a vmap inside a grad (a
             # Hessian-vector loss, an ensemble) is replayed by the backward of that grad,
             # after the vmap's own block has exited (torch 2.12's C++ rule of bmm
             # then read the sizes as integers and fixed the atom count)
-            with fft_meta(), symbolic_vmap_rules(), mode, torch.no_grad():
+            with fft_meta(), symbolic_vmap_rules(), _fused.use(self.fused_attention), mode, torch.no_grad():
                 self.graph = make_fx(flat_fn, tracing_mode="real")(*fakes)
             if trace_device is not None:
                 _move_graph(self.graph, trace_device, inputs[0].device)
@@ -1131,6 +1142,7 @@ def compile(
     keep_freed_memory: bool = True,
     aot_autograd: Optional[bool] = None,
     donate_argnums=(),
+    fused_attention: Optional[bool] = None,
 ) -> Compiled:
     """Trace ``fn(*example_args)`` with ``make_fx`` and compile it (see module doc).
 
@@ -1168,6 +1180,10 @@ def compile(
             arguments after the call (they hold the new values, or a mix).
             ``petfunc train`` donates its state. Saves the Adam update a third of
             its memory traffic and the new state's memory.
+        fused_attention: trace PET's attention as the CPU kernels of
+            :mod:`petfunc.fused_attention` (no ``[atoms, heads, t, t]`` grids in
+            memory). Default: off, or on where the environment sets
+            ``PETFUNC_FUSED_ATTENTION=1``. CPU inputs only.
 
     Returns:
         a callable with ``fn``'s signature; ``.num_graphs`` counts compilations.
@@ -1179,4 +1195,5 @@ def compile(
 
         keep()
     return Compiled(fn, example_args, backend=backend, options=options, static_argnums=static_argnums,
-                    cache_key=cache_key, aot_autograd=aot_autograd, donate_argnums=donate_argnums)
+                    cache_key=cache_key, aot_autograd=aot_autograd, donate_argnums=donate_argnums,
+                    fused_attention=fused_attention)

@@ -6,7 +6,9 @@ per-token layer runs; attention gathers each atom's tokens into a padded grid ro
 written out (matmul, softmax, matmul) so that it has a double backward: force
 training differentiates it twice. The additive attention bias ``log(max(f, 1e-15))``
 down-weights cut-off keys without masking them, exactly as metatrain does; padded
-slots get the same bias and zero query, key and value vectors.
+slots get the same bias and zero query, key and value vectors. Inside
+``petfunc.compile(..., fused_attention=True)`` the grid's attention is one CPU
+kernel per derivative order instead (:mod:`petfunc.fused_attention`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import nn
+from . import fused_attention, nn
 from .bmm import bmm_nn, bmm_nt
 from .permute import permute_rows
 
@@ -72,6 +74,33 @@ def token_grid(nef_index, nef_mask, nef_slot, centers, factors) -> TokenGrid:
     return TokenGrid(index, mask[..., None], slot, bias)
 
 
+def _grid_attention(qkv: torch.Tensor, bias: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+    """Softmax attention within each atom's grid row, written out.
+
+    Args:
+        qkv: ``[n_atoms * t, 3d]`` query, key, value of every grid slot.
+        bias: ``[n_atoms, t]`` attention bias of each key.
+        scale: factor of the queries, ``1 / (sqrt(d / heads) * temperature)``.
+    Returns:
+        ``[n_atoms, t, d]``.
+    """
+    n_atoms, t = bias.shape
+    d = qkv.shape[1] // 3
+    h = d // num_heads
+    qkv = qkv.reshape(n_atoms, t, 3, num_heads, h)
+    # unbind, not qkv[0], qkv[1], qkv[2]: the backward of three selects builds three
+    # zero-filled copies of qkv and adds them; unbind's backward is one stack
+    # [n_atoms * heads, t, h]: batched products written as bmm (what matmul runs for
+    # 4-d operands); torch 2.11 traces matmul's double backward with fixed sizes
+    q, k, v = (z.transpose(1, 2).reshape(n_atoms * num_heads, t, h) for z in qkv.unbind(dim=2))
+    # scaling q rather than the scores touches t / h times fewer numbers
+    q = q * scale
+    scores = bmm_nt(q, k).view(n_atoms, num_heads, t, t)
+    weights = torch.softmax(scores + bias[:, None, None, :], dim=-1)
+    out = bmm_nn(weights.view(n_atoms * num_heads, t, t), v)
+    return out.view(n_atoms, num_heads, t, h).transpose(1, 2)
+
+
 def attention(params, x: torch.Tensor, grid: TokenGrid, num_heads: int, temperature: float):
     """Multi-head self-attention among the tokens of each atom.
 
@@ -90,19 +119,13 @@ def attention(params, x: torch.Tensor, grid: TokenGrid, num_heads: int, temperat
     # all their derivatives are gathers (no atomic scatter-adds)
     index, mask = grid.index.reshape(-1), grid.mask.reshape(-1)
     qkv = permute_rows(qkv, index, grid.slot, mask=mask)
-    qkv = qkv.reshape(n_atoms, t, 3, num_heads, h)
-    # unbind, not qkv[0], qkv[1], qkv[2]: the backward of three selects builds three
-    # zero-filled copies of qkv and adds them; unbind's backward is one stack
-    # [n_atoms * heads, t, h]: batched products written as bmm (what matmul runs for
-    # 4-d operands); torch 2.11 traces matmul's double backward with fixed sizes
-    q, k, v = (z.transpose(1, 2).reshape(n_atoms * num_heads, t, h) for z in qkv.unbind(dim=2))
-    # scaling q rather than the scores touches t / h times fewer numbers
-    q = q * (1.0 / (math.sqrt(h) * temperature))
-    scores = bmm_nt(q, k).view(n_atoms, num_heads, t, t)
-    weights = torch.softmax(scores + grid.bias[:, None, None, :], dim=-1)
-    out = bmm_nn(weights.view(n_atoms * num_heads, t, t), v)
-    out = out.view(n_atoms, num_heads, t, h).transpose(1, 2).reshape(n_atoms * t, d)
-    out = permute_rows(out, grid.slot, index, inverse_mask=mask)  # back to the token list
+    scale = 1.0 / (math.sqrt(h) * temperature)
+    if fused_attention.enabled():
+        # one C++ pass per atom, no [atoms, heads, t, t] grids (petfunc.fused_attention)
+        out = fused_attention.attention(qkv.reshape(n_atoms, t, 3 * d), grid.bias, num_heads, scale)
+    else:
+        out = _grid_attention(qkv, grid.bias, num_heads, scale)
+    out = permute_rows(out.reshape(n_atoms * t, d), grid.slot, index, inverse_mask=mask)  # back to the token list
     return nn.linear(params["output_linear"], out)
 
 
