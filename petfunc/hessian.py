@@ -33,7 +33,10 @@ round-off; H is symmetric, so rows and columns agree). Only the reverse mode tra
 shape-generically: forward-mode AD reads integer sizes when it stores a tangent
 (``make_fx`` then bakes the trace batch's sizes into the graph: "The expanded size
 of the tensor (90) must match the existing size (26)"), so :func:`petfunc.compile`
-of a forward-mode function only works for the traced sizes. Use forward mode in
+of a forward-mode function only works for the traced sizes. Through PET the trace
+can also fail outright on torch <= 2.13 ("FakeTensorDeviceMismatchError ... meta and
+cpu": forward mode's efficient zero tangents take the meta device under fake
+tensors, a torch bug fixed upstream in pytorch/pytorch#185718). Use forward mode in
 eager code only.
 
 **Batches.** Structures of a batch share no atoms, so the Hessian of the total
