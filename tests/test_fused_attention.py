@@ -174,3 +174,20 @@ def test_fused_attention_is_for_the_cpu():
     with pytest.raises(ValueError, match="on the CPU"):
         petfunc.compile(lambda p, b: model.energy(p, b.positions, b.cell, b.neighbors), params, batch,
                         fused_attention=True)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_train_step_with_fused_attention_equals_eager():
+    """The same with inductor: the kernels run as fallback operators between
+    inductor's generated kernels."""
+    import test_train_step as tts
+
+    dataset = tts.Dataset(tts._emt_samples(12, 0), tts.CONFIG)
+    fitted = dataset.fit_composition_and_scale()
+    params = tts._params(fitted)
+    optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(1e-3, 100, 0.05))
+    state = petfunc.init_state(params, optimizer)
+    step = petfunc.make_train_step(petfunc.PET(tts.CONFIG), optimizer, petfunc.LossWeights())
+    state, _ = step(state, tts._batch(dataset, fitted, [0, 1]))
+    compiled = petfunc.compile(step, state, tts._batch(dataset, fitted, [5, 6]), fused_attention=True)
+    tts._check_compiled_train_step(step, compiled, state, dataset, fitted)
