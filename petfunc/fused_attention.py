@@ -119,11 +119,18 @@ def _kernel(name: str, dtype: torch.dtype):
     return getattr(lib, f"petfunc_attention_{name}_{_SUFFIX[dtype]}")
 
 
-def _check(qkv, bias, heads):
+def _check(qkv, bias, heads, *like):
+    """Dtypes, device and shapes; ``like`` are (tensor, "qkv" | "bias" | "out") pairs
+    that must have the shape of qkv, bias or the output (the kernels trust them)."""
     if qkv.device.type != "cpu" or qkv.dtype not in _SUFFIX or bias.dtype != qkv.dtype:
         raise TypeError(f"fused attention: float32/float64 CPU tensors only, got {qkv.dtype} on {qkv.device}")
     if qkv.dim() != 3 or qkv.shape[2] % (3 * heads) or tuple(bias.shape) != tuple(qkv.shape[:2]):
         raise ValueError(f"fused attention: qkv [A, t, 3d] and bias [A, t], got {tuple(qkv.shape)}, {tuple(bias.shape)}")
+    shapes = {"qkv": tuple(qkv.shape), "bias": tuple(bias.shape), "out": (*qkv.shape[:2], qkv.shape[2] // 3)}
+    for tensor, kind in like:
+        if tuple(tensor.shape) != shapes[kind] or tensor.dtype != qkv.dtype or tensor.device != qkv.device:
+            raise ValueError(f"fused attention: expected a {qkv.dtype} CPU tensor of shape {shapes[kind]}, "
+                             f"got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
 
 
 def _sizes(qkv, heads, scale):
@@ -160,7 +167,7 @@ def _(qkv, bias, heads, scale):
 def attention_backward_op(qkv: torch.Tensor, bias: torch.Tensor, grad: torch.Tensor, heads: int,
                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Cotangents of ``qkv`` and ``bias`` for the output cotangent ``grad [A, t, d]``."""
-    _check(qkv, bias, heads)
+    _check(qkv, bias, heads, (grad, "out"))
     qkv, bias, grad = qkv.contiguous(), bias.contiguous(), grad.contiguous()
     gqkv, gbias = torch.empty_like(qkv), torch.empty_like(bias)
     if qkv.numel():
@@ -180,7 +187,7 @@ def attention_backward2_op(qkv: torch.Tensor, bias: torch.Tensor, grad: torch.Te
                            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cotangents of ``(qkv, bias, grad)`` for the map ``attention_backward``, given the
     cotangents ``cot_qkv``, ``cot_bias`` of its outputs."""
-    _check(qkv, bias, heads)
+    _check(qkv, bias, heads, (grad, "out"), (cot_qkv, "qkv"), (cot_bias, "bias"))
     qkv, bias, grad = qkv.contiguous(), bias.contiguous(), grad.contiguous()
     cot_qkv, cot_bias = cot_qkv.contiguous(), cot_bias.contiguous()
     out_qkv, out_bias, out_grad = torch.empty_like(qkv), torch.empty_like(bias), torch.empty_like(grad)

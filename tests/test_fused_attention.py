@@ -118,6 +118,8 @@ def test_vmap_folds_the_batch_into_the_atoms():
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"qkv \[A, t, 3d\]"):
         fused_attention.attention_op(torch.zeros(2, 3, 10), torch.zeros(2, 3), 2, 1.0)
+    with pytest.raises(ValueError, match=r"shape \(2, 3, 4\)"):
+        fused_attention.attention_backward_op(torch.zeros(2, 3, 12), torch.zeros(2, 3), torch.zeros(2, 4, 4), 2, 1.0)
     with pytest.raises(TypeError, match="float32/float64"):
         fused_attention.attention_op(torch.zeros(2, 3, 12, dtype=torch.float16), torch.zeros(2, 3), 2, 1.0)
 
