@@ -16,10 +16,10 @@ import torch.utils._pytree as pytree
 
 import petfunc
 import petfunc.ensemble as ensemble
-from petfunc.data import Dataset
 
 import test_train_step as cpu_tests
-from test_train_step import CONFIG, SHAPES, _emt_samples, _relative
+from test_train_step import _relative
+from test_train_step import dataset, fitted  # noqa: F401 (fixtures)
 
 
 DEVICE = torch.device(os.environ.get("PETFUNC_TEST_DEVICE", "cuda"))
@@ -31,24 +31,6 @@ pytestmark = pytest.mark.skipif(
 # metatrain's default PET widths with an adaptive cutoff: every position-dependent
 # term of the energy (switching functions, adaptive radii) on the device
 ADAPTIVE = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), cutoff=5.0, num_neighbors_adaptive=8.0)
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return Dataset(_emt_samples(12, 0), CONFIG)
-
-
-@pytest.fixture(scope="module")
-def fitted(dataset):
-    return dataset.fit_composition_and_scale()
-
-
-def _params(fitted, seed=0, device=DEVICE, config=CONFIG):
-    return cpu_tests._params(fitted, seed, F64, device, config)
-
-
-def _batch(dataset, fitted, index, device=DEVICE):
-    return cpu_tests._batch(dataset, fitted, index, F64, device)
 
 
 def _molecules():
@@ -118,13 +100,7 @@ def test_compiled_step_equals_eager_on_every_shape(dataset, fitted, backend):
     and optimizer moment equals eager's (float64, 1e-9) on five batch shapes (one of a
     single structure), one graph; then donated, step after step, as `petfunc train`
     runs it."""
-    params = _params(fitted)
-    optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(1e-3, 100, 0.05))
-    state = petfunc.init_state(params, optimizer)
-    step = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights())
-    for index in ([0, 1], [2, 3, 4]):  # non-trivial moments and schedule
-        state, _ = step(state, _batch(dataset, fitted, index))
-    compiled = petfunc.compile(step, state, _batch(dataset, fitted, [5, 6]), backend=backend)
+    step, compiled, state = cpu_tests._warmed_up_compiled_step(dataset, fitted, DEVICE, backend=backend)
     cpu_tests._check_compiled_train_step(step, compiled, state, dataset, fitted, DEVICE)
     # donated: the compiled step trains its own state in place, following eager
     cpu_tests._check_donated_step(step, state, dataset, fitted, backend, DEVICE)

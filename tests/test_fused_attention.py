@@ -10,6 +10,9 @@ import torch
 import petfunc
 from petfunc import fused_attention
 
+import test_train_step as tts
+from test_train_step import dataset, fitted  # noqa: F401 (fixtures)
+
 pytestmark = pytest.mark.skipif(fused_attention.library() is None, reason="no C++ compiler for the kernels")
 
 
@@ -124,27 +127,18 @@ def test_errors_name_the_problem():
         fused_attention.attention_op(torch.zeros(2, 3, 12, dtype=torch.float16), torch.zeros(2, 3), 2, 1.0)
 
 
-def _check_fused_train_step(backend):
+def _check_fused_train_step(dataset, fitted, backend):
     """The compiled step with the fused kernels equals the eager step on every batch
     shape of test_train_step (float64, 1e-9), from one graph; returns the graph's ops."""
-    import test_train_step as tts
-
-    dataset = tts.Dataset(tts._emt_samples(12, 0), tts.CONFIG)
-    fitted = dataset.fit_composition_and_scale()
-    optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(1e-3, 100, 0.05))
-    state = petfunc.init_state(tts._params(fitted), optimizer)
-    step = petfunc.make_train_step(petfunc.PET(tts.CONFIG), optimizer, petfunc.LossWeights())
-    state, _ = step(state, tts._batch(dataset, fitted, [0, 1]))
-    compiled = petfunc.compile(step, state, tts._batch(dataset, fitted, [5, 6]), backend=backend,
-                               fused_attention=True)
+    step, compiled, state = tts._warmed_up_compiled_step(dataset, fitted, backend=backend, fused_attention=True)
     assert compiled.fused_attention
     tts._check_compiled_train_step(step, compiled, state, dataset, fitted)
     return {str(n.target) for n in compiled.graph.graph.nodes}
 
 
-def test_compiled_train_step_with_fused_attention_equals_eager():
+def test_compiled_train_step_with_fused_attention_equals_eager(dataset, fitted):
     """aot_eager; the graph has the three kernels and no softmax."""
-    ops = _check_fused_train_step("aot_eager")
+    ops = _check_fused_train_step(dataset, fitted, "aot_eager")
     assert {"petfunc.attention.default", "petfunc.attention_backward.default",
             "petfunc.attention_backward2.default"} <= ops
     assert not any("softmax" in op for op in ops)
@@ -171,11 +165,7 @@ def test_compiled_hessian_loss_with_fused_attention(monkeypatch):
     assert "petfunc.attention_backward2.default" in seen[0]
 
 
-def test_fused_attention_is_for_the_cpu():
-    import test_train_step as tts
-
-    dataset = tts.Dataset(tts._emt_samples(2, 2), tts.CONFIG)
-    fitted = dataset.fit_composition_and_scale()
+def test_fused_attention_is_for_the_cpu(dataset, fitted):
     params = tts._params(fitted, device="meta")
     batch = tts._batch(dataset, fitted, [0, 1]).to("meta")
     model = petfunc.PET(tts.CONFIG)
@@ -185,7 +175,7 @@ def test_fused_attention_is_for_the_cpu():
 
 
 @pytest.mark.slow
-def test_inductor_compiled_train_step_with_fused_attention_equals_eager():
+def test_inductor_compiled_train_step_with_fused_attention_equals_eager(dataset, fitted):
     """The same with inductor: the kernels run as fallback operators between
     inductor's generated kernels."""
-    _check_fused_train_step("inductor")
+    _check_fused_train_step(dataset, fitted, "inductor")

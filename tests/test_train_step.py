@@ -144,17 +144,23 @@ def _check_gradients_against_metatrain(dataset, fitted, device):
 # compiled == eager, one graph for every batch shape
 
 
-@pytest.fixture(scope="module")
-def compiled_setup(dataset, fitted):
-    params = _params(fitted)
+def _warmed_up_compiled_step(dataset, fitted, device="cpu", **compile_options):
+    """``(step, compiled step, state)``: the train step, its ``petfunc.compile`` (traced
+    on batch [5, 6], ``compile_options`` passed on) and the state after two eager
+    steps, so that the moments and the schedule are non-trivial."""
+    params = _params(fitted, device=device)
     optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(1e-3, 100, 0.05))
     state = petfunc.init_state(params, optimizer)
-    # a few steps so the moments and the schedule are non-trivial
     step = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights())
     for index in ([0, 1], [2, 3, 4]):
-        state, _ = step(state, _batch(dataset, fitted, index))
-    compiled = petfunc.compile(step, state, _batch(dataset, fitted, [5, 6]), backend="aot_eager")
+        state, _ = step(state, _batch(dataset, fitted, index, device=device))
+    compiled = petfunc.compile(step, state, _batch(dataset, fitted, [5, 6], device=device), **compile_options)
     return step, compiled, state
+
+
+@pytest.fixture(scope="module")
+def compiled_setup(dataset, fitted):
+    return _warmed_up_compiled_step(dataset, fitted, backend="aot_eager")
 
 
 # (n structures), different numbers of atoms, edges and neighbours; [9] is one structure
