@@ -6,8 +6,11 @@
   pickled code, and it is written atomically (temporary file + ``os.replace``).
 * :func:`from_metatrain`: a metatrain PET checkpoint (``.ckpt`` or ``.ckpt.gz``, model
   versions 1 to 16) or an exported metatomic ``model.pt`` to ``(config, params)``.
-  This needs the optional ``metatrain`` extra, and unpickles the checkpoint: only load
-  checkpoints you trust.
+  This needs the optional ``metatrain`` extra. The checkpoint loads with
+  ``torch.load(weights_only=True)``, allowing only the objects metatrain checkpoints
+  hold (its dataset and target descriptions, metatensor layouts), so reading one
+  runs no pickled code; ``PETFUNC_TRUST_CHECKPOINTS=1`` allows other objects in a
+  file you trust.
 * :func:`to_metatrain_state_dict`: the reverse for the network weights.
 
 The composition weights and the energy scale that :func:`from_metatrain` reads are
@@ -236,6 +239,68 @@ def _read_bytes(path: Path) -> bytes:
     return data
 
 
+#: Environment variable that lets :func:`_unpickle_checkpoint` fall back to a full
+#: unpickling (which can run code) for a trusted checkpoint holding other objects.
+TRUST_ENV = "PETFUNC_TRUST_CHECKPOINTS"
+
+
+def _checkpoint_globals():
+    """The only non-tensor objects metatrain checkpoints hold (every shipped version,
+    model v1 to v16 and LLPR): its dataset and target descriptions, and metatensor
+    ``TensorMap`` layouts, which unpickle as TorchScript objects of a registered C++
+    class (built from their serialized buffer, not by running pickled code)."""
+    from metatrain.utils.data.dataset import DatasetInfo
+    from metatrain.utils.data.target_info import TargetInfo
+
+    return [DatasetInfo, TargetInfo, torch.ScriptObject]
+
+
+def _unpickle_checkpoint(data: bytes, label: str):
+    """A metatrain checkpoint's dict, read with ``torch.load(weights_only=True)`` and
+    :func:`_checkpoint_globals` allowed, so no pickled code runs. A checkpoint with
+    any other object is refused with its names, unless ``PETFUNC_TRUST_CHECKPOINTS=1``
+    allows a full unpickling."""
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(_checkpoint_globals()):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if os.environ.get(TRUST_ENV, "") not in ("", "0"):
+            try:
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+            except Exception as error2:
+                raise ValueError(
+                    f"{label} is not a readable metatrain checkpoint ({type(error2).__name__}: {error2})"
+                ) from error2
+        names = _unsafe_globals(data)
+        if not names:  # a damaged pickle, not a refused object
+            raise ValueError(f"{label} is not a readable metatrain checkpoint (UnpicklingError: "
+                             f"{str(error).splitlines()[0]})") from error
+        raise ValueError(
+            f"{label} holds pickled objects that petfunc does not unpickle ({', '.join(names)}): "
+            f"loading them could run code. If you trust this file, set {TRUST_ENV}=1"
+        ) from None
+    except Exception as error:  # corrupt archives raise many types
+        raise ValueError(
+            f"{label} is not a readable metatrain checkpoint ({type(error).__name__}: {error})"
+        ) from error
+
+
+def _unsafe_globals(data: bytes):
+    """Names of the objects in a ``torch.save`` archive that :func:`_unpickle_checkpoint`
+    does not allow (empty if the archive cannot be read)."""
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in _checkpoint_globals()}
+    with tempfile.NamedTemporaryFile(suffix=".ckpt") as handle:
+        handle.write(data)
+        handle.flush()
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(handle.name)
+        except Exception:
+            return []
+    return sorted(set(names) - allowed)
+
+
 def _is_torchscript(data: bytes) -> bool:
     if not zipfile.is_zipfile(io.BytesIO(data)):
         return False
@@ -431,11 +496,16 @@ def read_metatrain_baseline(path: PathLike, kind: str, atomic_types, unit: str,
     from metatrain.composition import CompositionModel
     from metatrain.scaler import Scaler
     from metatrain.utils.io import load_model as metatrain_load_model
+    from metatrain.utils.io import model_from_checkpoint
 
     classes = {"composition": CompositionModel, "scaler": Scaler}
     label = f"the {kind} checkpoint {str(path)!r}"
+    data = _read_bytes(Path(path))
+    # a checkpoint is unpickled safely here (metatrain's load_model would run its pickle)
+    checkpoint = None if _is_torchscript(data) else _unpickle_checkpoint(data, label)
     try:
-        model = metatrain_load_model(str(path))
+        model = (metatrain_load_model(str(path)) if checkpoint is None
+                 else model_from_checkpoint(checkpoint, context="export"))
     except Exception as error:  # metatrain's own message names what it could not read
         raise ValueError(f"{label} could not be read by metatrain: {error}") from error
     if not isinstance(model, classes[kind]):
@@ -500,7 +570,9 @@ def from_metatrain(
 
     Raises:
         ImportError: metatrain is not installed (``pip install 'petfunc[metatrain]'``).
-        ValueError: not a PET checkpoint, or weights that do not fit the hypers.
+        ValueError: not a PET checkpoint, weights that do not fit the hypers, or a
+            checkpoint holding pickled objects other than metatrain's own (named in the
+            message; ``PETFUNC_TRUST_CHECKPOINTS=1`` loads them from a file you trust).
     """
     config, params, _ = _read_metatrain(source, dtype, target)
     return config, params
@@ -528,12 +600,7 @@ def _read_metatrain(source, dtype=None, target=None, llpr: Optional[str] = None,
             if llpr == "required":
                 raise ValueError(f"{label} is an exported model, not an LLPR checkpoint")
             return (*_from_exported(data, dtype, target, label), None)
-        try:
-            checkpoint = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-        except Exception as error:
-            raise ValueError(
-                f"{label} is not a readable metatrain checkpoint ({type(error).__name__}: {error})"
-            ) from error
+        checkpoint = _unpickle_checkpoint(data, label)
         if not isinstance(checkpoint, dict):
             raise ValueError(f"{label} is not a metatrain checkpoint (a {type(checkpoint).__name__})")
 
