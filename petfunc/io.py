@@ -133,11 +133,18 @@ def save_params(path: PathLike, config: PETConfig, params) -> None:
 def atomic_save(payload, path: PathLike) -> None:
     """``torch.save`` to a temporary file in the same folder, fsync, rename over ``path``:
     a crash or kill leaves either the old file or the new one, never a partial one."""
+    atomic_write(path, lambda handle: torch.save(payload, handle))
+
+
+def atomic_write(path: PathLike, write, text: bool = False) -> None:
+    """``write(handle)`` into a temporary file next to ``path`` (binary, or UTF-8 text
+    with ``text``), fsync, then rename it over ``path`` (see :func:`atomic_save`)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(payload, handle)
+        opened = os.fdopen(fd, "w", encoding="utf-8", newline="") if text else os.fdopen(fd, "wb")
+        with opened as handle:
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

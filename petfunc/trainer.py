@@ -62,10 +62,8 @@ import dataclasses
 import io as _io
 import json
 import math
-import os
 import random
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,7 +78,7 @@ from .config import PETConfig
 from .data import Sample, fit_composition, fit_scale, make_batch, random_rotations
 from .datafiles import read_labelled, read_training_files
 from .derivatives import energy_and_forces, energy_forces_strain_derivative
-from .io import atomic_save, read_metatrain_baseline
+from .io import atomic_save, atomic_write, read_metatrain_baseline
 from .loss import make_loss
 from .model import PET
 from .determinism import deterministic_algorithms
@@ -198,18 +196,7 @@ def _atomic_save(payload, path: Path) -> None:
 
 
 def _atomic_write_text(text: str, path: Path) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write(path, lambda handle: handle.write(text), text=True)
 
 
 def load_checkpoint(path) -> dict:
@@ -563,11 +550,7 @@ def parity_plot(pred: dict, path, title: str = "") -> None:
         fig.suptitle(title)
     buffer = _io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(buffer.getvalue())
-    os.replace(tmp, path)
+    atomic_write(path, lambda handle: handle.write(buffer.getvalue()))
 
 
 def evaluate(model_path, dataset_path, batch_size: int = 16, dtype: Optional[torch.dtype] = None, device=None,
