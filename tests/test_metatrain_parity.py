@@ -498,6 +498,109 @@ def test_random_architecture_training_gradients(seed, autodiff, per_atom):
     assert set(ours) == compared, set(ours) ^ compared  # every trained weight compared
 
 
+LOSS_FORMS = [
+    "huber",
+    {"energy": {"type": "mae", "weight": 2.0, "forces": {"type": "huber", "delta": 0.3, "weight": 3.0},
+                "stress": {"type": "mse", "weight": 0.5}}},
+    {"energy": {"type": "huber", "delta": 0.05, "reduction": "sum",
+                "gradients": {"positions": {"reduction": "sum"}, "strain": {"type": "mae", "reduction": "sum"}}}},
+]
+
+
+def _target_block(template, energy, forces, strain_derivative):
+    """A metatensor block of labels shaped like metatrain's prediction ``template``
+    (energies, and their position and strain gradients)."""
+    from metatensor.torch import TensorBlock
+
+    block = TensorBlock(values=energy[:, None], samples=template.samples, components=[],
+                        properties=template.properties)
+    for name, values in (("positions", -forces), ("strain", strain_derivative)):
+        gradient = template.gradient(name)
+        block.add_gradient(name, TensorBlock(values=values[..., None].clone(), samples=gradient.samples,
+                                             components=gradient.components, properties=gradient.properties))
+    return block
+
+
+@pytest.mark.parametrize("per_atom", [True, False], ids=["per_atom", "per_structure"])
+@pytest.mark.parametrize("form", range(len(LOSS_FORMS)), ids=["huber", "mixed", "sum"])
+def test_loss_equals_metatrains_loss_aggregator(form, per_atom):
+    """The loss and its parameter gradients equal those of metatrain's own trainer
+    code, not a re-statement of it: metatrain's expand_loss_config on the loss option,
+    its average_by_num_atoms on predictions and labels (per_structure_targets: energy
+    when per_atom is off), and its LossAggregator (mse, mae and huber terms with
+    their deltas, weights and reductions), on labels with NaN entries, which both
+    skip. Random architecture and structures, float64, gradients to 1e-10."""
+    import random
+
+    from metatensor.torch import TensorMap
+    from metatomic.torch import systems_to_torch
+    from metatrain.utils.data.target_info import get_energy_target_info
+    from metatrain.utils.evaluate_model import evaluate_model
+    from metatrain.utils.loss import LossAggregator
+    from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
+    from metatrain.utils.omegaconf import expand_loss_config
+    from metatrain.utils.per_atom import average_by_num_atoms
+    from omegaconf import OmegaConf
+
+    from petfunc.data import make_batch, sample_from_atoms
+    from petfunc.options import parse_loss
+
+    rng = random.Random(300 + form)
+    config = _random_config(rng)
+    frames = [_random_structure(rng, config.atomic_types) for _ in range(rng.randint(3, 5))]
+    params = random_params(config, seed=form)
+    labels = np.random.default_rng(form)
+    samples = []
+    for n, atoms in enumerate(frames):
+        s = sample_from_atoms(atoms, config, energy_key=None, forces_key=None, stress_key=None)
+        s.energy = float(labels.normal()) if n != 1 else float("nan")
+        s.forces = labels.normal(size=(len(atoms), 3))
+        s.forces[labels.random(size=s.forces.shape) < 0.2] = np.nan
+        s.virial = labels.normal(size=(3, 3)) if n != 2 else np.full((3, 3), np.nan)
+        samples.append(s)
+    flat = petfunc.tree.flatten(params)
+    batch = make_batch(samples, config, flat["composition_weights"].numpy(), float(flat["energy_scale"]),
+                       dtype=torch.float64, pad=False)
+    assert torch.isnan(batch.energy).any() and torch.isnan(batch.forces).any()
+
+    spec = LOSS_FORMS[form]
+    targets = {"energy": {"quantity": "energy", "forces": {"key": "forces"}, "stress": {"key": "stress"}}}
+    conf = OmegaConf.create({"training_set": [{"targets": targets}], "architecture": {"training": {"loss": spec}}})
+    loss_config = OmegaConf.to_container(expand_loss_config(conf)["architecture"]["training"]["loss"])
+    weights, _ = parse_loss(spec)
+    weights = petfunc.LossWeights(weights.energy, weights.forces, weights.stress, per_atom=per_atom)
+    grads, metrics = petfunc.make_grad_step(petfunc.PET(config), weights, "func")(params, batch)
+
+    model = ref.make_model(config)
+    ref.load_params(model, params)
+    model.train()
+    systems = [
+        ref.add_system_data(model, get_system_with_neighbor_lists(s, model.requested_neighbor_lists()), atoms)
+        for s, atoms in zip(systems_to_torch(frames, dtype=torch.float64), frames)
+    ]
+    info = get_energy_target_info("energy", {"quantity": "energy", "unit": "eV"},
+                                  add_position_gradients=True, add_strain_gradients=True)
+    predicted = evaluate_model(model, systems, {"energy": info}, is_training=True)["energy"]
+    target = TensorMap(predicted.keys, [_target_block(predicted.block(), batch.energy, batch.forces,
+                                                      batch.strain_derivative)])
+    per_structure = [] if per_atom else ["energy"]
+    predictions = average_by_num_atoms({"energy": predicted}, systems, per_structure)
+    references = average_by_num_atoms({"energy": target}, systems, per_structure)
+    loss = LossAggregator({"energy": info}, loss_config)(predictions, references)
+    loss.backward()
+
+    assert abs(loss.item() - metrics["loss"].item()) <= 1e-12 * abs(loss.item()), (loss.item(), metrics["loss"])
+    ours = petfunc.tree.flatten(grads)
+    compared = set()
+    for name, parameter in model.named_parameters():
+        key = name.removeprefix("backend.")
+        if key in ours:
+            reference = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+            assert_close(ours[key], reference, key, rtol=1e-10)
+            compared.add(key)
+    assert set(ours) == compared, set(ours) ^ compared
+
+
 # ---------------------------------------------------------------------------------------
 # composition weights, energy scale and the validation split, as metatrain fits them
 
