@@ -813,3 +813,22 @@ def test_max_atoms_per_batch_equals_metatrain_sampler():
     plan = batch_plan(len(counts), 8, shuffle=False, drop_last=False, atom_counts=counts, max_atoms=64)
     assert sorted(np.concatenate(plan).tolist()) == list(range(len(counts)))
     assert [3] in [b.tolist() for b in plan] and all(counts[b].sum() <= 64 for b in plan if len(b) > 1)
+
+
+@pytest.mark.parametrize("epochs,steps_per_epoch,warmup_fraction", [(1, 1, 0.01), (3, 7, 0.1), (50, 13, 0.01), (10, 4, 0.0), (2, 5, 0.5)])
+def test_schedule_equals_metatrains(epochs, steps_per_epoch, warmup_fraction):
+    """petfunc.warmup_cosine(lr, T, f) against the learning rates of metatrain's PET
+    trainer (its get_scheduler: LambdaLR, stepped once per batch) at every step."""
+    from metatrain.pet.trainer import get_scheduler
+
+    learning_rate = 3e-4
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.Adam([weight], lr=learning_rate)
+    hypers = {"num_epochs": epochs, "warmup_fraction": warmup_fraction}
+    scheduler = get_scheduler(optimizer, hypers, steps_per_epoch)
+    schedule = petfunc.warmup_cosine(learning_rate, epochs * steps_per_epoch, warmup_fraction)
+    for step in range(epochs * steps_per_epoch):
+        expected = optimizer.param_groups[0]["lr"]  # the rate of this step's update
+        assert abs(schedule(step).item() - expected) <= 1e-15 * learning_rate, step
+        optimizer.step()
+        scheduler.step()
