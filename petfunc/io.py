@@ -256,10 +256,16 @@ def _checkpoint_globals():
     model v1 to v16 and LLPR): its dataset and target descriptions, and metatensor
     ``TensorMap`` layouts, which unpickle as TorchScript objects of a registered C++
     class (built from their serialized buffer, not by running pickled code)."""
-    from metatrain.utils.data.dataset import DatasetInfo
-    from metatrain.utils.data.target_info import TargetInfo
+    import importlib
 
-    return [DatasetInfo, TargetInfo, torch.ScriptObject]
+    allowed = [torch.ScriptObject]
+    for module, name in (("metatrain.utils.data.dataset", "DatasetInfo"),
+                         ("metatrain.utils.data.target_info", "TargetInfo")):
+        try:  # a metatrain that moved them: the refusal names them instead
+            allowed.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return allowed
 
 
 def _unpickle_checkpoint(data: bytes, label: str):
