@@ -430,6 +430,42 @@ def _conditioned(config, batch, rng):
     return config, batch
 
 
+def _metatrain_training_outputs(config, params, frames):
+    """metatrain's PET with ``params`` in training mode on ``frames`` (float64):
+    ``(model, systems, target info, energy TensorMap with position and strain
+    gradients kept in the graph)``, as its trainer's evaluate_model gives them."""
+    from metatomic.torch import systems_to_torch
+    from metatrain.utils.data.target_info import get_energy_target_info
+    from metatrain.utils.evaluate_model import evaluate_model
+    from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
+
+    model = ref.make_model(config)
+    ref.load_params(model, params)
+    model.train()
+    systems = [
+        ref.add_system_data(model, get_system_with_neighbor_lists(s, model.requested_neighbor_lists()), atoms)
+        for s, atoms in zip(systems_to_torch(frames, dtype=torch.float64), frames)
+    ]
+    info = get_energy_target_info("energy", {"quantity": "energy", "unit": "eV"},
+                                  add_position_gradients=True, add_strain_gradients=True)
+    predicted = evaluate_model(model, systems, {"energy": info}, is_training=True)["energy"]
+    return model, systems, info, predicted
+
+
+def _assert_gradients_equal(grads, model, rtol=1e-10):
+    """petfunc's parameter gradients against ``model``'s ``.grad`` (after its
+    ``loss.backward()``), every trained weight compared."""
+    ours = petfunc.tree.flatten(grads)
+    compared = set()
+    for name, parameter in model.named_parameters():
+        key = name.removeprefix("backend.")
+        if key in ours:
+            reference = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+            assert_close(ours[key], reference, key, rtol=rtol)
+            compared.add(key)
+    assert set(ours) == compared, set(ours) ^ compared
+
+
 @pytest.mark.parametrize("seed,autodiff,per_atom", [(seed, autodiff, True) for seed in range(4) for autodiff in ("func", "autograd")]
                          + [(4, "func", False), (5, "autograd", False)])
 def test_random_architecture_training_gradients(seed, autodiff, per_atom):
@@ -439,11 +475,6 @@ def test_random_architecture_training_gradients(seed, autodiff, per_atom):
     ``per_atom=False`` the energy and strain terms compare whole structures
     (metatrain's per_structure_targets: average_by_num_atoms leaves them whole)."""
     import random
-
-    from metatomic.torch import systems_to_torch
-    from metatrain.utils.data.target_info import get_energy_target_info
-    from metatrain.utils.evaluate_model import evaluate_model
-    from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
 
     from petfunc.data import make_batch, sample_from_atoms
 
@@ -467,16 +498,8 @@ def test_random_architecture_training_gradients(seed, autodiff, per_atom):
     weights = petfunc.LossWeights.make(energy=1.0, forces=2.0, stress=0.5, per_atom=per_atom)
     grads, metrics = petfunc.make_grad_step(petfunc.PET(config), weights, autodiff)(params, batch)
 
-    model = ref.make_model(config)
-    ref.load_params(model, params)
-    model.train()
-    systems = [
-        ref.add_system_data(model, get_system_with_neighbor_lists(s, model.requested_neighbor_lists()), atoms)
-        for s, atoms in zip(systems_to_torch(frames, dtype=torch.float64), frames)
-    ]
-    info = get_energy_target_info("energy", {"quantity": "energy", "unit": "eV"},
-                                  add_position_gradients=True, add_strain_gradients=True)
-    out = evaluate_model(model, systems, {"energy": info}, is_training=True)["energy"].block()
+    model, systems, info, predicted = _metatrain_training_outputs(config, params, frames)
+    out = predicted.block()
     n = torch.tensor([len(a) for a in frames], dtype=torch.float64)
     if not per_atom:
         n = torch.ones_like(n)
@@ -487,15 +510,7 @@ def test_random_architecture_training_gradients(seed, autodiff, per_atom):
     )
     loss.backward()
     assert abs(loss.item() - metrics["loss"].item()) <= 1e-12 * loss.item()
-    ours = petfunc.tree.flatten(grads)
-    compared = set()
-    for name, parameter in model.named_parameters():
-        key = name.removeprefix("backend.")
-        if key in ours:
-            reference = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
-            assert_close(ours[key], reference, key, rtol=1e-10)
-            compared.add(key)
-    assert set(ours) == compared, set(ours) ^ compared  # every trained weight compared
+    _assert_gradients_equal(grads, model)
 
 
 LOSS_FORMS = [
@@ -533,11 +548,7 @@ def test_loss_equals_metatrains_loss_aggregator(form, per_atom):
     import random
 
     from metatensor.torch import TensorMap
-    from metatomic.torch import systems_to_torch
-    from metatrain.utils.data.target_info import get_energy_target_info
-    from metatrain.utils.evaluate_model import evaluate_model
     from metatrain.utils.loss import LossAggregator
-    from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
     from metatrain.utils.omegaconf import expand_loss_config
     from metatrain.utils.per_atom import average_by_num_atoms
     from omegaconf import OmegaConf
@@ -571,16 +582,7 @@ def test_loss_equals_metatrains_loss_aggregator(form, per_atom):
     weights = petfunc.LossWeights(weights.energy, weights.forces, weights.stress, per_atom=per_atom)
     grads, metrics = petfunc.make_grad_step(petfunc.PET(config), weights, "func")(params, batch)
 
-    model = ref.make_model(config)
-    ref.load_params(model, params)
-    model.train()
-    systems = [
-        ref.add_system_data(model, get_system_with_neighbor_lists(s, model.requested_neighbor_lists()), atoms)
-        for s, atoms in zip(systems_to_torch(frames, dtype=torch.float64), frames)
-    ]
-    info = get_energy_target_info("energy", {"quantity": "energy", "unit": "eV"},
-                                  add_position_gradients=True, add_strain_gradients=True)
-    predicted = evaluate_model(model, systems, {"energy": info}, is_training=True)["energy"]
+    model, systems, info, predicted = _metatrain_training_outputs(config, params, frames)
     target = TensorMap(predicted.keys, [_target_block(predicted.block(), batch.energy, batch.forces,
                                                       batch.strain_derivative)])
     per_structure = [] if per_atom else ["energy"]
@@ -590,15 +592,7 @@ def test_loss_equals_metatrains_loss_aggregator(form, per_atom):
     loss.backward()
 
     assert abs(loss.item() - metrics["loss"].item()) <= 1e-12 * abs(loss.item()), (loss.item(), metrics["loss"])
-    ours = petfunc.tree.flatten(grads)
-    compared = set()
-    for name, parameter in model.named_parameters():
-        key = name.removeprefix("backend.")
-        if key in ours:
-            reference = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
-            assert_close(ours[key], reference, key, rtol=1e-10)
-            compared.add(key)
-    assert set(ours) == compared, set(ours) ^ compared
+    _assert_gradients_equal(grads, model)
 
 
 # ---------------------------------------------------------------------------------------
