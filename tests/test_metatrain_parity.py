@@ -382,6 +382,39 @@ def test_random_architecture_on_random_structures(seed):
     compare_energies_forces_strain(config, params, mtt, batch, what=f"{config}: ")
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_atoms_outside_their_cell(seed):
+    """Unwrapped positions, as MD trajectories have them: atoms moved by whole
+    lattice vectors (up to 3 each way) out of triclinic cells, periodic in 3 or 2
+    directions, against metatrain."""
+    import random
+
+    from ase.geometry import get_distances
+
+    rng = random.Random(500 + seed)
+    gen = np.random.default_rng(seed)
+    config = _random_config(rng)
+    frames = []
+    while len(frames) < 3:
+        n = rng.randint(2, 6)
+        slab = len(frames) == 1
+        cell = np.diag(gen.uniform(3.0, 6.0, 3)) + gen.uniform(-1.0, 1.0, (3, 3))
+        atoms = ase.Atoms(numbers=[rng.choice(config.atomic_types) for _ in range(n)],
+                          scaled_positions=gen.uniform(0, 1, (n, 3)), cell=cell, pbc=[True, True, not slab])
+        if get_distances(atoms.positions, cell=atoms.cell, pbc=atoms.pbc)[1][~np.eye(n, dtype=bool)].min() < 0.7:
+            continue
+        shifts = gen.integers(-3, 4, (n, 3)).astype(float)
+        if slab:
+            shifts[:, 2] = 0.0  # no images along the open direction
+        atoms.positions = atoms.positions + shifts @ atoms.cell.array
+        assert np.abs(atoms.get_scaled_positions(wrap=False)).max() > 1.0
+        frames.append(atoms)
+    params = random_params(config, seed=seed)
+    mtt = ref.make_model(config)
+    ref.load_params(mtt, params)
+    compare_energies_forces_strain(config, params, mtt, frames, what=f"{config}: ")
+
+
 def test_adaptive_solver_off_its_root():
     """A molecule where metatrain's ten Newton-bisection steps stop on a flat shoulder
     of n_i(r) for two atoms, so the radii depend on round-off. Evaluated in another
