@@ -240,6 +240,7 @@ def _decomposed_backward2(qkv, bias, grad, cot_qkv, cot_bias, heads, scale):
 
 
 def _tangents(primals, tangents):
+    """``tangents`` (or cotangents) with each absent one (None) a zero like its primal."""
     return tuple(torch.zeros_like(p) if t is None else t for p, t in zip(primals, tangents))
 
 
@@ -294,10 +295,7 @@ class _AttentionBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, cot_qkv, cot_bias):
         qkv, bias, grad = ctx.saved_tensors
-        if cot_qkv is None:
-            cot_qkv = torch.zeros_like(qkv)
-        if cot_bias is None:
-            cot_bias = torch.zeros_like(bias)
+        cot_qkv, cot_bias = _tangents((qkv, bias), (cot_qkv, cot_bias))
         out = _AttentionBackward2.apply(qkv, bias, grad, cot_qkv, cot_bias, ctx.heads, ctx.scale)
         return (*out, None, None)
 
@@ -330,7 +328,7 @@ class _AttentionBackward2(torch.autograd.Function):
     def backward(ctx, *cotangents):
         primals = ctx.saved_tensors
         _, vjp = torch.func.vjp(lambda *x: _decomposed_backward2(*x, ctx.heads, ctx.scale), *primals)
-        return (*vjp(_tangents(ctx.saved_tensors[:3], cotangents)), None, None)
+        return (*vjp(_tangents(primals[:3], cotangents)), None, None)
 
     @staticmethod
     def jvp(ctx, *tangents):

@@ -303,15 +303,11 @@ def _unpickle_checkpoint(data: bytes, label: str):
 def _unsafe_globals(data: bytes):
     """Names of the objects in a ``torch.save`` archive that :func:`_unpickle_checkpoint`
     does not allow (empty if the archive cannot be read)."""
-    allowed = {f"{g.__module__}.{g.__qualname__}" for g in _checkpoint_globals()}
-    with tempfile.NamedTemporaryFile(suffix=".ckpt") as handle:
-        handle.write(data)
-        handle.flush()
+    with torch.serialization.safe_globals(_checkpoint_globals()):
         try:
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(handle.name)
+            return sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))))
         except Exception:
             return []
-    return sorted(set(names) - allowed)
 
 
 def _is_torchscript(data: bytes) -> bool:
