@@ -242,6 +242,12 @@ def _move_graph(graph_module: torch.fx.GraphModule, source: torch.device, target
         if node.op == "call_function":
             node.args = moved(node.args)
             node.kwargs = {k: moved(v) for k, v in node.kwargs.items()}
+        # the trace's fake values are tensors on ``source``: stale. Inductor's C++
+        # wrapper takes the placeholders' "val" for the graph's inputs and refused
+        # them ("Device mismatch between fake input and example input", torch 2.11,
+        # H200); every backend re-traces the graph and makes its own
+        for key in ("val", "tensor_meta"):
+            node.meta.pop(key, None)
     for _, module in graph_module.named_modules():
         for name, value in list(vars(module).items()):
             # tensor constants: buffers, or plain attributes read by get_attr

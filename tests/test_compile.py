@@ -592,10 +592,20 @@ def test_graph_traced_on_the_cpu_moves_to_another_device():
     assert len(creates) >= 3
     with pytest.raises(RuntimeError, match="device"):
         compiled.graph(*on_meta)
+
+    def values_on_cpu():
+        return [n for n in compiled.graph.graph.nodes
+                if any(isinstance(v, torch.Tensor) and v.device.type == "cpu"
+                       for v in pytree.tree_leaves(n.meta.get("val")))]
+
+    assert any(n.op == "placeholder" for n in values_on_cpu())
     compile_module._move_graph(compiled.graph, torch.device("cpu"), torch.device("meta"))
     out = compiled.graph(*on_meta)
     assert out and all(t.device.type == "meta" for t in out)
     assert not any("cpu" in str(n.args) + str(n.kwargs) for n in compiled.graph.graph.nodes)
+    # no trace-time values of the old device are left for a backend to read (the C++
+    # wrapper takes the placeholders' as its inputs)
+    assert not values_on_cpu()
 
 
 class _Twice(torch.autograd.Function):
