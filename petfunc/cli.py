@@ -324,8 +324,12 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--device", default="cpu", help="cpu or cuda: the AOTInductor build runs there only")
     ex.add_argument("--which", choices=("best", "last"), default="best",
                     help="parameters of a training checkpoint (default: best)")
-    ex.add_argument("--no-aoti", dest="aoti", action="store_false",
-                    help="only the torch.export program (seconds instead of minutes; no C++ compiler needed)")
+    aoti = ex.add_mutually_exclusive_group()
+    aoti.add_argument("--aoti", dest="aoti", action="store_true", default=None,
+                      help="also the AOTInductor build (the default on the CPU; on a GPU see the README)")
+    aoti.add_argument("--no-aoti", dest="aoti", action="store_false",
+                      help="only the torch.export program (seconds instead of minutes; no C++ compiler needed; "
+                           "the default for a GPU)")
     ex.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     return parser
 
@@ -500,17 +504,18 @@ def _export(args) -> int:
 
     import torch
 
-    from .export import export
+    from .export import default_aoti, export
     from .trainer import load_model
 
     if not args.output.endswith(".pt2"):
         raise ValueError(f"the output file name must end in .pt2, got {args.output!r}")
     dtype = {"float32": torch.float32, "float64": torch.float64}[args.dtype]
     config, params = load_model(args.model, which=args.which)
-    what = "torch.export program and AOTInductor build (this takes minutes)" if args.aoti else "torch.export program"
+    aoti = default_aoti(args.device) if args.aoti is None else args.aoti
+    what = "torch.export program and AOTInductor build (this takes minutes)" if aoti else "torch.export program"
     print(f"exporting {args.model} ({args.dtype}, {args.device}): {what}")
     start = time.perf_counter()
-    path = export(config, params, args.output, dtype=dtype, device=args.device, aoti=args.aoti)
+    path = export(config, params, args.output, dtype=dtype, device=args.device, aoti=aoti)
     size = path.stat().st_size / 2**20
     print(f"wrote {path} ({size:.1f} MiB) in {time.perf_counter() - start:.0f} s")
     return 0

@@ -8,10 +8,13 @@ holding the pure function
 with the weights inside as constants:
 
 * ``models/model``: the ``torch.export`` ``ExportedProgram`` (aten ops, dynamic sizes);
-* with ``aoti=True`` (the default), the same program compiled ahead of time by
-  AOTInductor for the chosen device: a shared library plus weights, loadable from
-  Python (``torch._inductor.aoti_load_package``) or from C++
-  (``torch::inductor::AOTIModelPackageLoader``), without Python model code;
+* with ``aoti=True`` (the default for the CPU), the same program compiled ahead of
+  time by AOTInductor for the chosen device: a shared library plus weights, loadable
+  from Python (``torch._inductor.aoti_load_package``) or from C++
+  (``torch::inductor::AOTIModelPackageLoader``), without Python model code. For a
+  GPU the default is the program alone: the one AOTInductor build for a GPU tried
+  so far (H200, torch 2.11) crashed the process that loaded it, inside torch's
+  package loader, while the program ran there and equalled eager;
 * ``extra/petfunc.json``: the model hypers (cutoff, adaptive cutoff, atomic types:
   everything needed to build the neighbour inputs), dtype, device and the input and
   output contract below.
@@ -154,7 +157,7 @@ def export(
     path,
     dtype: torch.dtype = torch.float32,
     device="cpu",
-    aoti: bool = True,
+    aoti: Optional[bool] = None,
     inductor_configs: Optional[dict] = None,
 ) -> Path:
     """Write the deployment artifact of ``(config, params)`` to ``path`` (``.pt2``).
@@ -167,6 +170,7 @@ def export(
         device: ``"cpu"`` or ``"cuda"``; an AOTInductor artifact runs on this device
             only, the exported program on any.
         aoti: also compile the program with AOTInductor (minutes on a CPU).
+            Default (None): on the CPU only (see the module docstring for GPUs).
         inductor_configs: options for AOTInductor.
     Returns:
         the path written.
@@ -184,6 +188,7 @@ def export(
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     device = torch.device(device)
+    aoti = default_aoti(device) if aoti is None else bool(aoti)
     program, example = trace(config, params, dtype, device)
     metadata = {
         "format": FORMAT,
@@ -215,6 +220,13 @@ def export(
         )
         os.replace(partial, path)
     return path
+
+
+def default_aoti(device) -> bool:
+    """Whether :func:`export` builds the AOTInductor library when not told: on the CPU
+    yes; on a GPU no (its one build tried so far crashed the loading process: see
+    the module docstring)."""
+    return torch.device(device).type == "cpu"
 
 
 def _has_check_guards() -> bool:

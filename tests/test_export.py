@@ -7,6 +7,8 @@ calculator; bad files and inputs get clear errors. The AOTInductor build (minute
 C++ compilation) is ``@pytest.mark.slow``.
 """
 
+from pathlib import Path
+
 import ase
 import ase.build
 import numpy as np
@@ -156,3 +158,30 @@ def test_export_for_another_device_is_traced_on_the_cpu(monkeypatch):
     assert constants and all(v.device.type == "meta" for v in constants)
     out = program.module()(*example)
     assert len(out) == len(pexport.OUTPUTS) and all(t.device.type == "meta" for t in out)
+
+
+def test_aoti_build_is_the_default_on_the_cpu_only(monkeypatch, tmp_path):
+    """export() and `petfunc export` build the AOTInductor library by default for the
+    CPU and not for a GPU (where its one build tried crashed the loading process);
+    --aoti asks for it anyway. The CLI's choice is checked with the builder replaced
+    by a recorder."""
+    from petfunc import cli
+
+    assert pexport.default_aoti("cpu") and pexport.default_aoti(torch.device("cpu"))
+    assert not pexport.default_aoti("cuda") and not pexport.default_aoti("cuda:1")
+    asked = []
+
+    def recorder(config, params, path, dtype=torch.float32, device="cpu", aoti=None, inductor_configs=None):
+        asked.append((str(device), aoti))
+        path = Path(path)
+        path.write_bytes(b"")
+        return path
+
+    monkeypatch.setattr(pexport, "export", recorder)
+    monkeypatch.setattr("petfunc.trainer.load_model", lambda *args, **kwargs: (CONFIG, make_params()))
+    for flags, expected in (([], ("cpu", True)), (["--device", "cuda"], ("cuda", False)),
+                            (["--device", "cuda", "--aoti"], ("cuda", True)), (["--no-aoti"], ("cpu", False))):
+        assert cli.main(["export", "model.ckpt", str(tmp_path / "m.pt2"), *flags]) == 0
+        assert asked[-1] == expected, flags
+    with pytest.raises(SystemExit):
+        cli.main(["export", "model.ckpt", str(tmp_path / "m.pt2"), "--aoti", "--no-aoti"])
