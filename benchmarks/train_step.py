@@ -26,7 +26,7 @@ Memory: the peak tensor memory one step allocates on top of what exists before i
 (CPU: profiler allocation events; CUDA: ``max_memory_allocated``), on the largest batch.
 
     python benchmarks/train_step.py [--dataset qm9|carbon|both] [--steps 10] [--dtype float32]
-                                    [--threads 2] [--device cpu|cuda] [--variants ...]
+                                    [--threads 2] [--device cpu|cuda] [--variants ...] [--profile]
 """
 
 from __future__ import annotations
@@ -200,15 +200,44 @@ def setup(name, dtype, n_batches, device="cpu", pkg=petfunc, structures=None, pa
 
 
 VARIANTS = ("metatrain", "eager", "eager func", "compiled")
-#: also selectable: the compiled step with the fused CPU attention kernels
-#: (``petfunc.compile(..., fused_attention=True)``)
-EXTRA_VARIANTS = ("compiled fused",)
+#: also selectable: the compiled step with other ``petfunc.compile`` arguments. "compiled
+#: fused": the fused CPU attention kernels; "compiled cpp_wrapper": inductor's C++
+#: wrapper instead of its Python one (the code that launches the kernels). Each is a
+#: compile of its own, after the plain one (so not a cold compile); one that fails to
+#: compile is reported and left out, the other variants still run.
+EXTRA_COMPILED = {
+    "compiled fused": dict(fused_attention=True),
+    "compiled cpp_wrapper": dict(options={"cpp_wrapper": True}),
+}
+EXTRA_VARIANTS = tuple(EXTRA_COMPILED)
+
+
+def gpu_profile(call, indices, label):
+    """Where a GPU step's time goes: wall time per step under the profiler, the GPU
+    operations (kernels, copies) launched per step and the time the GPU spends in
+    them. A step whose GPU time is a small part of its wall time is bound by
+    launching kernels (Python and C++ overhead), not by the GPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    indices = list(indices)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for i in indices:
+            call(i)
+        wall = time.perf_counter() - start
+    on_gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy = sum(e.time_range.elapsed_us() for e in on_gpu) / 1e3
+    n = len(indices)
+    print(f"# profile {label}: {1e3 * wall / n:.1f} ms/step under the profiler; {len(on_gpu) / n:.0f} GPU "
+          f"operations per step, GPU busy {busy / n:.2f} ms/step ({busy / (1e3 * wall):.0%} of the wall time)")
 
 
 def run(name, steps, dtype, backend, warmup=2, variants=VARIANTS, device="cpu",
-        peak_gflops=None, first_compile=True):
+        peak_gflops=None, first_compile=True, profile=False):
     """Benchmark one dataset; ``first_compile`` false: an earlier dataset of this
-    process was compiled already (its compile time is then not a cold one)."""
+    process was compiled already (its compile time is then not a cold one);
+    ``profile``: on a GPU, also :func:`gpu_profile` each compiled variant."""
     torch.manual_seed(0)
     bench = setup(name, dtype, steps + warmup, device)
     config, energy_only, weights, model, params = bench.config, bench.energy_only, bench.weights, bench.model, bench.params
@@ -220,7 +249,7 @@ def run(name, steps, dtype, backend, warmup=2, variants=VARIANTS, device="cpu",
     print(f"# {len(batches)} batches, atoms {min(atoms)}-{max(atoms)}, NEF width {min(widths)}-{max(widths)}")
 
     results = {}
-    compiled_state = fused_state = None
+    compiled_state = None
     if "metatrain" in variants:
         mtt = MetatrainStep(config, params, dtype, weights, device)
         mtt_systems = [mtt.systems(s) for s in samples]
@@ -246,28 +275,36 @@ def run(name, steps, dtype, backend, warmup=2, variants=VARIANTS, device="cpu",
         if os.environ.get("PETFUNC_COMPILE_TIMES"):
             print(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
 
-    if "compiled fused" in variants:
-        fused_state = petfunc.init_state(petfunc.tree.tree_map(lambda t: t.clone(), params), optimizer)
+    extra = {}  # variant -> [compiled step, its own donated state]
+    for v in [v for v in variants if v in EXTRA_COMPILED]:
+        own = petfunc.init_state(petfunc.tree.tree_map(lambda t: t.clone(), params), optimizer)
         start = time.perf_counter()
-        fused = petfunc.compile(step, fused_state, batches[0], backend=backend, donate_argnums=(0,),
-                                fused_attention=True)
-        fused_state, _ = fused(fused_state, batches[0])
+        try:
+            fn = petfunc.compile(step, own, batches[0], backend=backend, donate_argnums=(0,), **EXTRA_COMPILED[v])
+            own, _ = fn(own, batches[0])
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize()
+        except Exception as error:  # an experimental setting: report it, time the others
+            print(f"# {v}: failed to compile or run, left out: {type(error).__name__}: {str(error)[:2000]}")
+            continue
+        extra[v] = [fn, own]
         after = " (after the other compile: not a cold one)" if "compiled" in variants else ""
-        print(f"# petfunc.compile with fused_attention=True: trace + compile + first call "
-              f"{time.perf_counter() - start:.1f} s{after}")
+        print(f"# {v}: trace + compile + first call {time.perf_counter() - start:.1f} s{after}")
+    variants = tuple(v for v in variants if v not in EXTRA_COMPILED or v in extra)
 
     cuda = torch.device(device).type == "cuda"
 
     def call(v, i):
-        nonlocal compiled_state, fused_state
+        nonlocal compiled_state
         if v == "metatrain":
             mtt(mtt_systems[i], batches[i])
         elif v == "eager":
             step_autograd(state, batches[i])
         elif v == "eager func":
             step(state, batches[i])
-        elif v == "compiled fused":
-            fused_state, _ = fused(fused_state, batches[i])
+        elif v in extra:
+            fn, own = extra[v]
+            extra[v][1], _ = fn(own, batches[i])
         else:
             compiled_state, _ = compiled(compiled_state, batches[i])
         if cuda:
@@ -294,6 +331,9 @@ def run(name, steps, dtype, backend, warmup=2, variants=VARIANTS, device="cpu",
     memory = {v: step_memory(v, largest) for v in variants}
     if "compiled" in variants:
         results["num_graphs"] = compiled.num_graphs
+    if profile and cuda:
+        for v in [v for v in variants if v.startswith("compiled")]:
+            gpu_profile(lambda i, v=v: call(v, i), range(warmup, min(len(batches), warmup + 6)), v)
 
     # FLOPs of every timed step (petfunc eager; the compiled graph runs the same
     # matmuls). Batches differ by up to 2x in FLOPs, so the rate is total FLOPs over
@@ -360,6 +400,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu", help="cpu or cuda (all variants run there)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + EXTRA_VARIANTS,
                         help="the steps to time (default: all; leave out metatrain where it is not installed)")
+    parser.add_argument("--profile", action="store_true",
+                        help="on a GPU: kernels launched and GPU busy time per compiled step (torch.profiler)")
     add_malloc_option(parser)
     args = parser.parse_args(argv)
     if args.threads:
@@ -374,7 +416,7 @@ def main(argv=None):
           f"malloc {args.malloc}; measured matmul peak {peak:.0f} GFLOP/s ({args.dtype})")
     for i, name in enumerate(names):
         run(name, args.steps, dtype, args.backend, variants=tuple(args.variants), device=args.device, peak_gflops=peak,
-            first_compile=i == 0)
+            first_compile=i == 0, profile=args.profile)
 
 
 if __name__ == "__main__":
