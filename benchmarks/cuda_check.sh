@@ -16,6 +16,9 @@
 #
 #     bash benchmarks/cuda_check.sh [LOGDIR]
 #
+# On a machine without network access, install the wheels of
+# benchmarks/offline_wheels.sh first (torch itself must be there already).
+#
 # Environment: RUN_TESTS (0: benchmarks only), TEST_TIMEOUT (s, default 220),
 # AOTI_TIMEOUT (s, the CUDA AOTInductor export test alone, default 200),
 # TEST_WORKERS (pytest-xdist processes where it is installed, default 6),
