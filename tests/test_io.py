@@ -2,9 +2,11 @@
 
 import copy
 import gzip
+import io
 import os
 import pickle
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -294,15 +296,13 @@ def test_from_metatrain_runs_no_pickled_code(tmp_path, monkeypatch):
 def test_from_metatrain_damaged_pickle(tmp_path):
     _metatrain()
     with gzip.open(_checkpoint_path("model-v16_trainer-v15.ckpt.gz"), "rb") as handle:
-        data = bytearray(handle.read())
-    import zipfile, io as _io
-
-    with zipfile.ZipFile(_io.BytesIO(bytes(data))) as archive:
+        data = handle.read()
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
         names = archive.namelist()
         files = {name: archive.read(name) for name in names}
     pkl = next(name for name in names if name.endswith("data.pkl"))
     files[pkl] = files[pkl][: len(files[pkl]) // 2]  # a pickle cut short
-    buffer = _io.BytesIO()
+    buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
         for name in names:
             archive.writestr(name, files[name])
