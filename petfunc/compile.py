@@ -82,7 +82,6 @@ import operator
 import os
 import pickle
 import re
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -99,6 +98,7 @@ except ImportError:
 from . import _cpu_kernels, _vec_strides, tree
 from . import fused_attention as _fused
 from ._fft_meta import fft_meta
+from ._files import atomic_write
 from ._scoped import scoped_attribute
 from ._vmap_rules import symbolic_vmap_rules
 
@@ -781,10 +781,7 @@ def _save_trace(path: Path, graph, out_spec, out_layout, guards) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = pickle.dumps((graph, out_spec, out_layout, guards))
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
+        atomic_write(path, lambda handle: handle.write(data))
     except Exception as error:
         warnings.warn(f"petfunc.compile: could not write the trace cache file {path} ({error})", stacklevel=3)
 

@@ -25,7 +25,6 @@ import gzip
 import io
 import json
 import os
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 
 from . import tree
+from ._files import atomic_write  # noqa: F401 - also petfunc.io's API
 from .config import PETConfig
 from .model import BLOCK, TARGET, init
 
@@ -134,26 +134,6 @@ def atomic_save(payload, path: PathLike) -> None:
     """``torch.save`` to a temporary file in the same folder, fsync, rename over ``path``:
     a crash or kill leaves either the old file or the new one, never a partial one."""
     atomic_write(path, lambda handle: torch.save(payload, handle))
-
-
-def atomic_write(path: PathLike, write, text: bool = False) -> None:
-    """``write(handle)`` into a temporary file next to ``path`` (binary, or UTF-8 text
-    with ``text``), fsync, then rename it over ``path`` (see :func:`atomic_save`)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        opened = os.fdopen(fd, "w", encoding="utf-8", newline="") if text else os.fdopen(fd, "wb")
-        with opened as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def load_params(
