@@ -23,8 +23,12 @@
 # AOTI_TIMEOUT (s, the CUDA AOTInductor export test alone, default 200),
 # TEST_WORKERS (pytest-xdist processes where it is installed, default 6),
 # BENCH_TIMEOUT (s per dataset, default 170), STEPS (timed steps per dataset, default
-# 20), DDP_TIMEOUT (s, default 90), BENCH_EXTRA (see 3.), PETFUNC_BENCH_DATA (the
-# datasets' folder, see train_step.py).
+# 20), DDP_TIMEOUT (s, default 90), DATASETS (of 2., default "qm9 carbon"; empty: none),
+# BENCH_EXTRA (see 3.), PETFUNC_BENCH_DATA (the datasets' folder, see train_step.py).
+# With minutes of device time, the one number still missing first (inductor's C++
+# wrapper on the GPU, qm9):
+#     RUN_TESTS=0 RUN_DDP=0 DATASETS= BENCH_EXTRA="compiled cpp_wrapper" BENCH_TIMEOUT=400 \
+#         bash benchmarks/cuda_check.sh
 set -u
 cd "$(dirname "$0")/.."
 logs=${1:-cuda_logs}
@@ -81,7 +85,7 @@ bench() {  # bench LOGNAME DATASET VARIANT...
     stamp "benchmark $log done (exit ${PIPESTATUS[0]})"
 }
 
-for dataset in qm9 carbon; do
+for dataset in ${DATASETS-qm9 carbon}; do
     bench "$dataset" "$dataset" "${variants[@]}"
 done
 if [ -n "${BENCH_EXTRA:-}" ]; then
