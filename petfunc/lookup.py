@@ -18,16 +18,16 @@ deterministic one). :func:`lookup_rows` is that lookup as an
 its consumers), backward the product, forward-mode derivative the gather of the
 tangent. The backward is differentiable in turn (by autograd's rule for ``mm``).
 
-Like :mod:`petfunc.permute`, it is used only while ``make_fx`` traces
-(``petfunc.compile``, ``petfunc export``); eager calls are the plain gather, whose
-serial scatter-add is fast, and tables with more rows than :data:`MAX_ROWS` keep
-the gather's own adjoint.
+Like :mod:`petfunc.permute`, it is used while ``make_fx`` traces (``petfunc.compile``,
+``petfunc export``) and in eager autograd, and not in eager calls inside
+``torch.func`` transforms (see :mod:`petfunc._custom_derivatives`); tables with more
+rows than :data:`MAX_ROWS` keep the gather's own adjoint.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from ._custom_derivatives import use_custom_derivatives
 
 #: largest table whose lookups take the matrix-product adjoint: at 2 x 32 FLOPs
 #: per element the product still costs less than one atomic add per element
@@ -64,8 +64,8 @@ class _LookupRows(torch.autograd.Function):
 
 
 def lookup_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``table[index]`` for a 1-D integer ``index``, differentiated (in traces) by a
-    one-hot matrix product instead of a scatter-add.
+    """``table[index]`` for a 1-D integer ``index``, differentiated (in traces and in
+    eager autograd) by a one-hot matrix product instead of a scatter-add.
 
     Args:
         table: ``[n_rows, d]`` rows (per species, per charge...).
@@ -74,6 +74,7 @@ def lookup_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[n, d]``.
     """
-    if get_proxy_mode() is None or table.dim() != 2 or index.dim() != 1 or table.shape[0] > MAX_ROWS:
+    if (table.dim() != 2 or index.dim() != 1 or table.shape[0] > MAX_ROWS
+            or not use_custom_derivatives(index.shape[0] * table.shape[1], table.device)):
         return table[index]
     return _LookupRows.apply(table, index)

@@ -15,19 +15,20 @@ derivative is the same gather of the tangent, so derivatives of any order (force
 training, Hessians, Hessian matching) stay gathers. It works under ``torch.func``
 transforms (``grad``, ``jvp``, ``vmap``) and ``make_fx``.
 
-The function is used only while ``make_fx`` traces (``petfunc.compile``,
-``petfunc export``), where it changes the compiled code. Eager calls use a plain
-gather: there the derivatives are the same numbers, PyTorch's serial scatter-add
-is fast, and a ``torch.func`` call of an ``autograd.Function`` costs about 1 ms of
-Python (8 % of an eager qm9 training step).
+The function is used while ``make_fx`` traces (``petfunc.compile``, ``petfunc
+export``), where it changes the compiled code, and in eager autograd, where it
+replaces PyTorch's serial scatter-add; eager calls inside ``torch.func`` transforms
+use a plain gather (see :mod:`petfunc._custom_derivatives`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+from ._custom_derivatives import use_custom_derivatives
 
 
 def _gather(x: torch.Tensor, index: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -87,6 +88,6 @@ def permute_rows(
     Returns:
         ``[m, ...]``.
     """
-    if get_proxy_mode() is None:  # eager: see the module docstring
-        return _gather(x, index, mask)
+    if not use_custom_derivatives(index.shape[0] * math.prod(x.shape[1:]), x.device):
+        return _gather(x, index, mask)  # small or under eager torch.func: see the module docstring
     return _PermuteRows.apply(x, index, mask, inverse, inverse_mask)

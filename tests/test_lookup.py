@@ -12,8 +12,8 @@ INDEX = torch.tensor([2, 0, 2, 2, 1, 0, 2, 3, 2])  # repeated rows, as species a
 
 
 def lookup_rows(table, index):
-    """The autograd.Function itself (lookup.lookup_rows only uses it while make_fx
-    traces, and a plain gather in eager mode)."""
+    """The autograd.Function itself (lookup.lookup_rows uses it in traces and eager
+    autograd, a plain gather under eager torch.func)."""
     return lookup._LookupRows.apply(table, index)
 
 
@@ -76,10 +76,34 @@ def test_traced_training_gradient_has_no_scatter_and_any_size():
                                    rtol=1e-13, atol=1e-13)
 
 
-def test_eager_calls_and_large_tables_are_plain_gathers():
+def test_eager_autograd_uses_the_product_adjoint_torch_func_and_large_tables_a_gather(monkeypatch):
+    """Eager autograd of a large enough lookup goes through the autograd.Function
+    (its first and second derivatives those of the plain gather); small lookups and
+    eager torch.func keep the plain gather, and tables of more than MAX_ROWS rows
+    keep the gather's adjoint everywhere."""
+    from petfunc import _custom_derivatives
+
     table = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    assert "LookupRows" not in type(lookup.lookup_rows(table, INDEX).grad_fn).__name__
+    many = torch.randint(0, 4, (-(-_custom_derivatives.EAGER_MIN_ELEMENTS // 3),))  # 3 columns
+    assert "LookupRows" in type(lookup.lookup_rows(table, many).grad_fn).__name__
+    assert "LookupRows" not in type(lookup.lookup_rows(table, many[1:]).grad_fn).__name__
+    monkeypatch.setattr(_custom_derivatives, "EAGER_MIN_ELEMENTS", 0)
     y = lookup.lookup_rows(table, INDEX)
-    assert torch.equal(y, table[INDEX]) and "LookupRows" not in type(y.grad_fn).__name__
+    assert torch.equal(y, table[INDEX]) and "LookupRows" in type(y.grad_fn).__name__
+    new, ref = objective(lookup.lookup_rows), objective(plain)
+    (g_new,) = torch.autograd.grad(new(table), table, create_graph=True)
+    (g_ref,) = torch.autograd.grad(ref(table), table, create_graph=True)
+    torch.testing.assert_close(g_new, g_ref, rtol=1e-14, atol=1e-14)
+    v = torch.randn(4, 3, dtype=DT)
+    (h_new,) = torch.autograd.grad((g_new * v).sum(), table)
+    (h_ref,) = torch.autograd.grad((g_ref * v).sum(), table)
+    torch.testing.assert_close(h_new, h_ref, rtol=1e-13, atol=1e-13)
+    names = []
+    grad(lambda t: names.append(type(lookup.lookup_rows(t, INDEX).grad_fn).__name__) or t.sum())(table.detach())
+    assert names and "LookupRows" not in names[0]
+    big = torch.randn(lookup.MAX_ROWS + 1, 3, dtype=DT, requires_grad=True)
+    assert "LookupRows" not in type(lookup.lookup_rows(big, INDEX).grad_fn).__name__
 
     def traced_ops(n_rows):
         big = torch.randn(n_rows, 3, dtype=DT)

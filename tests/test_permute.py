@@ -10,8 +10,8 @@ from petfunc import permute
 
 
 def permute_rows(x, index, inverse, mask=None, inverse_mask=None):
-    """The autograd.Function itself (petfunc.permute.permute_rows only uses it while
-    make_fx traces, and a plain gather in eager mode)."""
+    """The autograd.Function itself (petfunc.permute.permute_rows uses it in traces and
+    eager autograd, a plain gather under eager torch.func)."""
     return permute._PermuteRows.apply(x, index, mask, inverse, inverse_mask)
 
 
@@ -119,11 +119,36 @@ def test_derivatives_trace_to_gathers_only():
         )
 
 
-def test_eager_calls_are_plain_gathers():
+def test_eager_autograd_uses_the_gather_adjoint_torch_func_a_plain_gather(monkeypatch):
+    """Eager autograd of a large enough gather goes through the autograd.Function
+    (no scatter-add in the backward), with the plain gather's values and first and
+    second derivatives; small gathers and eager torch.func transforms keep the plain
+    gather (a Function call costs them Python time)."""
+    from petfunc import _custom_derivatives
+
     x = torch.randn(7, 3, dtype=DT, requires_grad=True)
+    assert "PermuteRows" not in type(permute.permute_rows(x, INDEX, INVERSE, mask=MASK).grad_fn).__name__
+    n = _custom_derivatives.EAGER_MIN_ELEMENTS // 4
+    big, order = torch.randn(n, 4, requires_grad=True), torch.randperm(n)
+    assert "PermuteRows" in type(permute.permute_rows(big, order, torch.argsort(order)).grad_fn).__name__
+    assert "PermuteRows" not in type(permute.permute_rows(big, order[1:], torch.argsort(order)).grad_fn).__name__
+    monkeypatch.setattr(_custom_derivatives, "EAGER_MIN_ELEMENTS", 0)
     y = permute.permute_rows(x, INDEX, INVERSE, mask=MASK)
     assert torch.equal(y, reference(x, INDEX, MASK))
-    assert "PermuteRows" not in type(y.grad_fn).__name__
+    assert "PermuteRows" in type(y.grad_fn).__name__
+    new = objective(lambda x: permute.permute_rows(x, INDEX, INVERSE, mask=MASK))
+    ref = objective(lambda x: reference(x, INDEX, MASK))
+    (g_new,) = torch.autograd.grad(new(x), x, create_graph=True)
+    (g_ref,) = torch.autograd.grad(ref(x), x, create_graph=True)
+    torch.testing.assert_close(g_new, g_ref, rtol=1e-14, atol=1e-14)
+    v = torch.randn(7, 3, dtype=DT)
+    (h_new,) = torch.autograd.grad((g_new * v).sum(), x)
+    (h_ref,) = torch.autograd.grad((g_ref * v).sum(), x)
+    torch.testing.assert_close(h_new, h_ref, rtol=1e-13, atol=1e-13)
+    names = []
+    grad(lambda x: names.append(type(permute.permute_rows(x, INDEX, INVERSE, mask=MASK).grad_fn).__name__)
+         or x.sum())(x.detach())
+    assert names and "PermuteRows" not in names[0]
 
 
 @pytest.mark.parametrize("shape", [(7,), (7, 2, 3)])
