@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-import petfunc
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's petfunc, not an installed one
+import petfunc  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import add_malloc_option, apply_malloc  # noqa: E402

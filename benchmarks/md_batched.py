@@ -11,8 +11,9 @@ import numpy as np
 from ase import units
 from ase.md.verlet import VelocityVerlet
 
-from petfunc.ase import PETCalculator
-from petfunc.dynamics import run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's petfunc, not an installed one
+from petfunc.ase import PETCalculator  # noqa: E402
+from petfunc.dynamics import run  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import batched_vs_loop, batched_vs_loop_parser, g2_molecules, interleaved  # noqa: E402

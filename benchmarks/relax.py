@@ -18,8 +18,9 @@ import numpy as np
 from ase.filters import FrechetCellFilter
 from ase.optimize import FIRE as AseFIRE
 
-from petfunc.ase import PETCalculator
-from petfunc.relax import fire
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's petfunc, not an installed one
+from petfunc.ase import PETCalculator  # noqa: E402
+from petfunc.relax import fire  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import batched_vs_loop, batched_vs_loop_parser, g2_molecules, interleaved  # noqa: E402

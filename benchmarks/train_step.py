@@ -42,8 +42,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-import petfunc
-from petfunc.data import sample_from_atoms
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's petfunc, not an installed one
+import petfunc  # noqa: E402
+from petfunc.data import sample_from_atoms  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import add_malloc_option, apply_malloc, peak_tensor_memory  # noqa: E402
