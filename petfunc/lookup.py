@@ -19,14 +19,16 @@ its consumers), backward the product, forward-mode derivative the gather of the
 tangent. The backward is differentiable in turn (by autograd's rule for ``mm``).
 
 Like :mod:`petfunc.permute`, it is used while ``make_fx`` traces (``petfunc.compile``,
-``petfunc export``) and in eager autograd, and not in eager calls inside
-``torch.func`` transforms (see :mod:`petfunc._custom_derivatives`); tables with more
-rows than :data:`MAX_ROWS` keep the gather's own adjoint.
+``petfunc export``) and for large lookups in eager autograd on the CPU, not for
+small ones, on GPUs or in eager calls inside ``torch.func`` transforms (see
+:mod:`petfunc._custom_derivatives`); tables with more rows than :data:`MAX_ROWS`
+keep the gather's own adjoint.
 """
 
 from __future__ import annotations
 
 import torch
+
 from ._custom_derivatives import use_custom_derivatives
 
 #: largest table whose lookups take the matrix-product adjoint: at 2 x 32 FLOPs
@@ -64,8 +66,9 @@ class _LookupRows(torch.autograd.Function):
 
 
 def lookup_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``table[index]`` for a 1-D integer ``index``, differentiated (in traces and in
-    eager autograd) by a one-hot matrix product instead of a scatter-add.
+    """``table[index]`` for a 1-D integer ``index``, differentiated (in traces, and
+    eagerly as the module docstring says) by a one-hot matrix product instead of a
+    scatter-add.
 
     Args:
         table: ``[n_rows, d]`` rows (per species, per charge...).

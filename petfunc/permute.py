@@ -16,9 +16,10 @@ training, Hessians, Hessian matching) stay gathers. It works under ``torch.func`
 transforms (``grad``, ``jvp``, ``vmap``) and ``make_fx``.
 
 The function is used while ``make_fx`` traces (``petfunc.compile``, ``petfunc
-export``), where it changes the compiled code, and in eager autograd, where it
-replaces PyTorch's serial scatter-add; eager calls inside ``torch.func`` transforms
-use a plain gather (see :mod:`petfunc._custom_derivatives`).
+export``), where it changes the compiled code, and for large gathers in eager
+autograd on the CPU, where it replaces PyTorch's scatter-add (with atomics); small
+gathers, GPUs and eager calls inside ``torch.func`` transforms use a plain gather
+(see :mod:`petfunc._custom_derivatives`).
 """
 
 from __future__ import annotations
