@@ -11,8 +11,9 @@ plain indexing (up to the order of summation of the lookups' adjoint).
   calculator, relaxations and MD, and ``petfunc train`` without ``--compile``), they
   make a step faster: PyTorch's CPU scatter-add with accumulation adds with atomics
   (about 0.8 ms for each of the 14 in a qm9 training step). Measured side by side,
-  the same inputs, interleaved: training steps 0.93x (qm9) and 0.89x (carbon) the
-  time, the forces and stress of a 64-atom carbon cell 0.89x. Under
+  the same inputs, interleaved: training steps 0.92x the time on qm9 and on carbon
+  (``benchmarks/compare_step.py --eager``), the forces and stress of a 64-atom
+  carbon cell 0.89x. Under
   ``torch.use_deterministic_algorithms`` (what ``petfunc train`` sets on the CPU
   by default) the scatter-add is serial and as fast: no change there (1.01x, 0.995x).
   On GPUs, where the scatter-add is fast and eager steps are bound by Python, plain

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import tree
-from ._files import atomic_write  # noqa: F401 - also petfunc.io's API
+from ._files import PathLike, atomic_write  # noqa: F401 - atomic_write: also petfunc.io's API
 from .config import PETConfig
 from .model import BLOCK, TARGET, init
 
@@ -47,8 +47,6 @@ EXTRA_KEYS = ("composition_weights", "energy_scale")
 #: the long-range weights, which metatrain's PET keeps outside ``backend.`` (its
 #: ``long_range_featurizer`` also holds torch-pme buffers, which are not weights)
 LONG_RANGE_WEIGHTS = ("long_range_featurizer.charges_map.", "long_range_featurizer.out_projection.")
-
-PathLike = Union[str, os.PathLike]
 
 
 # ---------------------------------------------------------------------------------------
