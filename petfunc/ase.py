@@ -63,6 +63,7 @@ from .config import PETConfig
 from .data import padding_sample
 from .derivatives import energy_terms_forces_strain_derivative
 from .io import cast_params, load_params, network_dtype
+from .long_range import mesh_layout
 from .model import PET
 from .remat import remat as remat_fn
 from .structures import collate, prepare_atoms, state_from_info
@@ -197,12 +198,21 @@ class PETCalculator(Calculator):
         self.ensemble_params = ensemble_params
         self.compile = bool(compile)
         self.backend = backend
+        if compile and backend == "inductor" and config.long_range.enable:
+            from .compile import P3M_INDUCTOR_CORRECT
+
+            if not P3M_INDUCTOR_CORRECT:
+                warnings.warn("torch < 2.13: compiling this long-range model with aot_eager, not "
+                              "inductor, which miscompiles the P3M strain derivative (stress)")
+                self.backend = "aot_eager"
         # energy, per-atom energies, forces, strain derivative: one forward pass;
         # traced (torch.func) when compiled, by autograd when eager (faster there)
         self._efs = energy_terms_forces_strain_derivative(self.model.energy_terms)
         terms = remat_fn(self.model.energy_terms) if remat else self.model.energy_terms
         self._efs_eager = energy_terms_forces_strain_derivative(terms, "autograd")
-        self._compiled = None
+        # compiled functions by long-range mesh layout (long_range.mesh_layout): a
+        # crystal and a molecule need one graph each with P3M, otherwise one in all
+        self._compiled = {}
         self._padding = padding_sample(config).structure
         self.llpr = None
         if llpr is not None:
@@ -299,7 +309,7 @@ class PETCalculator(Calculator):
     @property
     def num_compilations(self) -> int:
         """Graphs compiled so far (0 before the first compiled call or when eager)."""
-        return 0 if self._compiled is None else self._compiled.num_graphs
+        return sum(fn.num_graphs for fn in self._compiled.values())
 
     def _check_species(self, atoms) -> None:
         known = set(self.config.atomic_types)
@@ -315,27 +325,30 @@ class PETCalculator(Calculator):
     def _inputs(self, atoms):
         self._check_species(atoms)
         structure = prepare_atoms(atoms, self.config, label="atoms")
+        # an exported long-range model may use Ewald sums instead of P3M
+        method = getattr(self.exported, "long_range", None) or "p3m"
         # the dummy molecule keeps every size >= 2 (no 0/1 specialisation)
-        return collate([structure, self._padding], self.config, dtype=self.dtype, device=self.device)
+        return collate([structure, self._padding], self.config, dtype=self.dtype, device=self.device, long_range=method)
 
     def _evaluate(self, params, inputs):
         positions, cell, neighbors = inputs
         if self.exported is not None:
             return self.exported(positions, cell, neighbors)
         if self.compile:
-            if self._compiled is None:
+            layout = mesh_layout(neighbors.long_range)
+            if layout not in self._compiled:
                 from .compile import compile as petfunc_compile
 
                 # the traced function is fixed by the config: later processes
                 # load the trace instead of tracing again (petfunc.compile)
-                self._compiled = petfunc_compile(
+                self._compiled[layout] = petfunc_compile(
                     self._efs, params, positions, cell, neighbors,
                     backend=self.backend, static_argnums=(0,),
                     cache_key=f"PETCalculator energy_terms_forces_strain_derivative {self.config!r}",
                     keep_freed_memory=False,  # decided by this object's own option
                     aot_autograd=True,  # AOTAutograd's cache: faster warm starts, which calculators mostly have
                 )
-            return self._compiled(params, positions, cell, neighbors)
+            return self._compiled[layout](params, positions, cell, neighbors)
         return self._efs_eager(params, positions, cell, neighbors)
 
     def _evaluate_ensemble(self, inputs):

@@ -5,11 +5,14 @@ batched molecular dynamics.
 at most ``max_atoms`` atoms), adds the padding molecule that keeps every size >= 2,
 and returns per-structure results as :class:`petfunc.ase.PETCalculator` computes
 them: energy (eV), forces (eV/Å) and, when asked, the stress (eV/Å^3, ASE's Voigt
-order, symmetrised). With ``compile=True`` one compiled graph serves every batch.
+order, symmetrised). With ``compile=True`` one compiled graph serves every batch (for
+a long-range model, one per pattern of crystals and molecules in a batch: P3M's
+meshes).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -21,6 +24,7 @@ from .config import PETConfig
 from .data import padding_sample
 from .derivatives import energy_and_forces, energy_forces_strain_derivative
 from .io import cast_params, network_dtype
+from .long_range import mesh_layout
 from .model import PET
 from .structures import collate, prepare_atoms
 
@@ -35,7 +39,8 @@ class BatchEvaluator:
         stress: also compute the stress (every structure needs a cell of non-zero
             volume then).
         max_atoms: most atoms in one model call (``None``: all structures at once).
-        compile: evaluate through :func:`petfunc.compile` (one graph for every batch).
+        compile: evaluate through :func:`petfunc.compile` (one graph for every batch;
+            long-range models: one per pattern of crystals and molecules).
         backend, dtype, device: as for :class:`petfunc.ase.PETCalculator`.
         cache_tag: names the caller in the compiled trace's cache key.
         keep_freed_memory: call :func:`petfunc.allocator.keep_freed_memory`
@@ -58,18 +63,27 @@ class BatchEvaluator:
         self.max_atoms = max_atoms
         self.compile = compile
         self.backend = backend
+        if compile and backend == "inductor" and config.long_range.enable:
+            from .compile import P3M_INDUCTOR_CORRECT
+
+            if not P3M_INDUCTOR_CORRECT:
+                warnings.warn("torch < 2.13: compiling this long-range model with aot_eager, not "
+                              "inductor, which miscompiles the P3M strain derivative (stress)")
+                self.backend = "aot_eager"
         self.cache_tag = cache_tag
         # with stress the model also gives dE/d strain, from the same pass
         self._derivatives = energy_forces_strain_derivative if stress else energy_and_forces
         self._model = PET(config)
         self._padding = padding_sample(config).structure
-        self._compiled = None
+        # by long-range mesh layout (long_range.mesh_layout): with P3M, one graph per
+        # pattern of crystals and molecules in a batch; otherwise one in all
+        self._compiled = {}
         self._eager = None if compile else self._derivatives(self._model.energy, "autograd")
 
     @property
     def num_graphs(self) -> int:
         """Graphs compiled so far (0 when eager)."""
-        return 0 if self._compiled is None else self._compiled.num_graphs
+        return sum(fn.num_graphs for fn in self._compiled.values())
 
     def check(self, frames: Sequence, labels: Optional[Sequence[str]] = None) -> None:
         """Raise a ``ValueError`` naming the structure for an empty one, or (with
@@ -111,17 +125,18 @@ class BatchEvaluator:
     def _evaluate(self, positions, cell, neighbors):
         if not self.compile:
             return self._eager(self.params, positions, cell, neighbors)
-        if self._compiled is None:
+        layout = mesh_layout(neighbors.long_range)
+        if layout not in self._compiled:
             from .compile import compile as petfunc_compile
 
-            self._compiled = petfunc_compile(
+            self._compiled[layout] = petfunc_compile(
                 self._derivatives(self._model.energy), self.params, positions, cell, neighbors,
                 backend=self.backend, static_argnums=(0,),
                 cache_key=f"{self.cache_tag} {self._derivatives.__name__} {self.config!r}",
                 keep_freed_memory=False,  # decided by this object's own option
                 aot_autograd=True,  # AOTAutograd's cache: faster warm starts, which calculators mostly have
             )
-        return self._compiled(self.params, positions, cell, neighbors)
+        return self._compiled[layout](self.params, positions, cell, neighbors)
 
 
 def _chunks(sizes: List[int], max_atoms: Optional[int]) -> List[List[int]]:

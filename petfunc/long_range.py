@@ -58,7 +58,8 @@ class LongRange(NamedTuple):
         mesh_sizes: ``[n_structures, 3]`` P3M mesh points along each cell vector.
         meshes: P3M batches: per structure, a ``uint8`` tensor of the mesh's shape
             ``[n_a, n_b, n_c]`` (its values are unused; its shape sizes the FFT), or
-            None for a molecule. Ewald batches: empty.
+            None for a molecule. Ewald batches: empty. A :class:`LeadingMeshes`
+            covers the first structures only.
         pairs: ``[n_pairs, 2]`` atom pairs (i < j) of every non-periodic structure,
             padded with (0, 0) to at least two.
         pair_mask: ``[n_pairs]`` True for real pairs.
@@ -76,8 +77,24 @@ class LongRange(NamedTuple):
 
     def to(self, device) -> "LongRange":
         fields = [t.to(device) for t in self[:6]]
-        meshes = tuple(None if m is None else m.to(device) for m in self.meshes)
+        meshes = type(self.meshes)(None if m is None else m.to(device) for m in self.meshes)
         return LongRange(*fields, meshes, self.pairs.to(device), self.pair_mask.to(device))
+
+
+class LeadingMeshes(tuple):
+    """P3M meshes of the batch's first ``len(self)`` structures only; every later
+    structure is not periodic (direct sum). The layout of an exported model's inputs
+    (:mod:`petfunc.export`), whose number of structures is symbolic: a tuple with one
+    entry per structure cannot be traced for any batch size."""
+
+
+def mesh_layout(inputs: Optional[LongRange]) -> Optional[Tuple[bool, ...]]:
+    """Which structures of a P3M batch have a mesh (None without long-range inputs).
+
+    A traced function is fixed to this layout (its loop over the structures'
+    meshes), not to the mesh sizes: compiled calculators keep one graph per layout.
+    """
+    return None if inputs is None else tuple(m is not None for m in inputs.meshes)
 
 
 # ---------------------------------------------------------------------------------------
@@ -357,22 +374,25 @@ def _p3m(q, positions, cell, sizes, mesh, volume, sigma: float, order: int):
     reciprocal = 2 * math.pi * _inverse(cell).T  # rows b_a
     fx = _axis_frequencies(nx, dtype, device)
     fy = _axis_frequencies(ny, dtype, device)
-    fz = torch.arange(nz // 2 + 1, dtype=dtype, device=device)
+    fz = _axis_frequencies(nz, dtype, device)
     k = (
         fx[:, None, None, None] * reciprocal[0]
         + fy[None, :, None, None] * reciprocal[1]
         + fz[None, None, :, None] * reciprocal[2]
-    )  # [nx, ny, nz // 2 + 1, 3]
+    )  # [nx, ny, nz, 3]
     k_sq = torch.linalg.vector_norm(k, dim=3) ** 2
     spacing = torch.linalg.vector_norm(cell, dim=1) / sizes.to(dtype)
     u2 = torch.prod(torch.sinc(k * spacing / (2 * math.pi)), dim=-1) ** (2 * order)
     zero = u2 == 0
     influence = torch.where(zero, torch.zeros_like(u2), 1 / torch.where(zero, torch.ones_like(u2), u2))
     kernel = influence * _coulomb_kernel(k_sq, sigma)
-    potential_mesh = torch.fft.irfftn(
-        torch.fft.rfftn(rho, norm="backward", dim=(1, 2, 3)) * kernel,
-        norm="forward", dim=(1, 2, 3), s=(nx, ny, nz),
-    )
+    # complex transforms of the whole spectrum, not rfftn/irfftn: the derivative of
+    # irfftn doubles the frequencies strictly inside the half spectrum, a slice whose
+    # size (n_c - n_c // 2 - 1) a trace guards against being 0 or 1, so a compiled or
+    # exported P3M would be fixed to meshes with n_c > 4
+    potential_mesh = torch.fft.ifftn(
+        torch.fft.fftn(rho, norm="backward", dim=(1, 2, 3)) * kernel, norm="forward", dim=(1, 2, 3)
+    ).real
     at_atoms = (potential_mesh.reshape(channels, -1)[:, flat].reshape(channels, -1, q.shape[0]) * w[None]).sum(dim=1).T
     return at_atoms / volume + _corrections(q[None], volume[None], sigma)[0]
 
@@ -442,6 +462,10 @@ def potentials(config: PETConfig, charges, positions, cell, neighbors, edge_cent
                          volume[s], sigma, lr.interpolation_nodes)
                 )
         kspace = torch.stack(per_structure)
+        if isinstance(inputs.meshes, LeadingMeshes):
+            # the later structures' part is zero (slice_scatter: no size S - len, which
+            # a trace would guard against being 1)
+            kspace = torch.zeros_like(q_slots).slice_scatter(kspace, dim=0, start=0, end=len(inputs.meshes))
     kspace = kspace.reshape(-1, channels)[inputs.atom_slot]
     periodic_part = (real + kspace) * atom_periodic.to(dtype)[:, None]
     return 0.5 * (direct + periodic_part)

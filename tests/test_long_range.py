@@ -271,6 +271,56 @@ def test_compiled_calculator_follows_md_without_recompiling():
     assert compiled.num_compilations == 1
 
 
+def test_compiled_calculator_takes_any_mesh_and_molecules():
+    """Cells whose P3M meshes differ (8 x 8 x 8, 16 x 8 x 8, 8 x 16 x 4) share one
+    compiled graph: the traced FFTs keep the mesh sizes symbolic
+    (petfunc._fft_meta). A molecule (no mesh) gets a graph of its own, and a crystal
+    after it reuses the first."""
+    import petfunc.ase
+
+    config = _config()
+    params = _params(config)
+    compiled = petfunc.ase.PETCalculator(config, params, compile=True, backend="aot_eager")
+    eager = petfunc.ase.PETCalculator(config, params)
+    larger = ase.build.bulk("C", "diamond", a=3.6, cubic=True).repeat((2, 1, 1))
+    larger.rattle(0.05, seed=2)
+    chain = ase.Atoms("CO", positions=[[0.1, 0.2, 0.0], [0.3, -0.1, 0.95]],
+                      cell=[[5.0, 0.3, 0.0], [0.4, 5.5, 0.2], [0.1, 0.0, 1.9]], pbc=True)
+    graphs = []
+    for atoms in (_diamond(), larger, chain, _molecule(), _triclinic()):
+        for calc in (compiled, eager):
+            calc.calculate(atoms.copy(), ["energy", "forces"])
+        for key in ("energy", "forces"):
+            a, b = np.asarray(compiled.results[key]), np.asarray(eager.results[key])
+            assert np.abs(a - b).max() <= 1e-9 * max(1.0, np.abs(b).max()), key
+        graphs.append(compiled.num_compilations)
+    assert graphs == [1, 1, 1, 2, 2]
+
+
+def test_old_inductor_is_not_used_for_p3m(monkeypatch):
+    """torch < 2.13's inductor miscompiles the P3M strain derivative (README): there
+    petfunc.compile refuses it for P3M inputs (not for Ewald ones), and the compiled
+    calculator falls back to aot_eager with a warning."""
+    import importlib
+
+    import petfunc.ase
+
+    compile_module = importlib.import_module("petfunc.compile")
+    monkeypatch.setattr(compile_module, "P3M_INDUCTOR_CORRECT", False)
+    config = _config()
+    params = _params(config)
+    fn = petfunc.derivatives.energy_terms_forces_strain_derivative(petfunc.PET(config).energy_terms)
+    p3m = petfunc.from_atoms([_triclinic()], config, dtype=torch.float64)
+    with pytest.raises(ValueError, match="miscompiles"):
+        petfunc.compile(fn, params, *p3m, static_argnums=(0,))
+    molecules = petfunc.from_atoms([_molecule(), _molecule()], config, dtype=torch.float64)
+    assert not compile_module._has_p3m_inputs((params, *molecules))
+    assert compile_module._has_p3m_inputs((params, *p3m))
+    with pytest.warns(UserWarning, match="aot_eager"):
+        calc = petfunc.ase.PETCalculator(config, params, compile=True)
+    assert calc.backend == "aot_eager"
+
+
 def test_input_errors():
     config = _config()
     slab = _triclinic()
@@ -286,10 +336,10 @@ def test_input_errors():
         petfunc.PET(config).energy(_params(config), *plain)
     with pytest.raises(ValueError, match="long-range method must be one of"):
         petfunc.from_atoms([_triclinic()], config, long_range="pme")
-    with pytest.raises(NotImplementedError, match="long-range"):
-        from petfunc.export import export
+    from petfunc.export import export
 
-        export(config, _params(config), "model.pt2")
+    with pytest.raises(ValueError, match="long_range must be one of"):
+        export(config, _params(config), "model.pt2", long_range="pme")
 
 
 def test_ewald_grid_and_p3m_mesh_follow_torch_pme():
@@ -303,7 +353,7 @@ def test_ewald_grid_and_p3m_mesh_follow_torch_pme():
 
 
 def test_fft_shape_functions_match_the_kernels():
-    """petfunc._fft_meta's shape functions (used for tracing on torch < 2.13) give
+    """petfunc._fft_meta's shape functions (used for tracing) give
     the outputs of the FFT kernels the sizes, strides and dtypes that the CPU
     kernels give them, for contiguous inputs (what P3M passes) and any transformed
     dimensions. (For other layouts torch's own meta functions disagree with its
@@ -321,3 +371,13 @@ def test_fft_shape_functions_match_the_kernels():
                 out = torch.ops.aten._fft_c2r(x, list(dims), 0, last)
                 ours = _fft_meta._c2r(x, list(dims), 0, last)
                 assert (ours.shape, ours.stride(), ours.dtype) == (out.shape, out.stride(), out.dtype), ("c2r", shape, dims)
+    # r2c (used on every torch version): also for permuted inputs
+    for shape in [(3, 4, 6, 5), (2, 5, 4, 3), (7, 8, 8, 8), (2, 16, 8, 32)]:
+        real = torch.randn(*shape, dtype=torch.float64, generator=g)
+        for x in (real, real.permute(0, 2, 1, 3), real.permute(3, 1, 0, 2), real.float()):
+            for dims in [(1, 2, 3), (1, 2), (3,), (0, 2), (0, 1, 2, 3), (2,), (0,), (2, 1, 3)]:
+                for onesided in (True, False):
+                    out = torch.ops.aten._fft_r2c(x, list(dims), 0, onesided)
+                    ours = _fft_meta._r2c(x, list(dims), 0, onesided)
+                    assert (ours.shape, ours.stride(), ours.dtype) == (out.shape, out.stride(), out.dtype), \
+                        ("r2c", shape, x.stride(), dims, onesided)
