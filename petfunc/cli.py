@@ -330,6 +330,9 @@ def _parser() -> argparse.ArgumentParser:
     aoti.add_argument("--no-aoti", dest="aoti", action="store_false",
                       help="only the torch.export program (seconds instead of minutes; no C++ compiler needed; "
                            "the default for a GPU)")
+    ex.add_argument("--long-range", choices=("p3m", "ewald"), default=None,
+                    help="reciprocal-space method of a long-range model: p3m (default; only the "
+                         "first structure of a call may be periodic) or ewald (batches of crystals)")
     ex.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     return parser
 
@@ -511,11 +514,14 @@ def _export(args) -> int:
         raise ValueError(f"the output file name must end in .pt2, got {args.output!r}")
     dtype = {"float32": torch.float32, "float64": torch.float64}[args.dtype]
     config, params = load_model(args.model, which=args.which)
-    aoti = default_aoti(args.device) if args.aoti is None else args.aoti
+    aoti = default_aoti(args.device, config, args.long_range) if args.aoti is None else args.aoti
     what = "torch.export program and AOTInductor build (this takes minutes)" if aoti else "torch.export program"
-    print(f"exporting {args.model} ({args.dtype}, {args.device}): {what}")
+    lr = f", long range by {args.long_range or 'p3m'}" if config.long_range.enable else ""
+    print(f"exporting {args.model} ({args.dtype}, {args.device}{lr}): {what}")
     start = time.perf_counter()
-    path = export(config, params, args.output, dtype=dtype, device=args.device, aoti=aoti)
+    if args.long_range and not config.long_range.enable:
+        raise ValueError(f"--long-range {args.long_range}: {args.model} has no long-range features")
+    path = export(config, params, args.output, dtype=dtype, device=args.device, aoti=aoti, long_range=args.long_range)
     size = path.stat().st_size / 2**20
     print(f"wrote {path} ({size:.1f} MiB) in {time.perf_counter() - start:.0f} s")
     return 0

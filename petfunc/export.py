@@ -36,6 +36,27 @@ as :class:`petfunc.ase.PETCalculator` does):
                                     in its field order)
 ==================  ==============  =========================================
 
+Models with long-range features take the integer inputs of
+:class:`petfunc.long_range.LongRange` after those, for the reciprocal-space method
+chosen at export (``long_range``, recorded in the metadata):
+
+* ``"p3m"`` (the default; what metatrain, :func:`petfunc.from_atoms` and the ASE
+  calculator evaluate with): ``lr_structure_atoms``, ``lr_structure_mask``,
+  ``lr_atom_slot``, ``lr_periodic``, ``lr_mesh_sizes``, ``lr_mesh`` (the
+  ``[n_a, n_b, n_c]`` mesh of the first structure; a ``[2, 2, 2]`` tensor when it
+  is a molecule), ``lr_pairs``, ``lr_pair_mask``. FFT sizes cannot vary per
+  structure inside one graph, so **only the first structure of a call may be
+  periodic**: one crystal (with any number of molecules after it), as the ASE
+  calculator evaluates, or molecules only;
+* ``"ewald"`` (what metatrain trains with): the same with ``lr_kgrid`` in place of
+  the two mesh inputs, for batches of any number of periodic structures. Ewald sums
+  differ from P3M by P3M's discretisation error (about 1e-3 relative in the
+  long-range potentials at metatrain's default ``kspace_resolution``), and cost
+  O(atoms x k-vectors).
+
+:class:`ExportedPET` takes a :class:`petfunc.neighbors.Neighbors` built either way
+and rebuilds the long-range inputs for its own method when they differ.
+
 Outputs: ``energy`` [S] (eV), ``energies`` [N] (eV per atom), ``forces`` [N, 3]
 (eV/Å), ``strain_derivative`` [S, 3, 3] (dE/d eps in eV; stress = this / volume).
 
@@ -63,18 +84,45 @@ from .neighbors import Neighbors
 
 
 FORMAT = "petfunc.exported"
-VERSION = 2  # 2: Neighbors gained charge and spin_multiplicity
+# 2: Neighbors gained charge and spin_multiplicity; 3: long-range inputs. Models
+# without long-range features are still written as version 2, which older petfunc reads.
+VERSION = 3
+READABLE_VERSIONS = (2, 3)
 METADATA = "petfunc.json"
-# long-range inputs (meshes, k-grids) are not part of the artifact's interface
+# the inputs of every model; long-range models take LONG_RANGE_INPUTS after them
 INPUTS = ("positions", "cell") + tuple(f for f in Neighbors._fields if f != "long_range")
 N_GRAPH_FIELDS = len(INPUTS) - 2
+_LR_COMMON = ("lr_structure_atoms", "lr_structure_mask", "lr_atom_slot", "lr_periodic")
+_LR_PAIRS = ("lr_pairs", "lr_pair_mask")
+LONG_RANGE_INPUTS = {
+    "p3m": _LR_COMMON + ("lr_mesh_sizes", "lr_mesh") + _LR_PAIRS,
+    "ewald": _LR_COMMON + ("lr_kgrid",) + _LR_PAIRS,
+}
 OUTPUTS = ("energy", "energies", "forces", "strain_derivative")
 
 __all__ = ["export", "load", "ExportedPET"]
 
 
-def _example_inputs(config: PETConfig, dtype, device):
-    """A two-structure batch whose sizes are all >= 2 and mostly distinct."""
+def input_names(long_range: Optional[str]) -> Tuple[str, ...]:
+    """The artifact's input names, for long-range method ``long_range`` (None: a
+    model without long-range features)."""
+    return INPUTS + (LONG_RANGE_INPUTS[long_range] if long_range else ())
+
+
+def _method(config: PETConfig, long_range: Optional[str]) -> Optional[str]:
+    """The long-range method of an export: None without long-range features."""
+    if not config.long_range.enable:
+        return None
+    method = "p3m" if long_range is None else long_range
+    if method not in LONG_RANGE_INPUTS:
+        raise ValueError(f"long_range must be one of {tuple(LONG_RANGE_INPUTS)}, got {long_range!r}")
+    return method
+
+
+def _example_inputs(config: PETConfig, dtype, device, long_range: Optional[str] = None):
+    """A batch whose sizes are all >= 2 and mostly distinct: a cluster and the padding
+    molecule, after a small triclinic crystal for long-range models (whose k-grid or
+    P3M mesh needs a periodic first structure)."""
     from .data import padding_sample
     from .structures import collate, prepare
 
@@ -83,8 +131,75 @@ def _example_inputs(config: PETConfig, dtype, device):
     # a compact cluster (every pair within the cutoff), all species represented
     positions = rng.uniform(0.0, 0.35 * config.cutoff, size=(n, 3))
     numbers = [config.atomic_types[i % len(config.atomic_types)] for i in range(n)]
-    cluster = prepare(numbers, positions, None, False, config, "example")
-    return collate([cluster, padding_sample(config).structure], config, dtype=dtype, device=device)
+    structures = [prepare(numbers, positions, None, False, config, "example")]
+    if long_range:
+        cell = np.array([[4.1, 0.0, 0.0], [0.4, 4.7, 0.0], [0.3, 0.6, 5.3]]) * max(1.0, config.cutoff / 4.5)
+        fractions = rng.uniform(0.0, 1.0, size=(n + 1, 3))
+        numbers = [config.atomic_types[i % len(config.atomic_types)] for i in range(n + 1)]
+        crystal = prepare(numbers, fractions @ cell, cell, True, config, "example crystal")
+        structures.insert(0, crystal)
+    structures.append(padding_sample(config).structure)
+    return collate(structures, config, dtype=dtype, device=device, long_range=long_range or "p3m")
+
+
+def long_range_inputs(neighbors: Neighbors, cell: torch.Tensor, config: PETConfig, method: str) -> Tuple[torch.Tensor, ...]:
+    """The long-range inputs of an artifact for ``method`` (in ``LONG_RANGE_INPUTS``
+    order), from a batch's :class:`Neighbors`. Inputs built for the other method are
+    rebuilt from the batch's cells, periodicity and atom counts.
+
+    Raises:
+        ValueError: no long-range inputs, or (P3M) a periodic structure other than the first.
+    """
+    from . import long_range as lr
+
+    inputs = neighbors.long_range
+    if inputs is None:
+        raise ValueError(
+            "this exported model has long-range features but the neighbors carry no "
+            "long-range inputs: build them with petfunc.from_atoms or collate for its config"
+        )
+    periodic = inputs.periodic.cpu()
+    if method == "p3m" and bool(periodic[1:].any()):
+        raise ValueError(
+            "this exported model evaluates long-range features with P3M, whose meshes "
+            "can differ per structure: only the first structure of a call may be "
+            f"periodic, but structures {periodic.nonzero().flatten().tolist()} are. Call it once per "
+            "crystal, or export with long_range='ewald' to batch crystals"
+        )
+    built_for = "ewald" if len(inputs.meshes) == 0 else "p3m"
+    if built_for != method:
+        counts = inputs.structure_mask.sum(dim=1).cpu().tolist()
+        cells = cell.detach().cpu().double().numpy()
+        pbcs = periodic.numpy()[:, None].repeat(3, axis=1)
+        inputs = lr.build(config, counts, cells, pbcs, method=method, device=inputs.periodic.device)
+    common = (inputs.structure_atoms, inputs.structure_mask, inputs.atom_slot, inputs.periodic)
+    pairs = (inputs.pairs, inputs.pair_mask)
+    if method == "ewald":
+        return common + (inputs.kgrid,) + pairs
+    mesh, mesh_sizes = inputs.meshes[0], inputs.mesh_sizes
+    if mesh is None:
+        # a molecule first: a stand-in mesh, whose result is masked out
+        mesh = torch.zeros(_STAND_IN_MESH, dtype=torch.uint8, device=mesh_sizes.device)
+        mesh_sizes = mesh_sizes.clone()
+        mesh_sizes[0] = torch.tensor(_STAND_IN_MESH)
+    return common + (mesh_sizes, mesh) + pairs
+
+
+_STAND_IN_MESH = (2, 2, 2)
+
+
+def _long_range_from_inputs(method: Optional[str], fields):
+    """The :class:`petfunc.long_range.LongRange` inside the traced function."""
+    if method is None:
+        return None
+    from .long_range import LeadingMeshes, LongRange
+
+    atoms, mask, slot, periodic = fields[:4]
+    pairs, pair_mask = fields[-2:]
+    if method == "ewald":
+        return LongRange(atoms, mask, slot, periodic, fields[4], None, (), pairs, pair_mask)
+    # P3M for the first structure only; the others are molecules (their k-space part is zero)
+    return LongRange(atoms, mask, slot, periodic, None, fields[4], LeadingMeshes((fields[5],)), pairs, pair_mask)
 
 
 class _Flat(torch.nn.Module):
@@ -98,29 +213,37 @@ class _Flat(torch.nn.Module):
         return self.graph_module(*inputs)
 
 
-def trace(config: PETConfig, params, dtype=torch.float32, device="cpu"):
+def trace(config: PETConfig, params, dtype=torch.float32, device="cpu", long_range: Optional[str] = None):
     """The ``torch.export`` program of the artifact (weights as constants).
 
+    ``long_range``: the reciprocal-space method of a long-range model, ``"p3m"``
+    (default) or ``"ewald"``; ignored for other models.
     Returns ``(exported_program, example_inputs)``.
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from ._fft_meta import fft_meta
     from .compile import _fake_inputs, _move_graph, _trace_device, no_duck_shape
     from .model import PET
 
     device = torch.device(device)
-    positions, cell, neighbors = _example_inputs(config, dtype, device)
+    method = _method(config, long_range)
+    names = input_names(method)
+    positions, cell, neighbors = _example_inputs(config, dtype, device, method)
     example = (positions, cell, *neighbors[:N_GRAPH_FIELDS])
+    if method:
+        example += long_range_inputs(neighbors, cell, config, method)
     # for a GPU: traced on the CPU, then moved, as petfunc.compile does (see _trace_device)
     trace_device = _trace_device(list(example))
     params = cast_params(params, dtype, trace_device or device)
     fn = energy_terms_forces_strain_derivative(PET(config).energy_terms)
 
     def flat(positions, cell, *fields):
-        return fn(params, positions, cell, Neighbors(*fields))
+        long_range = _long_range_from_inputs(method, fields[N_GRAPH_FIELDS:])
+        return fn(params, positions, cell, Neighbors(*fields[:N_GRAPH_FIELDS], long_range=long_range))
 
     mode, fakes = _fake_inputs(list(example), [False] * len(example), trace_device)
-    with mode, torch.no_grad():
+    with mode, torch.no_grad(), fft_meta():
         graph = make_fx(flat, tracing_mode="real")(*fakes)
     graph.graph.eliminate_dead_code()
     if trace_device is not None:
@@ -128,26 +251,31 @@ def trace(config: PETConfig, params, dtype=torch.float32, device="cpu"):
     graph.recompile()
 
     auto = torch.export.Dim.AUTO
-    dynamic = tuple({d: auto for d in range(t.dim()) if not _is_xyz(name, d)} for name, t in zip(INPUTS, example))
-    with torch.no_grad(), no_duck_shape():
+    dynamic = tuple({d: auto for d in range(t.dim()) if not _is_fixed(name, d)} for name, t in zip(names, example))
+    with torch.no_grad(), no_duck_shape(), fft_meta():
         program = torch.export.export(_Flat(graph), example, dynamic_shapes=(dynamic,), strict=False)
-    _check_dynamic(program)
+    _check_dynamic(program, names)
     return program, example
 
 
-def _is_xyz(name: str, dim: int) -> bool:
-    """The fixed-size axes: the 3 of xyz and of cell vectors."""
-    return (name in ("positions", "cell_shifts") and dim == 1) or (name == "cell" and dim > 0)
+def _is_fixed(name: str, dim: int) -> bool:
+    """The fixed-size axes: the 3 of xyz, of cell vectors, of k-vectors and of mesh
+    sizes, and the 2 atoms of a long-range pair."""
+    if name == "cell":
+        return dim > 0
+    if name in ("positions", "cell_shifts", "lr_mesh_sizes", "lr_pairs"):
+        return dim == 1
+    return name == "lr_kgrid" and dim == 2
 
 
-def _check_dynamic(program) -> None:
+def _check_dynamic(program, names=INPUTS) -> None:
     """Every data size must have stayed symbolic (no silent specialisation)."""
     user_inputs = set(program.graph_signature.user_inputs)
     user = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
-    for name, node in zip(INPUTS, user):
+    for name, node in zip(names, user):
         value = node.meta.get("val")
         for d, size in enumerate(value.shape):
-            if not _is_xyz(name, d) and not isinstance(size, torch.SymInt):
+            if not _is_fixed(name, d) and not isinstance(size, torch.SymInt):
                 raise RuntimeError(f"export specialised size {d} of {name!r} to {size}")
 
 
@@ -159,6 +287,7 @@ def export(
     device="cpu",
     aoti: Optional[bool] = None,
     inductor_configs: Optional[dict] = None,
+    long_range: Optional[str] = None,
 ) -> Path:
     """Write the deployment artifact of ``(config, params)`` to ``path`` (``.pt2``).
 
@@ -172,35 +301,45 @@ def export(
         aoti: also compile the program with AOTInductor (minutes on a CPU).
             Default (None): on the CPU only (see the module docstring for GPUs).
         inductor_configs: options for AOTInductor.
+        long_range: for a model with long-range features, ``"p3m"`` (default:
+            metatrain's evaluation; only the first structure of a call may be
+            periodic) or ``"ewald"`` (metatrain's training; batches of crystals). See
+            the module docstring.
     Returns:
         the path written.
     """
     from torch.export.pt2_archive._package import package_pt2
 
-    if config.long_range.enable:
-        raise NotImplementedError(
-            "petfunc export does not support long-range models yet (their P3M meshes "
-            "and k-grids are not part of the artifact's inputs); use PETCalculator"
-        )
+    method = _method(config, long_range)
     path = Path(path)
     if path.suffix != ".pt2":
         raise ValueError(f"the exported model's file name must end in .pt2, got {str(path)!r}")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     device = torch.device(device)
-    aoti = default_aoti(device) if aoti is None else bool(aoti)
-    program, example = trace(config, params, dtype, device)
+    from .compile import P3M_INDUCTOR_CORRECT
+
+    if aoti and method == "p3m" and not P3M_INDUCTOR_CORRECT:
+        raise ValueError(
+            "AOTInductor of torch < 2.13 miscompiles the strain derivative of P3M "
+            "long-range features: export with aoti=False (--no-aoti), long_range='ewald', "
+            "or torch >= 2.13"
+        )
+    aoti = default_aoti(device, config, long_range) if aoti is None else bool(aoti)
+    program, example = trace(config, params, dtype, device, method)
     metadata = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION if method else 2,
         "hypers": config.to_hypers(),
         "dtype": str(dtype).replace("torch.", ""),
         "device": device.type,
         "aoti": bool(aoti),
-        "inputs": list(INPUTS),
+        "inputs": list(input_names(method)),
         "outputs": list(OUTPUTS),
         "torch": torch.__version__,
     }
+    if method:
+        metadata["long_range"] = method
     path.parent.mkdir(parents=True, exist_ok=True)
     # built next to the target and renamed into place: a failed export leaves no file
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".petfunc-export-") as scratch:
@@ -222,10 +361,15 @@ def export(
     return path
 
 
-def default_aoti(device) -> bool:
+def default_aoti(device, config: Optional[PETConfig] = None, long_range: Optional[str] = None) -> bool:
     """Whether :func:`export` builds the AOTInductor library when not told: on the CPU
     yes; on a GPU no (its one build tried so far crashed the loading process: see
-    the module docstring)."""
+    the module docstring); for a P3M long-range model on torch < 2.13 no (its
+    inductor miscompiles the strain derivative)."""
+    from .compile import P3M_INDUCTOR_CORRECT
+
+    if config is not None and _method(config, long_range) == "p3m" and not P3M_INDUCTOR_CORRECT:
+        return False
     return torch.device(device).type == "cpu"
 
 
@@ -243,6 +387,8 @@ class ExportedPET:
         config: the :class:`PETConfig` (to build neighbour inputs).
         dtype, device: of the computation.
         aoti: True when the AOTInductor library runs, False for the exported program.
+        long_range: ``"p3m"`` or ``"ewald"`` for a model with long-range features
+            (the method its inputs are built for), else None.
     """
 
     def __init__(self, config, runner, dtype, device, aoti, metadata):
@@ -252,6 +398,8 @@ class ExportedPET:
         self.device = device
         self.aoti = aoti
         self.metadata = metadata
+        self.long_range = metadata.get("long_range")
+        self.inputs = input_names(self.long_range)
 
     def __repr__(self) -> str:
         kind = "AOTInductor" if self.aoti else "exported program"
@@ -259,8 +407,10 @@ class ExportedPET:
 
     def __call__(self, positions: torch.Tensor, cell: torch.Tensor, neighbors: Neighbors) -> Tuple[torch.Tensor, ...]:
         inputs = (positions, cell, *neighbors[:N_GRAPH_FIELDS])
-        for name, t in zip(INPUTS, inputs):
-            if any(size < 2 for d, size in enumerate(t.shape) if not _is_xyz(name, d)):
+        if self.long_range:
+            inputs += long_range_inputs(neighbors, cell, self.config, self.long_range)
+        for name, t in zip(self.inputs, inputs):
+            if any(size < 2 for d, size in enumerate(t.shape) if not _is_fixed(name, d)):
                 raise ValueError(
                     f"every size of the exported model's inputs must be at least 2, but "
                     f"{name!r} has shape {tuple(t.shape)}: batch a single structure with "
@@ -296,10 +446,11 @@ def load(path, aoti: Optional[bool] = None) -> ExportedPET:
     if raw is None:
         raise ValueError(f"{str(path)!r} has no {METADATA}: not an archive written by petfunc export")
     metadata = json.loads(raw)
-    if metadata.get("format") != FORMAT or metadata.get("version") != VERSION:
+    if metadata.get("format") != FORMAT or metadata.get("version") not in READABLE_VERSIONS:
         raise ValueError(
             f"{str(path)!r}: unsupported format {metadata.get('format')!r} version "
-            f"{metadata.get('version')!r} (this petfunc reads {FORMAT!r} version {VERSION})"
+            f"{metadata.get('version')!r} (this petfunc reads {FORMAT!r} versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))})"
         )
     config = PETConfig.from_hypers(metadata["hypers"])
     dtype = getattr(torch, metadata["dtype"])
