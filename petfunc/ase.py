@@ -63,7 +63,7 @@ from .config import PETConfig
 from .data import padding_sample
 from .derivatives import energy_terms_forces_strain_derivative
 from .io import cast_params, load_params, network_dtype
-from .long_range import mesh_layout
+from .long_range import calculator_backend, mesh_layout
 from .model import PET
 from .remat import remat as remat_fn
 from .structures import collate, prepare_atoms, state_from_info
@@ -197,14 +197,8 @@ class PETCalculator(Calculator):
         self.params = None if params is None else cast_params(params, self.dtype, self.device)
         self.ensemble_params = ensemble_params
         self.compile = bool(compile)
-        self.backend = backend
-        if compile and backend == "inductor" and config.long_range.enable:
-            from .compile import P3M_INDUCTOR_CORRECT
-
-            if not P3M_INDUCTOR_CORRECT:
-                warnings.warn("torch < 2.13: compiling this long-range model with aot_eager, not "
-                              "inductor, which miscompiles the P3M strain derivative (stress)")
-                self.backend = "aot_eager"
+        # torch < 2.13: aot_eager for long-range models (long_range.calculator_backend)
+        self.backend = calculator_backend(config, backend) if compile else backend
         # energy, per-atom energies, forces, strain derivative: one forward pass;
         # traced (torch.func) when compiled, by autograd when eager (faster there)
         self._efs = energy_terms_forces_strain_derivative(self.model.energy_terms)

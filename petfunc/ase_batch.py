@@ -12,7 +12,6 @@ meshes).
 
 from __future__ import annotations
 
-import warnings
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -24,7 +23,7 @@ from .config import PETConfig
 from .data import padding_sample
 from .derivatives import energy_and_forces, energy_forces_strain_derivative
 from .io import cast_params, network_dtype
-from .long_range import mesh_layout
+from .long_range import calculator_backend, mesh_layout
 from .model import PET
 from .structures import collate, prepare_atoms
 
@@ -62,14 +61,8 @@ class BatchEvaluator:
         self.stress = stress
         self.max_atoms = max_atoms
         self.compile = compile
-        self.backend = backend
-        if compile and backend == "inductor" and config.long_range.enable:
-            from .compile import P3M_INDUCTOR_CORRECT
-
-            if not P3M_INDUCTOR_CORRECT:
-                warnings.warn("torch < 2.13: compiling this long-range model with aot_eager, not "
-                              "inductor, which miscompiles the P3M strain derivative (stress)")
-                self.backend = "aot_eager"
+        # torch < 2.13: aot_eager for long-range models (long_range.calculator_backend)
+        self.backend = calculator_backend(config, backend) if compile else backend
         self.cache_tag = cache_tag
         # with stress the model also gives dE/d strain, from the same pass
         self._derivatives = energy_forces_strain_derivative if stress else energy_and_forces

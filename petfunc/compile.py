@@ -1135,29 +1135,16 @@ class Compiled:
         return inputs
 
 
-# measured: torch 2.11's inductor gives P3M a wrong strain derivative (2.13, 2.14 right;
-# Ewald right on all three; 2.12 not tried)
-P3M_INDUCTOR_CORRECT = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
-
-
 def _has_p3m_inputs(args) -> bool:
     """Whether ``args`` hold the long-range inputs of a P3M batch with a mesh."""
+    from .long_range import mesh_layout
     from .neighbors import Neighbors
 
-    found = []
+    def is_neighbors(x):
+        return isinstance(x, Neighbors)
 
-    def visit(x):
-        if isinstance(x, Neighbors) and x.long_range is not None:
-            found.append(any(m is not None for m in x.long_range.meshes))
-        elif isinstance(x, (tuple, list)) and not isinstance(x, torch.Tensor):
-            for y in x:
-                visit(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                visit(y)
-
-    visit(args)
-    return any(found)
+    return any(any(mesh_layout(x.long_range) or ()) for x in pytree.tree_leaves(args, is_leaf=is_neighbors)
+               if is_neighbors(x))
 
 
 def compile(
@@ -1216,7 +1203,9 @@ def compile(
     Returns:
         a callable with ``fn``'s signature; ``.num_graphs`` counts compilations.
     """
-    if backend == "inductor" and not P3M_INDUCTOR_CORRECT and _has_p3m_inputs(example_args):
+    from . import long_range
+
+    if backend == "inductor" and not long_range.P3M_INDUCTOR_CORRECT and _has_p3m_inputs(example_args):
         raise ValueError(
             "inductor of torch < 2.13 miscompiles the derivative of P3M long-range features "
             "with respect to the cell (torch 2.11: strain derivatives, hence stresses, wrong "

@@ -142,6 +142,10 @@ def _example_inputs(config: PETConfig, dtype, device, long_range: Optional[str] 
     return collate(structures, config, dtype=dtype, device=device, long_range=long_range or "p3m")
 
 
+# the mesh input when the first structure is a molecule (its k-space part is masked out)
+_STAND_IN_MESH = (2, 2, 2)
+
+
 def long_range_inputs(neighbors: Neighbors, cell: torch.Tensor, config: PETConfig, method: str) -> Tuple[torch.Tensor, ...]:
     """The long-range inputs of an artifact for ``method`` (in ``LONG_RANGE_INPUTS``
     order), from a batch's :class:`Neighbors`. Inputs built for the other method are
@@ -183,9 +187,6 @@ def long_range_inputs(neighbors: Neighbors, cell: torch.Tensor, config: PETConfi
         mesh_sizes = mesh_sizes.clone()
         mesh_sizes[0] = torch.tensor(_STAND_IN_MESH)
     return common + (mesh_sizes, mesh) + pairs
-
-
-_STAND_IN_MESH = (2, 2, 2)
 
 
 def _long_range_from_inputs(method: Optional[str], fields):
@@ -317,7 +318,7 @@ def export(
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     device = torch.device(device)
-    from .compile import P3M_INDUCTOR_CORRECT
+    from .long_range import P3M_INDUCTOR_CORRECT
 
     if aoti and method == "p3m" and not P3M_INDUCTOR_CORRECT:
         raise ValueError(
@@ -366,7 +367,7 @@ def default_aoti(device, config: Optional[PETConfig] = None, long_range: Optiona
     yes; on a GPU no (its one build tried so far crashed the loading process: see
     the module docstring); for a P3M long-range model on torch < 2.13 no (its
     inductor miscompiles the strain derivative)."""
-    from .compile import P3M_INDUCTOR_CORRECT
+    from .long_range import P3M_INDUCTOR_CORRECT
 
     if config is not None and _method(config, long_range) == "p3m" and not P3M_INDUCTOR_CORRECT:
         return False

@@ -31,6 +31,7 @@ on positions or the cell (k-vectors, volume, mesh weights, distances) is compute
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
@@ -40,6 +41,22 @@ from . import nn
 from .config import PETConfig
 
 METHODS = ("ewald", "p3m")
+
+# measured: torch 2.11's inductor gives P3M a wrong strain derivative (2.13, 2.14 right;
+# Ewald right on all three; 2.12 not tried). petfunc.compile refuses it for P3M inputs,
+# the compiled calculators take aot_eager, petfunc export leaves out AOTInductor.
+P3M_INDUCTOR_CORRECT = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+def calculator_backend(config: PETConfig, backend: str) -> str:
+    """The backend a compiled calculator of ``config`` uses when asked for ``backend``:
+    ``aot_eager`` (with a warning) instead of inductor for a long-range model where
+    not :data:`P3M_INDUCTOR_CORRECT`, else ``backend``."""
+    if backend == "inductor" and config.long_range.enable and not P3M_INDUCTOR_CORRECT:
+        warnings.warn("torch < 2.13: compiling this long-range model with aot_eager, not "
+                      "inductor, which miscompiles the P3M strain derivative (stress)", stacklevel=3)
+        return "aot_eager"
+    return backend
 
 
 class LongRange(NamedTuple):

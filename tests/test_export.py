@@ -21,6 +21,7 @@ from petfunc.ase import PETCalculator
 from petfunc.cli import main
 from petfunc.data import padding_sample
 from petfunc.structures import collate, prepare_atoms
+from test_long_range import _params as perturbed_params  # random weights with non-trivial charges
 
 
 SMALL = dict(d_pet=16, d_node=32, d_head=16, d_feedforward=32, num_heads=2)
@@ -196,14 +197,8 @@ def test_aoti_build_is_the_default_on_the_cpu_only(monkeypatch, tmp_path):
 LR_CONFIG = petfunc.PETConfig(atomic_types=(1, 6, 8), long_range=dict(enable=True), **SMALL)
 
 
-def lr_params(seed=5):
-    """Random weights with non-trivial charges (float64)."""
-    params = petfunc.init(LR_CONFIG, seed=seed, dtype=torch.float64)
-    g = torch.Generator().manual_seed(seed)
-    flat = petfunc.tree.flatten(params)
-    for key, value in flat.items():
-        flat[key] = value + 0.3 * torch.randn(value.shape, generator=g, dtype=value.dtype)
-    return petfunc.tree.unflatten(flat)
+def lr_params():
+    return perturbed_params(LR_CONFIG, seed=5)
 
 
 def lr_structures():
@@ -308,7 +303,7 @@ def test_long_range_aoti_artifact_equals_eager(tmp_path):
     """AOTInductor builds the P3M model too (its FFTs run as ATen kernels). On torch <
     2.13, whose inductor miscompiles the P3M strain derivative (measured on 2.11:
     wrong by 100 %), the build is refused and not the default."""
-    from petfunc.compile import P3M_INDUCTOR_CORRECT
+    from petfunc.long_range import P3M_INDUCTOR_CORRECT
 
     params = lr_params()
     if not P3M_INDUCTOR_CORRECT:

@@ -306,7 +306,7 @@ def test_old_inductor_is_not_used_for_p3m(monkeypatch):
     import petfunc.ase
 
     compile_module = importlib.import_module("petfunc.compile")
-    monkeypatch.setattr(compile_module, "P3M_INDUCTOR_CORRECT", False)
+    monkeypatch.setattr(long_range, "P3M_INDUCTOR_CORRECT", False)
     config = _config()
     params = _params(config)
     fn = petfunc.derivatives.energy_terms_forces_strain_derivative(petfunc.PET(config).energy_terms)
