@@ -270,7 +270,15 @@ def _is_fixed(name: str, dim: int) -> bool:
 
 
 def _check_dynamic(program, names=INPUTS) -> None:
-    """Every data size must have stayed symbolic (no silent specialisation)."""
+    """Every data size must have stayed symbolic: not specialised to a number and
+    not bounded beyond export's own ``[2, oo]`` (the inputs always hold at least the
+    padding structure, so no size is 0 or 1). A bound would make the artifact refuse,
+    at run time, batches that the eager model takes. The equalities between sizes
+    that the graph needs (``centers`` and ``neighbors`` have one length, ...) are
+    export's guards, checked at every call; the tests run the artifact on batches of
+    many sizes against them."""
+    from torch.utils._sympy.numbers import int_oo
+
     user_inputs = set(program.graph_signature.user_inputs)
     user = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
     for name, node in zip(names, user):
@@ -278,6 +286,9 @@ def _check_dynamic(program, names=INPUTS) -> None:
         for d, size in enumerate(value.shape):
             if not _is_fixed(name, d) and not isinstance(size, torch.SymInt):
                 raise RuntimeError(f"export specialised size {d} of {name!r} to {size}")
+    for symbol, bounds in program.range_constraints.items():
+        if bounds.lower > 2 or bounds.upper != int_oo:
+            raise RuntimeError(f"export bounded the size {symbol} to [{bounds.lower}, {bounds.upper}]")
 
 
 def export(

@@ -115,6 +115,29 @@ def test_export_errors(exported, tmp_path):
         PETCalculator(CONFIG, params, exported=model)
 
 
+def test_check_dynamic_finds_bounds():
+    """Export can keep a size symbolic and still bound it: the artifact would then
+    refuse batches that the model takes."""
+
+    class Cat(torch.nn.Module):
+        def forward(self, a, b):
+            return torch.cat([a, b])
+
+    class Branch(torch.nn.Module):
+        def forward(self, a, b):
+            return a * 2 if a.shape[0] > 5 else a, b
+
+    auto = torch.export.Dim.AUTO
+    names = ("species", "centers")
+    dynamic = ({0: auto}, {0: auto})
+    a, b = torch.ones(8), torch.ones(7)
+    pexport._check_dynamic(torch.export.export(Cat(), (a, b), dynamic_shapes=dynamic), names)
+    with pytest.raises(RuntimeError, match=r"bounded the size s\d+ to \[6, "):
+        pexport._check_dynamic(torch.export.export(Branch(), (a, b), dynamic_shapes=dynamic), names)
+    with pytest.raises(RuntimeError, match="specialised size 0 of 'centers' to 7"):
+        pexport._check_dynamic(torch.export.export(Cat(), (a, b), dynamic_shapes=({0: auto}, None)), names)
+
+
 def test_cli_export(exported, tmp_path, capsys):
     params, path, model = exported
     assert [p.name for p in path.parent.iterdir()] == ["model.pt2"]  # no leftovers
