@@ -874,8 +874,10 @@ class Compiled:
         if cache_key is not None:
             signature = (
                 [(t.dtype, str(t.device), tuple(t.shape) if s else t.dim()) for t, s in zip(inputs, self._static)],
-                self._in_layout.key(), repr(self._spec), repr(self._constants), self._donated_inputs,
-                self.fused_attention,
+                # which leaves are tensors: pytree flattens None to a leaf, so the spec
+                # alone does not tell (mesh, None, mesh) from (mesh, mesh, None)
+                self._in_layout.key(), repr(self._spec), self._is_tensor, repr(self._constants),
+                self._donated_inputs, self.fused_attention,
             )
             cache = _cache_file(str(cache_key), signature)
         loaded = _load_trace(cache) if cache is not None and cache.exists() else None

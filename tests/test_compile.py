@@ -142,6 +142,31 @@ def test_trace_cache(tmp_path, monkeypatch):
     assert not petfunc.compile(scatter_energy, params, *x, backend="aot_eager", cache_key="toy").from_cache
 
 
+def test_trace_cache_tells_where_the_nones_are(tmp_path, monkeypatch):
+    """pytree flattens None to a leaf, so (x, None) and (None, x) have one spec: the
+    cache must still keep their traces apart (a P3M batch's meshes are such a tuple,
+    None for each molecule; a crystal's mesh loaded from a trace made for another
+    layout gave wrong energies)."""
+    monkeypatch.setenv("PETFUNC_TRACE_CACHE_DIR", str(tmp_path))
+
+    def weighted(params, pair):
+        a, b = pair
+        out = params["w"].sum()
+        if a is not None:
+            out = out + 2 * a.sum()
+        if b is not None:
+            out = out + 3 * b.sum()
+        return out
+
+    params = {"w": torch.zeros(2, dtype=torch.float64)}
+    x = torch.ones(4, dtype=torch.float64)
+    first = petfunc.compile(weighted, params, (x, None), backend="aot_eager", cache_key="pair")
+    second = petfunc.compile(weighted, params, (None, x), backend="aot_eager", cache_key="pair")
+    assert not second.from_cache
+    assert float(first(params, (x, None))) == 8.0 and float(second(params, (None, x))) == 12.0
+    assert petfunc.compile(weighted, params, (None, x), backend="aot_eager", cache_key="pair").from_cache
+
+
 def test_trace_cache_write_failure_leaves_no_file(tmp_path, monkeypatch):
     """A cache file that cannot be written completely (here: fsync fails after the
     bytes went out) costs a warning and a trace in the next process, and leaves
