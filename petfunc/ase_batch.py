@@ -6,8 +6,8 @@ at most ``max_atoms`` atoms), adds the padding molecule that keeps every size >=
 and returns per-structure results as :class:`petfunc.ase.PETCalculator` computes
 them: energy (eV), forces (eV/Å) and, when asked, the stress (eV/Å^3, ASE's Voigt
 order, symmetrised). With ``compile=True`` one compiled graph serves every batch (for
-a long-range model, one per pattern of crystals and molecules in a batch: P3M's
-meshes).
+a long-range model, one per number of crystals in a batch: each has its own P3M
+mesh; the crystals are put first in the model call).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class BatchEvaluator:
             volume then).
         max_atoms: most atoms in one model call (``None``: all structures at once).
         compile: evaluate through :func:`petfunc.compile` (one graph for every batch;
-            long-range models: one per pattern of crystals and molecules).
+            long-range models: one per number of crystals in a batch).
         backend, dtype, device: as for :class:`petfunc.ase.PETCalculator`.
         cache_tag: names the caller in the compiled trace's cache key.
         keep_freed_memory: call :func:`petfunc.allocator.keep_freed_memory`
@@ -69,7 +69,7 @@ class BatchEvaluator:
         self._model = PET(config)
         self._padding = padding_sample(config).structure
         # by long-range mesh layout (long_range.mesh_layout): with P3M, one graph per
-        # pattern of crystals and molecules in a batch; otherwise one in all
+        # number of crystals in a batch; otherwise one in all
         self._compiled = {}
         self._eager = None if compile else self._derivatives(self._model.energy, "autograd")
 
@@ -93,8 +93,12 @@ class BatchEvaluator:
 
     def __call__(self, frames: Sequence, labels: Optional[Sequence[str]] = None) -> List[Dict[str, np.ndarray]]:
         labels = list(labels) if labels is not None else [f"structure {i}" for i in range(len(frames))]
-        results: List[Dict[str, np.ndarray]] = []
+        results: List[Optional[Dict[str, np.ndarray]]] = [None] * len(frames)
         for group in _chunks([len(a) for a in frames], self.max_atoms):
+            if self.compile and self.config.long_range.enable:
+                # crystals first: a P3M graph is fixed to which structures have a
+                # mesh, so k crystals and any molecules then share one graph
+                group = sorted(group, key=lambda i: not frames[i].pbc.any())
             structures = [prepare_atoms(frames[i], self.config, label=labels[i]) for i in group]
             # the dummy molecule keeps every size >= 2: one compiled graph for all
             positions, cell, neighbors = collate(structures + [self._padding], self.config, dtype=self.dtype,
@@ -112,7 +116,7 @@ class BatchEvaluator:
                 if strain is not None:
                     result["stress"] = _voigt(strain[k] / abs(frames[i].cell.volume))
                 start += n
-                results.append(result)
+                results[i] = result
         return results
 
     def _evaluate(self, positions, cell, neighbors):

@@ -297,6 +297,32 @@ def test_compiled_calculator_takes_any_mesh_and_molecules():
     assert graphs == [1, 1, 1, 2, 2]
 
 
+def test_batch_evaluator_puts_crystals_first():
+    """BatchEvaluator (batched relaxation and MD) with P3M: a graph is fixed to which
+    structures of a call have a mesh, so the crystals go first and batches with as
+    many crystals share a graph whatever their order; every result is the eager
+    calculator's for its own structure."""
+    import petfunc.ase
+    from petfunc.ase_batch import BatchEvaluator
+
+    config = _config()
+    params = _params(config)
+    batched = BatchEvaluator(config, params, compile=True, backend="aot_eager")
+    eager = petfunc.ase.PETCalculator(config, params)
+    larger = ase.build.bulk("C", "diamond", a=3.6, cubic=True).repeat((2, 1, 1))
+    larger.rattle(0.05, seed=2)
+    graphs = []
+    for frames in ([_molecule(), _diamond(), _triclinic()], [_diamond(), _molecule(), larger], [_molecule()]):
+        results = batched(frames)
+        for atoms, result in zip(frames, results):
+            eager.calculate(atoms.copy(), ["energy", "forces"])
+            for key in ("energy", "forces"):
+                a, b = np.asarray(result[key]), np.asarray(eager.results[key])
+                assert a.shape == b.shape and np.abs(a - b).max() <= 1e-9 * max(1.0, np.abs(b).max()), key
+        graphs.append(batched.num_graphs)
+    assert graphs == [1, 1, 2]
+
+
 def test_old_inductor_is_not_used_for_p3m(monkeypatch):
     """torch < 2.13's inductor miscompiles the P3M strain derivative (README): there
     petfunc.compile refuses it for P3M inputs (not for Ewald ones), and the compiled
