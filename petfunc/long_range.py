@@ -356,6 +356,33 @@ def _axis_frequencies(n, dtype, device) -> torch.Tensor:
     return torch.where(m < (n + 1) // 2, m, m - n)
 
 
+def _p3m_frequencies(nx, ny, nz, dtype, device):
+    """Integer frequencies of each bin of a P3M spectrum, as torch-pme's transform
+    reads them: ``([nx, nz], [ny, nz], [nz])`` along the three cell vectors.
+
+    torch-pme filters the half spectrum of ``rfftn`` (z frequencies 0..nz/2, x and y
+    in FFT order, whose Nyquist bin is -n/2) and inverts it with ``irfftn``, which
+    completes the other half by conjugate symmetry. petfunc transforms the whole
+    spectrum (see :func:`_p3m`), so it filters each bin of the other half (z index
+    above nz/2) with the kernel of its mirror bin, by evenness the kernel at minus
+    the mirror's frequencies: there the x and y Nyquist bins read +n/2. In a
+    triclinic cell the kernel at +n/2 and at -n/2 differ, and with a small smearing
+    the Nyquist bins count: read all at -n/2, the forces of a triclinic cell at
+    smearing 0.5 differed from metatrain's by 5e-6 (relative).
+    """
+    iz = torch.arange(nz, device=device)
+    upper = iz * 2 > nz  # the z half that irfftn fills by symmetry
+    fz = _axis_frequencies(nz, dtype, device)
+    fz = torch.where(iz * 2 == nz, -fz, fz)  # rfftn's z Nyquist is +nz/2
+
+    def mirrored(n):
+        i = torch.arange(n, device=device)
+        f = _axis_frequencies(n, dtype, device)[:, None]
+        return torch.where((i * 2 == n)[:, None] & upper[None, :], -f, f)
+
+    return mirrored(nx), mirrored(ny), fz
+
+
 def _p3m(q, positions, cell, sizes, mesh, volume, sigma: float, order: int):
     """Reciprocal-space potential ``[A, C]`` (before the 1/2) of one structure by P3M.
 
@@ -389,13 +416,9 @@ def _p3m(q, positions, cell, sizes, mesh, volume, sigma: float, order: int):
 
     # the P3M filter: Coulomb kernel divided by the squared assignment transform
     reciprocal = 2 * math.pi * _inverse(cell).T  # rows b_a
-    fx = _axis_frequencies(nx, dtype, device)
-    fy = _axis_frequencies(ny, dtype, device)
-    fz = _axis_frequencies(nz, dtype, device)
+    fx, fy, fz = _p3m_frequencies(nx, ny, nz, dtype, device)
     k = (
-        fx[:, None, None, None] * reciprocal[0]
-        + fy[None, :, None, None] * reciprocal[1]
-        + fz[None, None, :, None] * reciprocal[2]
+        fx[:, None, :, None] * reciprocal[0] + fy[None, :, :, None] * reciprocal[1] + fz[None, None, :, None] * reciprocal[2]
     )  # [nx, ny, nz, 3]
     k_sq = torch.linalg.vector_norm(k, dim=3) ** 2
     spacing = torch.linalg.vector_norm(cell, dim=1) / sizes.to(dtype)
