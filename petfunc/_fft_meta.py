@@ -1,6 +1,7 @@
 """Shape functions of the FFT kernels that work with symbolic sizes.
 
-P3M's mesh convolution is ``irfftn(rfftn(rho) * kernel)``. torch's meta
+P3M's mesh convolution is ``irfftn(rfftn(rho) * kernel)`` in torch-pme and
+``ifftn(fftn(rho) * kernel).real`` in petfunc (:mod:`petfunc.long_range`). torch's meta
 (shape-only) functions of these kernels (torch 2.11 to 2.14) compute the output's
 layout through a helper that permutes and resizes an empty tensor in place. On the
 fake tensors of a symbolic trace:
