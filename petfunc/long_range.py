@@ -430,7 +430,7 @@ def _p3m(q, positions, cell, sizes, mesh, volume, sigma: float, order: int):
     # irfftn doubles the frequencies strictly inside the half spectrum, a slice whose
     # size (n_c - n_c // 2 - 1) a trace guards against being 0 or 1, so a compiled or
     # exported P3M would take only meshes in the example's case (n_c = 2, 4, or >= 8).
-    # The kernel reads each bin as irfftn would (_p3m_frequencies): same numbers
+    # The kernel reads each bin as irfftn would (_p3m_frequencies): torch-pme's numbers
     potential_mesh = torch.fft.ifftn(
         torch.fft.fftn(rho, norm="backward", dim=(1, 2, 3)) * kernel, norm="forward", dim=(1, 2, 3)
     ).real
