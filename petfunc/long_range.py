@@ -42,9 +42,11 @@ from .config import PETConfig
 
 METHODS = ("ewald", "p3m")
 
-# measured: torch 2.11's inductor gives P3M a wrong strain derivative (2.13, 2.14 right;
-# Ewald right on all three; 2.12 not tried). petfunc.compile refuses it for P3M inputs,
-# the compiled calculators take aot_eager, petfunc export leaves out AOTInductor.
+# measured: torch 2.11's inductor gave P3M a wrong strain derivative (2.13, 2.14 right;
+# Ewald right on all three; 2.12 not tried). The faulty fusion is avoided since
+# (_signed_volume), but until that is checked more widely petfunc.compile refuses
+# inductor for P3M inputs, the compiled calculators take aot_eager, and petfunc export
+# leaves out AOTInductor.
 P3M_INDUCTOR_CORRECT = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
@@ -296,9 +298,13 @@ def _signed_volume(cell):
     """``a . (b x c)`` of ``cell [..., 3, 3]`` (rows a, b, c), i.e. its determinant.
 
     Not ``torch.linalg.det``: torch 2.11 cannot trace det's backward on fake
-    tensors (an internal assert), which petfunc.compile needs.
+    tensors (an internal assert), which petfunc.compile needs. The rows come from
+    ``unbind`` (backward: one stack), not three selects (backward: select_scatter):
+    torch 2.11's inductor fused that select_scatter with a later add wrongly, and
+    P3M's strain derivative came out about 100 % off.
     """
-    return (cell[..., 0, :] * _cross(cell[..., 1, :], cell[..., 2, :])).sum(-1)
+    a, b, c = cell.unbind(-2)
+    return (a * _cross(b, c)).sum(-1)
 
 
 def _corrections(q, volume, sigma: float):
