@@ -43,8 +43,8 @@ from .config import PETConfig
 METHODS = ("ewald", "p3m")
 
 # measured: torch 2.11's inductor gave P3M a wrong strain derivative (2.13, 2.14 right;
-# Ewald right on all three; 2.12 not tried). The faulty fusion is avoided since
-# (_signed_volume), but until that is checked more widely petfunc.compile refuses
+# Ewald right on all three; 2.12 not tried). The faulty fusion is now avoided
+# (see _signed_volume), but until that is checked more widely petfunc.compile refuses
 # inductor for P3M inputs, the compiled calculators take aot_eager, and petfunc export
 # leaves out AOTInductor.
 P3M_INDUCTOR_CORRECT = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
