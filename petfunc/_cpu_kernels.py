@@ -464,12 +464,22 @@ def start_isa_probe() -> None:
     global _probe
     if _probe is not None or os.environ.get("PETFUNC_EARLY_ISA_PROBE", "1") == "0":
         return
+    # Every module the probe needs is imported here, in the calling thread. Imported
+    # by the probe's thread while the caller imports torch._dynamo (make_fx's shape
+    # environment does), torch's circular imports between _dynamo and _inductor
+    # meet half-initialised modules: "cannot import name 'IndentedBuffer' from
+    # partially initialized module 'torch._inductor.utils'" in the caller, and
+    # torch._dynamo left broken for the rest of the process (measured: torch 2.11
+    # and 2.13, in most runs of a script that imports torch._dynamo right after).
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.codecache  # noqa: F401
+    import torch._inductor.cpp_builder  # noqa: F401
+    import torch.utils._filelock  # noqa: F401
+    from torch._inductor import cpu_vec_isa
 
     def probe():
         try:
-            from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-
-            valid_vec_isa_list()
+            cpu_vec_isa.valid_vec_isa_list()
         except Exception:  # noqa: BLE001 - inductor probes again itself and reports
             pass
 

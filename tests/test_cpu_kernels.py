@@ -210,3 +210,29 @@ def test_vector_isa_probe_runs_once_in_the_background(monkeypatch):
     assert waited == ["wait", "compile"]  # joined before inductor compiles
     probe.join()
     assert calls == ["petfunc-isa-probe"]
+
+
+def test_vector_isa_probe_does_not_race_the_callers_imports(tmp_path):
+    """The probe's thread imports nothing: with its imports in that thread, a caller
+    importing ``torch._dynamo`` meanwhile (as ``petfunc.compile`` does right after
+    starting it) met torch's half-initialised modules in most runs ("cannot import
+    name 'IndentedBuffer' from partially initialized module") and was left with a
+    broken ``torch._dynamo``. Fresh processes, as that needs; two runs, each failed
+    before the fix on torch 2.11 and 2.13."""
+    import os
+    import subprocess
+
+    script = (
+        "import torch\n"
+        "from petfunc import _cpu_kernels\n"
+        "_cpu_kernels.start_isa_probe()\n"
+        "import torch._dynamo\n"
+        "from torch.fx.experimental.symbolic_shapes import ShapeEnv\n"
+        "ShapeEnv()\n"
+        "_cpu_kernels.wait_isa_probe()\n"
+        "print('imports ok')\n"
+    )
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+        assert run.returncode == 0 and "imports ok" in run.stdout, run.stderr[-2000:]
