@@ -500,14 +500,18 @@ def potentials(config: PETConfig, charges, positions, cell, neighbors, edge_cent
         kspace = _ewald(q_slots, x_slots, safe_cell, inputs.kgrid, volume, sigma)
     else:
         per_structure = []
-        for s, mesh in enumerate(inputs.meshes):
+        # each structure's rows by unbind (backward: a stack), not by indexing
+        # (backward: select_scatter): torch 2.13's inductor fused the sum of the cell
+        # gradient's parts of a lone crystal into a kernel that ran before the part
+        # from the edge vectors (an index_put) was accumulated; strain derivative
+        # about 100 % off
+        n = len(inputs.meshes)
+        rows = zip(*(t[:n].unbind(0) for t in (q_slots, x_slots, safe_cell, inputs.mesh_sizes, volume)))
+        for mesh, (q_s, x_s, cell_s, sizes_s, volume_s) in zip(inputs.meshes, rows):
             if mesh is None:
-                per_structure.append(torch.zeros_like(q_slots[s]))
+                per_structure.append(torch.zeros_like(q_s))
             else:
-                per_structure.append(
-                    _p3m(q_slots[s], x_slots[s], safe_cell[s], inputs.mesh_sizes[s], mesh,
-                         volume[s], sigma, lr.interpolation_nodes)
-                )
+                per_structure.append(_p3m(q_s, x_s, cell_s, sizes_s, mesh, volume_s, sigma, lr.interpolation_nodes))
         kspace = torch.stack(per_structure)
         if isinstance(inputs.meshes, LeadingMeshes):
             # the later structures' part is zero (slice_scatter: no size S - len, which
