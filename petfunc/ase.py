@@ -197,8 +197,8 @@ class PETCalculator(Calculator):
         self.params = None if params is None else cast_params(params, self.dtype, self.device)
         self.ensemble_params = ensemble_params
         self.compile = bool(compile)
-        # torch < 2.13: aot_eager for long-range models (long_range.calculator_backend)
-        self.backend = calculator_backend(config, backend) if compile else backend
+        # GPUs on torch < 2.13: aot_eager for long-range models (long_range.calculator_backend)
+        self.backend = calculator_backend(config, backend, self.device) if compile else backend
         # energy, per-atom energies, forces, strain derivative: one forward pass;
         # traced (torch.func) when compiled, by autograd when eager (faster there)
         self._efs = energy_terms_forces_strain_derivative(self.model.energy_terms)

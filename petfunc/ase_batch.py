@@ -61,8 +61,8 @@ class BatchEvaluator:
         self.stress = stress
         self.max_atoms = max_atoms
         self.compile = compile
-        # torch < 2.13: aot_eager for long-range models (long_range.calculator_backend)
-        self.backend = calculator_backend(config, backend) if compile else backend
+        # GPUs on torch < 2.13: aot_eager for long-range models (long_range.calculator_backend)
+        self.backend = calculator_backend(config, backend, self.device) if compile else backend
         self.cache_tag = cache_tag
         # with stress the model also gives dE/d strain, from the same pass
         self._derivatives = energy_forces_strain_derivative if stress else energy_and_forces

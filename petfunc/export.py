@@ -329,13 +329,13 @@ def export(
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     device = torch.device(device)
-    from .long_range import P3M_INDUCTOR_CORRECT
+    from .long_range import P3M_AOTI_CORRECT
 
-    if aoti and method == "p3m" and not P3M_INDUCTOR_CORRECT:
+    if aoti and method == "p3m" and not P3M_AOTI_CORRECT:
         raise ValueError(
             "AOTInductor of torch < 2.13 miscompiles the strain derivative of P3M "
-            "long-range features: export with aoti=False (--no-aoti), long_range='ewald', "
-            "or torch >= 2.13"
+            "long-range features (torch 2.11: wrong by about 100 %): export with "
+            "aoti=False (--no-aoti), long_range='ewald', or torch >= 2.13"
         )
     aoti = default_aoti(device, config, long_range) if aoti is None else bool(aoti)
     program, example = trace(config, params, dtype, device, method)
@@ -377,10 +377,10 @@ def default_aoti(device, config: Optional[PETConfig] = None, long_range: Optiona
     """Whether :func:`export` builds the AOTInductor library when not told: on the CPU
     yes; on a GPU no (its one build tried so far crashed the loading process: see
     the module docstring); for a P3M long-range model on torch < 2.13 no (its
-    inductor miscompiles the strain derivative)."""
-    from .long_range import P3M_INDUCTOR_CORRECT
+    AOTInductor miscompiles the strain derivative: :data:`petfunc.long_range.P3M_AOTI_CORRECT`)."""
+    from .long_range import P3M_AOTI_CORRECT
 
-    if config is not None and _method(config, long_range) == "p3m" and not P3M_INDUCTOR_CORRECT:
+    if config is not None and _method(config, long_range) == "p3m" and not P3M_AOTI_CORRECT:
         return False
     return torch.device(device).type == "cpu"
 

@@ -42,21 +42,35 @@ from .config import PETConfig
 
 METHODS = ("ewald", "p3m")
 
-# measured: torch 2.11's inductor gave P3M a wrong strain derivative (2.13, 2.14 right;
-# Ewald right on all three; 2.12 not tried). The faulty fusion is now avoided
-# (see _signed_volume), but until that is checked more widely petfunc.compile refuses
-# inductor for P3M inputs, the compiled calculators take aot_eager, and petfunc export
-# leaves out AOTInductor.
-P3M_INDUCTOR_CORRECT = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+# measured on the CPU: inductor gave P3M wrong strain derivatives on torch 2.11 (the
+# test crystals, 1 of 4 random batches) and 2.13 (a lone crystal); Ewald was right.
+# Both faulty fusions are avoided since (_signed_volume, the per-structure loop of
+# potentials), which is checked for petfunc.compile on the CPU (compiled == eager on
+# random long-range architectures and batches; the slow suite) and not yet on a GPU.
+# AOTInductor's build of a P3M model (from torch.export's graph, not make_fx's) still
+# gets the strain derivative wrong on torch 2.11. So, as before: for GPUs on torch <
+# 2.13 petfunc.compile refuses inductor for P3M inputs and the compiled calculators
+# take aot_eager, and on torch < 2.13 petfunc export leaves out AOTInductor.
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+P3M_INDUCTOR_GPU_CORRECT = _TORCH >= (2, 13)
+P3M_AOTI_CORRECT = _TORCH >= (2, 13)
 
 
-def calculator_backend(config: PETConfig, backend: str) -> str:
-    """The backend a compiled calculator of ``config`` uses when asked for ``backend``:
-    ``aot_eager`` (with a warning) instead of inductor for a long-range model where
-    not :data:`P3M_INDUCTOR_CORRECT`, else ``backend``."""
-    if backend == "inductor" and config.long_range.enable and not P3M_INDUCTOR_CORRECT:
-        warnings.warn("torch < 2.13: compiling this long-range model with aot_eager, not "
-                      "inductor, which miscompiles the P3M strain derivative (stress)", stacklevel=3)
+def p3m_inductor_correct(device) -> bool:
+    """Whether inductor's P3M graphs (``petfunc.compile``) are known right on
+    ``device`` with this torch: on the CPU always, on a GPU from torch 2.13
+    (:data:`P3M_INDUCTOR_GPU_CORRECT`). AOTInductor: :data:`P3M_AOTI_CORRECT`."""
+    return torch.device(device).type == "cpu" or P3M_INDUCTOR_GPU_CORRECT
+
+
+def calculator_backend(config: PETConfig, backend: str, device="cpu") -> str:
+    """The backend a compiled calculator of ``config`` on ``device`` uses when asked
+    for ``backend``: ``aot_eager`` (with a warning) instead of inductor for a
+    long-range model where not :func:`p3m_inductor_correct`, else ``backend``."""
+    if backend == "inductor" and config.long_range.enable and not p3m_inductor_correct(device):
+        warnings.warn("torch < 2.13 on a GPU: compiling this long-range model with aot_eager, not "
+                      "inductor, whose P3M strain derivative (stress) was wrong on torch 2.11 and "
+                      "is not checked there since", stacklevel=3)
         return "aot_eager"
     return backend
 
