@@ -245,15 +245,18 @@ def test_ewald_converges_to_p3m():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("cached", [False, True], ids=["traced", "reloaded"])
 @pytest.mark.parametrize("batch", ["crystal", "crystal+molecule", "molecule+crystals"])
-def test_inductor_p3m_equals_eager(batch):
+def test_inductor_p3m_equals_eager(batch, cached):
     """petfunc.compile with inductor gives the eager energies, forces and strain
-    derivatives of P3M batches, a lone crystal included (a graph for one structure).
-    Both of inductor's known P3M faults showed here: torch 2.11 fused the backward of
-    the cell volume's row selects wrongly (strain derivative ~100 % off), and torch
-    2.13 computed, for a lone crystal, the sum of the cell gradient's parts before
-    one of them was accumulated (~100 % off too; see the per-structure loop of
-    ``long_range.potentials``)."""
+    derivatives of P3M batches, a lone crystal included (a graph for one structure),
+    for the graph as traced and as reloaded from the trace cache (inductor fuses
+    the two differently). Both of inductor's known P3M faults showed here: torch
+    2.11 fused the backward of the cell volume's row selects wrongly (strain
+    derivative ~100 % off), and torch 2.13 computed the sum of the cell gradient's
+    parts before one of them was accumulated (~100 % off too, for a lone crystal,
+    and for the calculator's crystal + padding batch as reloaded; see the
+    per-structure loop of ``long_range.potentials``)."""
     config = _config()
     params = _params(config)
     crystal = _diamond()
@@ -262,7 +265,8 @@ def test_inductor_p3m_equals_eager(batch):
               "molecule+crystals": [_molecule(), _triclinic(), crystal]}[batch]
     fn = petfunc.derivatives.energy_terms_forces_strain_derivative(petfunc.PET(config).energy_terms)
     inputs = petfunc.from_atoms(frames, config, dtype=torch.float64)
-    compiled = petfunc.compile(fn, params, *inputs, backend="inductor", static_argnums=(0,))
+    compiled = petfunc.compile(fn, params, *inputs, backend="inductor", static_argnums=(0,),
+                               cache_key=f"test_inductor_p3m_equals_eager {batch}" if cached else None)
     for name, got, expected in zip(("energy", "per-atom", "forces", "strain"), compiled(params, *inputs),
                                    fn(params, *inputs)):
         assert _relative(got, expected) < 1e-10, name
