@@ -740,6 +740,38 @@ def _compile_inductor_direct(graph: torch.fx.GraphModule, mode, fakes):
     return run
 
 
+def _innermost(error: BaseException) -> BaseException:
+    """The exception at the bottom of ``error``'s chain of causes (inductor wraps
+    its errors in an ``InductorError`` that keeps the original as ``inner_exception``
+    and suppresses the chain)."""
+    while True:
+        inner = getattr(error, "inner_exception", None) or error.__cause__
+        if inner is None and not error.__suppress_context__:
+            inner = error.__context__
+        if not isinstance(inner, BaseException) or inner is error:
+            return error
+        error = inner
+
+
+def _cpp_vector_codegen_failed(error: BaseException) -> bool:
+    """Whether ``error`` is an assertion of inductor's C++ code generator.
+
+    torch 2.11 and 2.13 (not 2.14) assert, while writing a vectorized
+    ``atomic_add``, that the index is a vector: a scatter into a buffer of one
+    element (for instance a per-atom sum of a lone one-atom cell, a size torch
+    specialises) has a constant index there. Such a graph compiles with scalar
+    kernels. Only assertions raised in ``codegen/cpp.py`` count: any other
+    failure is the caller's to see.
+    """
+    inner = _innermost(error)
+    if not isinstance(inner, AssertionError) or inner.__traceback__ is None:
+        return False
+    frame = inner.__traceback__
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    return Path(frame.tb_frame.f_code.co_filename).as_posix().endswith("_inductor/codegen/cpp.py")
+
+
 def _cache_file(key: str, signature) -> Optional[Path]:
     folder = trace_cache_dir()
     if folder is None:
@@ -1032,12 +1064,25 @@ class Compiled:
             options.setdefault("triton.coalesce_tiling_analysis", False)
         direct = self.backend == "inductor" and not self.aot_autograd
         _cpu_kernels.wait_isa_probe()
-        with (torch._inductor.config.patch(options), no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped(),
-              unguarded_sum_helper(), fft_meta(), _vec_strides.fast_strides(), hold_cpu_addmm_merge(),
-              _cpu_kernels.optimization_level()):
-            compiled = _compile_inductor_direct(self.graph, mode, fakes) if direct else None
-            if compiled is None:
-                compiled = inner(self.graph, fakes)
+
+        def build(options):
+            with (torch._inductor.config.patch(options), no_duck_shape(), torch.no_grad(), _cpu_kernels.grouped(),
+                  unguarded_sum_helper(), fft_meta(), _vec_strides.fast_strides(), hold_cpu_addmm_merge(),
+                  _cpu_kernels.optimization_level()):
+                compiled = _compile_inductor_direct(self.graph, mode, fakes) if direct else None
+                return inner(self.graph, fakes) if compiled is None else compiled
+
+        try:
+            compiled = build(options)
+        except Exception as error:
+            if not (on_cpu and self.backend == "inductor" and _cpp_vector_codegen_failed(error)):
+                raise
+            warnings.warn(
+                f"inductor failed to vectorize a CPU kernel of this graph ({_innermost(error)!r}); "
+                "compiling it again without vectorized kernels (cpp.simdlen=1): right, but slower",
+                stacklevel=4,
+            )
+            compiled = build({**options, "cpp.simdlen": 1})
         # symbolic sizes: the relations the backend assumed; data sizes torch
         # specialised (0 or 1) are fixed numbers, checked one by one (parameter
         # shapes are checked by _check_inputs)

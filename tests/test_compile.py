@@ -427,6 +427,72 @@ def test_inductor_without_aotautograd(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-14, atol=1e-14)
 
 
+def _accumulate_into_atoms(positions, values, index):
+    """Edge values summed into their atoms (an ``index_put`` with accumulation)."""
+    return torch.zeros(positions.shape[0], dtype=values.dtype).index_put((index,), values.sin(), accumulate=True)
+
+
+def test_inductor_scatter_into_one_atom():
+    """A scatter into a buffer of one element, as for the per-atom sums of a lone
+    one-atom cell (a size torch specialises): torch 2.11 and 2.13's inductor failed
+    an assertion while writing its vectorized ``atomic_add`` (the index is a
+    constant there), which crashed ``petfunc.compile`` on such a structure alone.
+    The graph is compiled again with scalar kernels; the numbers are eager's."""
+    g = torch.Generator().manual_seed(0)
+    positions, values = torch.randn(1, 3, generator=g, dtype=torch.float64), torch.randn(7, generator=g, dtype=torch.float64)
+    index = torch.zeros(7, dtype=torch.long)
+    compiled = petfunc.compile(_accumulate_into_atoms, positions, values, index, static_argnums=(),
+                               options={"fx_graph_cache": False})
+    for n_edges in (7, 30):
+        values = torch.randn(n_edges, generator=g, dtype=torch.float64)
+        index = torch.zeros(n_edges, dtype=torch.long)
+        torch.testing.assert_close(compiled(positions, values, index), _accumulate_into_atoms(positions, values, index),
+                                   rtol=1e-14, atol=1e-14)
+    assert compiled.num_graphs == 1
+
+
+def _raise_from(filename):
+    """An AssertionError raised by code that claims to live in ``filename``."""
+    namespace = {}
+    exec(compile("def fail():\n    assert False, 'index.is_vec'\n", filename, "exec"), namespace)
+    try:
+        namespace["fail"]()
+    except AssertionError as error:
+        return error
+
+
+@pytest.mark.parametrize("where", ["codegen/cpp.py", "elsewhere.py"])
+def test_inductor_codegen_assertion_is_retried_without_vectors(monkeypatch, where):
+    """Only an assertion of inductor's C++ code generator makes petfunc.compile
+    compile again with ``cpp.simdlen=1`` (and warn); any other failure reaches the
+    caller unchanged, from the first attempt."""
+    import torch._inductor.exc
+
+    compile_module = sys.modules["petfunc.compile"]
+    seen = []
+
+    def failing_once(graph, mode, fakes):
+        seen.append(torch._inductor.config.cpp.simdlen)
+        if len(seen) == 1:
+            inner = _raise_from(f"/site-packages/torch/_inductor/{where}")
+            raise torch._inductor.exc.InductorError(inner, None).with_traceback(inner.__traceback__) from None
+        return lambda *inputs: graph(*inputs)
+
+    monkeypatch.setattr(compile_module, "_compile_inductor_direct", failing_once)
+    positions, values = torch.randn(4, 3, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
+    index = torch.arange(9) % 4
+    compiled = petfunc.compile(_accumulate_into_atoms, positions, values, index, static_argnums=(), aot_autograd=False)
+    if where == "elsewhere.py":
+        with pytest.raises(torch._inductor.exc.InductorError, match="index.is_vec"):
+            compiled(positions, values, index)
+        assert len(seen) == 1
+        return
+    with pytest.warns(UserWarning, match="cpp.simdlen=1"):
+        got = compiled(positions, values, index)
+    torch.testing.assert_close(got, _accumulate_into_atoms(positions, values, index), rtol=1e-14, atol=1e-14)
+    assert seen[1] == 1 and seen[0] != 1
+
+
 def test_sizes_the_trace_fixed_are_checked():
     """A trace that read a size as a plain integer is valid for that size only (torch
     2.11's mm batching rule did that to vmapped ensembles): other sizes are refused
