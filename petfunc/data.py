@@ -281,7 +281,9 @@ def padding_sample(config: PETConfig) -> Sample:
 
 
 def needs_padding(samples: Sequence[Sample]) -> bool:
-    """True when a batch of ``samples`` could have a size below 2 (S, N, E or NEF width)."""
+    """True when a batch of ``samples`` could have a size below 2 (S, N, E or NEF width),
+    judged by the flat neighbour lists (see :func:`kept_graph_too_small` for the
+    edges PET keeps)."""
     if len(samples) < 2:
         return True
     edges = sum(len(s.structure.centers) for s in samples)
@@ -291,6 +293,13 @@ def needs_padding(samples: Sequence[Sample]) -> bool:
         (np.bincount(s.structure.centers).max() if len(s.structure.centers) else 0) for s in samples
     )
     return width < 2
+
+
+def kept_graph_too_small(graph) -> bool:
+    """True when a collated batch keeps fewer than 2 edges, or fewer than 2 in its
+    fullest atom (PET's token count and NEF width; :func:`needs_padding` can only
+    bound them by the flat list, before the cutoff, adaptive or not, is applied)."""
+    return graph.kept_edges.shape[0] < 2 or graph.nef_index.shape[1] < 2
 
 
 def make_batch(
@@ -310,24 +319,35 @@ def make_batch(
         scale: energy scale c (eV).
         rotations: optional ``[n_samples, 3, 3]`` augmentation rotations (row-vector
             convention: x' = x R).
-        pad: add :func:`padding_sample` when a size could fall below 2.
+        pad: add :func:`padding_sample` when a size could fall below 2: by
+            :func:`needs_padding` before collating, or, when the edges PET keeps
+            are fewer than the flat list's, by :func:`kept_graph_too_small` after.
     """
     samples = list(samples)
     if rotations is None:
         rotations = np.broadcast_to(np.eye(3), (len(samples), 3, 3))
     rotations = list(rotations)
-    if pad and needs_padding(samples):
+
+    def collated():
+        positions = [s.structure.positions @ r for s, r in zip(samples, rotations)]
+        cells = [s.structure.cell @ r for s, r in zip(samples, rotations)]
+        # long-range models train with Ewald sums, as metatrain does (its batches are
+        # shaped alike for any cell, so one compiled graph serves every batch)
+        return collate([s.structure for s in samples], config, dtype=dtype, device=device, positions=positions,
+                       cells=cells, long_range="ewald")
+
+    padded = pad and needs_padding(samples)
+    if padded:
         samples.append(padding_sample(config))
         rotations.append(np.eye(3))
+    pos, cell, graph = collated()
+    if pad and not padded and kept_graph_too_small(graph):
+        # the flat list was large enough, but PET keeps fewer edges (an adaptive
+        # cutoff can drop them all)
+        samples.append(padding_sample(config))
+        rotations.append(np.eye(3))
+        pos, cell, graph = collated()
     composition = np.asarray(composition, dtype=np.float64)
-    structures = [s.structure for s in samples]
-    positions = [s.structure.positions @ r for s, r in zip(samples, rotations)]
-    cells = [s.structure.cell @ r for s, r in zip(samples, rotations)]
-    # long-range models train with Ewald sums, as metatrain does (its batches are
-    # shaped alike for any cell, so one compiled graph serves every batch)
-    pos, cell, graph = collate(
-        structures, config, dtype=dtype, device=device, positions=positions, cells=cells, long_range="ewald"
-    )
 
     # the ZBL additive model's share of each label (zeros without ZBL); it is
     # rotation-equivariant, so it rotates with the labels

@@ -342,6 +342,46 @@ def test_one_structure_batch_is_padded(dataset, fitted):
     assert abs(loss_padded.item() - loss_alone.item()) <= 1e-10 * loss_alone.item()
 
 
+def test_batch_whose_adaptive_cutoff_keeps_no_edge_is_padded():
+    """Fe3 chains with 2.3 Å bonds: every atom has neighbours within the 2.5 Å
+    cutoff, the middle one two, but the (legacy grid) adaptive cutoff keeps none of
+    those edges. make_batch judged padding by the flat list alone, so it left the
+    batch with no token and an empty NEF grid; a compiled step traced on it assumed
+    those sizes were 0 and refused the next batch (ValueError). Now it is padded,
+    the loss is unchanged, and one graph serves both batches."""
+    config = petfunc.PETConfig(atomic_types=(26,), cutoff=2.5, num_neighbors_adaptive=30,
+                               adaptive_cutoff_method="grid", d_pet=4, d_node=4, d_head=4, d_feedforward=4,
+                               num_heads=1, num_gnn_layers=1, num_attention_layers=1)
+
+    def chains(spacing, n):
+        samples = []
+        for k in range(n):
+            atoms = ase.Atoms("Fe3", positions=[[0, 0, 0], [spacing, 0.1 * k, 0], [2 * spacing, 0, 0.2]])
+            sample = sample_from_atoms(atoms, config, energy_key=None, forces_key=None, stress_key=None)
+            sample.energy, sample.forces = -1.0 - k, np.full((3, 3), 0.1 * (k + 1))
+            samples.append(sample)
+        return samples
+
+    fitted = (np.array([-0.5]), 1.0)
+    batch = make_batch(chains(2.3, 2), config, *fitted, dtype=torch.float64)
+    assert batch.n_structures == 3
+    assert batch.neighbors.kept_edges.shape[0] >= 2 and batch.neighbors.nef_index.shape[1] >= 2
+    unpadded = make_batch(chains(2.3, 2), config, *fitted, dtype=torch.float64, pad=False)
+    assert unpadded.neighbors.kept_edges.shape[0] == 0
+    params = _params(fitted, config=config)
+    grad_step = petfunc.make_grad_step(petfunc.PET(config), petfunc.LossWeights.make(energy=1.0, forces=1.0, stress=0.0))
+    (_, padded_metrics), (_, alone_metrics) = grad_step(params, batch), grad_step(params, unpadded)
+    assert abs(padded_metrics["loss"].item() - alone_metrics["loss"].item()) <= 1e-12 * alone_metrics["loss"].item()
+    compiled = petfunc.compile(grad_step, params, batch, backend="aot_eager", static_argnums=(0,))
+    other = make_batch(chains(2.0, 3), config, *fitted, dtype=torch.float64)
+    assert other.neighbors.kept_edges.shape[0] > 0
+    for b in (batch, other):
+        got, expected = compiled(params, b), grad_step(params, b)
+        for key, value in petfunc.tree.flatten(expected[0]).items():
+            assert _relative(petfunc.tree.flatten(got[0])[key], value) < 1e-9, key
+    assert compiled.num_graphs == 1
+
+
 def test_loss_falls(dataset, fitted):
     params = _params(fitted, seed=1)
     optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(1e-2, 60, 0.05))
