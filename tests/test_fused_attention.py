@@ -144,6 +144,9 @@ def test_compiled_train_step_with_fused_attention_equals_eager(dataset, fitted):
     assert not any("softmax" in op for op in ops)
 
 
+# Slow: 47 s on a slow 2-core machine; test_compiled_train_step_with_fused_attention_equals_eager
+# keeps a compiled fused-attention gradient in the default run.
+@pytest.mark.slow
 def test_compiled_hessian_loss_with_fused_attention(monkeypatch):
     """A Hessian-matching loss's parameter gradient (third order, vmap inside grad)
     compiled with the fused kernels equals the eager one (1e-9, float64)."""

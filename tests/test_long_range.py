@@ -330,6 +330,9 @@ def test_compiled_calculator_takes_any_mesh_and_molecules():
     assert graphs == [1, 1, 1, 2, 2]
 
 
+# Slow: 54 s on a slow 2-core machine; the compiled P3M calculator tests keep
+# compiled long range in the default run.
+@pytest.mark.slow
 def test_batch_evaluator_puts_crystals_first():
     """BatchEvaluator (batched relaxation and MD) with P3M: a graph is fixed to which
     structures of a call have a mesh, so the crystals go first and batches with as
