@@ -35,6 +35,14 @@
 #include <immintrin.h>
 #endif
 
+// Bytes per vector: one AVX-512 register where the CPU has them, else two
+// 32-byte (AVX2) halves would spill the product loops' 8 accumulators.
+#if defined(__AVX512F__)
+#define PETFUNC_VBYTES 64
+#else
+#define PETFUNC_VBYTES 32
+#endif
+
 namespace {
 
 // exp(x) for x <= 0 (scores minus their row maximum), one 64-byte vector at a time
@@ -45,12 +53,12 @@ namespace {
 // term 1; padded keys have bias -1e30). Returns the sum of the row.
 template <typename T> struct Vec;
 template <> struct Vec<float> {
-    typedef float V __attribute__((vector_size(64)));
-    typedef int32_t I __attribute__((vector_size(64)));
+    typedef float V __attribute__((vector_size(PETFUNC_VBYTES)));
+    typedef int32_t I __attribute__((vector_size(PETFUNC_VBYTES)));
 };
 template <> struct Vec<double> {
-    typedef double V __attribute__((vector_size(64)));
-    typedef int64_t I __attribute__((vector_size(64)));
+    typedef double V __attribute__((vector_size(PETFUNC_VBYTES)));
+    typedef int64_t I __attribute__((vector_size(PETFUNC_VBYTES)));
 };
 
 // sum and maximum of a vector's lanes (AVX-512's reductions where available)
@@ -88,7 +96,7 @@ inline T reduce_max(V v) {
 template <typename T>
 inline T dot_row(const T* a, const T* b, int64_t n) {
     typedef typename Vec<T>::V V;
-    constexpr int64_t vl = 64 / sizeof(T);
+    constexpr int64_t vl = PETFUNC_VBYTES / sizeof(T);
     V acc = {}, x, y;
     for (int64_t jb = 0; jb < n; jb += vl) {
         __builtin_memcpy(&x, a + jb, sizeof(V));
@@ -104,7 +112,7 @@ inline T exp_row(T* x, int64_t n) {
     // extensions, as the auto-vectorizer leaves this loop scalar
     typedef typename Vec<T>::V V;
     typedef typename Vec<T>::I I;
-    constexpr int64_t vl = 64 / sizeof(T);
+    constexpr int64_t vl = PETFUNC_VBYTES / sizeof(T);
     constexpr bool single = sizeof(T) == 4;
     const T lo = single ? T(-87.0) : T(-708.0);
     const T log2e = T(1.4426950408889634);
@@ -141,7 +149,7 @@ inline T exp_row(T* x, int64_t n) {
 // it (tp), query rows to a multiple of 4 (tr <= tp): every loop over keys is whole
 // vectors and every product works on 4 rows at a time.
 template <typename T>
-constexpr int64_t VL = 64 / sizeof(T);
+constexpr int64_t VL = PETFUNC_VBYTES / sizeof(T);
 constexpr int64_t ROWS = 4;
 
 inline int64_t round_up(int64_t t, int64_t m) { return (t + m - 1) / m * m; }
@@ -208,7 +216,7 @@ inline void product_nt(const T* X, const T* YT, T* out, int64_t tr, int64_t tp, 
 // a runtime width the plain loops.
 template <typename T, int E, bool ADD, bool TRANSPOSED>
 inline void product_sum(const T* P, const T* Y, T* out, int64_t tr, int64_t n, int64_t tp, int64_t e) {
-    if constexpr (E > 0 && (E * sizeof(T)) % 64 == 0) {
+    if constexpr (E > 0 && (E * sizeof(T)) % PETFUNC_VBYTES == 0) {
         typedef typename Vec<T>::V V;
         constexpr int64_t vl = VL<T>;
         for (int64_t i0 = 0; i0 < tr; i0 += ROWS) {
