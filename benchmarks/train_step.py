@@ -356,13 +356,20 @@ def run(name, steps, dtype, backend, warmup=2, variants=VARIANTS, device="cpu",
         ratio = f"{base / med[v]:.2f}x" if base else "-"
         print(f"| {v} | {med[v]:.1f} | {ratio} | {memory[v]:.0f} |")
     if "compiled" in variants:
-        gain = (med.get("eager", med["compiled"]) - med["compiled"]) / 1e3
-        be = results["compile_s"] / gain if gain > 0 else float("inf")
+        # break-even: the steps after which the compile has paid for itself against
+        # each eager step timed in this run
+        even = []
+        for other, label in (("eager", "petfunc eager"), ("metatrain", "metatrain eager")):
+            if other in med:
+                gain = (med[other] - med["compiled"]) / 1e3
+                even.append(f"{results['compile_s'] / gain:.0f} steps vs {label}" if gain > 0
+                            else f"never vs {label} (not faster)")
         rate = sum(step_flops) / sum(times["compiled"]) / 1e9
+        share = f" ({100 * rate / peak_gflops:.0f} % of the measured matmul peak)" if peak_gflops else ""
         print(f"# step FLOPs {flops / 1e9:.2f} GFLOP on average ({min(step_flops) / 1e9:.2f}-"
-              f"{max(step_flops) / 1e9:.2f}); compiled achieves {rate:.1f} GFLOP/s")
-        print(f"# compile {results['compile_s']:.1f} s; break-even after {be:.0f} steps vs petfunc eager; "
-              f"graphs compiled: {results['num_graphs']}")
+              f"{max(step_flops) / 1e9:.2f}); compiled achieves {rate:.1f} GFLOP/s{share}")
+        print(f"# compile {results['compile_s']:.1f} s; break-even after "
+              f"{', '.join(even) if even else '- (no eager step timed)'}; graphs compiled: {results['num_graphs']}")
         results["gflops_per_s"] = rate
         if peak_gflops:
             # nearly all of the step's FLOPs are matmuls: at the measured peak they alone
