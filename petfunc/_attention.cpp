@@ -35,8 +35,9 @@
 #include <immintrin.h>
 #endif
 
-// Bytes per vector: one AVX-512 register where the CPU has them, else two
-// 32-byte (AVX2) halves would spill the product loops' 8 accumulators.
+// Bytes per vector: one AVX-512 register where the CPU has them, else 32 (AVX2).
+// A 64-byte vector on AVX2 is two registers, and the product loops' 8
+// accumulators of them spill (the kernels ran 9-10x slower).
 #if defined(__AVX512F__)
 #define PETFUNC_VBYTES 64
 #else
@@ -45,7 +46,7 @@
 
 namespace {
 
-// exp(x) for x <= 0 (scores minus their row maximum), one 64-byte vector at a time
+// exp(x) for x <= 0 (scores minus their row maximum), one vector at a time
 // (GCC's vector extensions: the auto-vectorizer left the scalar loop scalar):
 // 2^k * exp(r) with |r| <= ln(2)/2 and a Taylor polynomial
 // (degree 7 for float, 12 for double: truncation below the type's round-off).
@@ -145,7 +146,7 @@ inline T exp_row(T* x, int64_t n) {
     return reduce_sum<T>(total);
 }
 
-// Vector length in elements (64-byte vectors). Keys are padded to a multiple of
+// Vector length in elements (PETFUNC_VBYTES bytes). Keys are padded to a multiple of
 // it (tp), query rows to a multiple of 4 (tr <= tp): every loop over keys is whole
 // vectors and every product works on 4 rows at a time.
 template <typename T>
