@@ -119,14 +119,18 @@ inline T exp_row(T* x, int64_t n) {
     const T log2e = T(1.4426950408889634);
     const T ln2_hi = T(0.693145751953125);
     const T ln2_lo = T(1.4286068203094172321e-6);
+    // k = round(v log2(e)) without a float-to-integer conversion (AVX2 has none
+    // from double to int64, and the compiler made the double loop scalar): adding
+    // 1.5 * 2^23 (float) or 1.5 * 2^52 (double), plus the exponent bias, rounds to
+    // an integer whose low mantissa bits are k + bias, the exponent field of 2^k
+    const T shift = single ? T(12582912.0 + 127.0) : T(6755399441055744.0 + 1023.0);
     V total = {};
     for (int64_t jb = 0; jb < n; jb += vl) {
         V v0;
         __builtin_memcpy(&v0, x + jb, sizeof(V));
         V v = v0 > lo ? v0 : lo;
-        V y = v * log2e + T(0.5);
-        V k = __builtin_convertvector(__builtin_convertvector(y, I), V);  // truncation
-        k = k > y ? k - T(1) : k;                                          // floor
+        V y = v * log2e + shift;
+        V k = y - shift;
         V r = (v - k * ln2_hi) - k * ln2_lo;
         V p;
         if constexpr (single) {
@@ -137,7 +141,9 @@ inline T exp_row(T* x, int64_t n) {
                 r * (T(1.0 / 720) + r * (T(1.0 / 5040) + r * (T(1.0 / 40320) + r * (T(1.0 / 362880) +
                 r * (T(1.0 / 3628800) + r * (T(1.0 / 39916800) + r * T(1.0 / 479001600))))))))))));
         }
-        I bits = (__builtin_convertvector(k, I) + (single ? 127 : 1023)) << (single ? 23 : 52);
+        I bits;
+        __builtin_memcpy(&bits, &y, sizeof(V));
+        bits <<= (single ? 23 : 52);
         V out = p * reinterpret_cast<V&>(bits);
         out = v0 > lo ? out : T(0);
         total += out;
