@@ -780,6 +780,77 @@ def _cache_file(key: str, signature) -> Optional[Path]:
     return folder / (hashlib.sha256(text.encode()).hexdigest()[:32] + ".fx.pkl")
 
 
+class _NodeRef(tuple):
+    """A graph node named in a pickled graph's arguments: ``(name,)``."""
+
+
+def _graph_state(graph_module: torch.fx.GraphModule) -> dict:
+    """A traced graph as plain data: nodes with their targets, arguments and names, and
+    the graph's constants.
+
+    Pickling the GraphModule itself stores its Python code, which torch.fx traces again
+    on load, with proxies for the inputs. torch 2.11 cannot pass a proxy inside a size
+    list to an ATen operator (``aten.expand(x, [1, n, 3])``), so graphs of P3M lattices
+    did not load there. Plain data is rebuilt node by node, running nothing.
+    """
+    nodes = []
+    for node in graph_module.graph.nodes:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            # operator overloads do not pickle (their schema binds a C++ object)
+            target = ("op", target.namespace, target._opname, target._overloadname)
+        elif node.op == "call_function":
+            target = ("function", target)
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _NodeRef((n.name,)))
+        nodes.append((node.op, node.name, target, args, kwargs))
+    attributes = {n.target: _get_path(graph_module, n.target) for n in graph_module.graph.nodes if n.op == "get_attr"}
+    return {"nodes": nodes, "attributes": attributes}
+
+
+def _get_path(module, path: str):
+    for name in path.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def _graph_from_state(state: dict) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    made = {}
+
+    def resolved(value):
+        if isinstance(value, _NodeRef):
+            return made[value[0]]
+        if isinstance(value, (list, tuple)):
+            return type(value)(resolved(v) for v in value)
+        if isinstance(value, dict):
+            return {k: resolved(v) for k, v in value.items()}
+        if isinstance(value, slice):
+            return slice(resolved(value.start), resolved(value.stop), resolved(value.step))
+        return value
+
+    for op, name, target, args, kwargs in state["nodes"]:
+        if isinstance(target, tuple) and target[0] == "op":
+            _, namespace, opname, overload = target
+            target = getattr(getattr(getattr(torch.ops, namespace), opname), overload)
+        elif isinstance(target, tuple) and target[0] == "function":
+            target = target[1]
+        node = graph.create_node(op, target, resolved(args), resolved(kwargs), name=name)
+        if node.name != name:
+            raise ValueError(f"node {name!r} came back as {node.name!r}")
+        made[name] = node
+    graph.lint()
+    return torch.fx.GraphModule(state["attributes"], graph)
+
+
+def _specialised_size(size, shape_env) -> Optional[int]:
+    """The number a fake input's size stands for, if it is one after compiling: a
+    plain int, or a symbol the shape environment replaced by a number; else None."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expr = shape_env.replace(size.node.expr)
+    return int(expr) if expr.is_number else None
+
+
 def _load_trace(path: Path):
     """``(graph, output spec, output layout, trace guards)`` from a cache file, or
     ``None`` (missing or unreadable)."""
@@ -797,9 +868,10 @@ def _load_trace(path: Path):
         with warnings.catch_warnings():
             # unpickling a TreeSpec warns about its own deprecated LeafSpec check (torch 2.13)
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            graph, out_spec, out_layout, guards = pickle.loads(data)
-        if not isinstance(graph, torch.fx.GraphModule) or not isinstance(out_layout, _Layout):
-            raise TypeError(f"holds a {type(graph).__name__} and a {type(out_layout).__name__}")
+            state, out_spec, out_layout, guards = pickle.loads(data)
+        if not isinstance(state, dict) or not isinstance(out_layout, _Layout):
+            raise TypeError(f"holds a {type(state).__name__} and a {type(out_layout).__name__}")
+        graph = _graph_from_state(state)
         if not isinstance(guards, list) or not all(isinstance(g, str) for g in guards):
             raise TypeError("its trace guards are not a list of strings")
         return graph, out_spec, out_layout, guards
@@ -812,7 +884,7 @@ def _save_trace(path: Path, graph, out_spec, out_layout, guards) -> None:
     """Write atomically; a failure to write only costs the next process a trace."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = pickle.dumps((graph, out_spec, out_layout, guards))
+        data = pickle.dumps((_graph_state(graph), out_spec, out_layout, guards))
         atomic_write(path, lambda handle: handle.write(data))
     except Exception as error:
         warnings.warn(f"petfunc.compile: could not write the trace cache file {path} ({error})", stacklevel=3)
@@ -1084,14 +1156,18 @@ class Compiled:
             )
             compiled = build({**options, "cpp.simdlen": 1})
         # symbolic sizes: the relations the backend assumed; data sizes torch
-        # specialised (0 or 1) are fixed numbers, checked one by one (parameter
-        # shapes are checked by _check_inputs)
+        # specialised are fixed numbers, checked one by one (parameter shapes are
+        # checked by _check_inputs). Those are the sizes made plain numbers (0 or 1)
+        # and the symbols the backend set equal to a number while compiling: the
+        # guard expression leaves both out (it takes static sizes as checked), and
+        # a graph specialised to a size of 2 then ran for every size, wrongly
         guards = mode.shape_env.produce_guards_expression(fakes)
         code = None if guards is None else builtins.compile(guards, "<petfunc guards>", "eval")
         fixed = [
-            (index, dim, int(size))
+            (index, dim, value)
             for index, (fake, static) in enumerate(zip(fakes, self._static)) if not static
-            for dim, size in enumerate(fake.shape) if not isinstance(size, torch.SymInt)
+            for dim, size in enumerate(fake.shape)
+            if (value := _specialised_size(size, mode.shape_env)) is not None
         ]
         self._entries.append((code, fixed, compiled))
         self.num_graphs += 1

@@ -8,6 +8,7 @@ is refused.
 """
 
 import sys
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -140,6 +141,57 @@ def test_trace_cache(tmp_path, monkeypatch):
     assert not petfunc.compile(scatter_energy, params, *x, backend="aot_eager").from_cache
     monkeypatch.setenv("PETFUNC_TRACE_CACHE", "0")
     assert not petfunc.compile(scatter_energy, params, *x, backend="aot_eager", cache_key="toy").from_cache
+
+
+def test_trace_cache_reloads_graphs_with_symbolic_size_lists(tmp_path, monkeypatch):
+    """A reloaded graph whose ops take lists with symbolic sizes, slices and tensor
+    constants loads without a warning and gives the traced results. The trace cache
+    stores graphs as plain nodes since torch 2.11 failed to load P3M lattice graphs
+    pickled as GraphModules (their code is traced again on load, and an ATen op there
+    refused a proxy inside a size list); the slow
+    ``test_inductor_p3m_equals_eager[*-reloaded]`` holds such a graph."""
+    monkeypatch.setenv("PETFUNC_TRACE_CACHE_DIR", str(tmp_path))
+
+    def fn(params, positions):
+        # a tensor made in the graph, expanded to a data size (as P3M's lattice code)
+        frames = torch.eye(3, dtype=positions.dtype).unsqueeze(0).expand(positions.shape[0], 3, 3)
+        weights = torch.tensor([1.0, -0.5, 2.0], dtype=positions.dtype)
+        rotated = (frames * (positions * params["w"])[:, None, :]).sum(-1)
+        return (weights * rotated[1:]).sum(), rotated[::2].sum(0)
+
+    params = {"w": torch.randn(3, dtype=torch.float64)}
+    first = petfunc.compile(fn, params, torch.randn(5, 3, dtype=torch.float64), backend="aot_eager", cache_key="sizes")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="petfunc.compile")
+        second = petfunc.compile(fn, params, torch.randn(5, 3, dtype=torch.float64), backend="aot_eager",
+                                 cache_key="sizes")
+    assert not first.from_cache and second.from_cache
+    for n in (3, 5, 11):
+        positions = torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+        for got, expected in zip(second(params, positions), fn(params, positions)):
+            torch.testing.assert_close(got, expected, rtol=1e-14, atol=1e-14)
+    assert second.num_graphs == 1
+
+
+def test_graph_specialised_to_a_size_runs_only_for_that_size():
+    """A backend may set a data size equal to a number while compiling (here a
+    broadcast against a slice of length n - 1 = 1 makes n == 2). Until the forty-fourth
+    stop that number was in neither the guard expression (which takes static sizes as
+    checked) nor the fixed sizes, so the graph compiled at n = 2 ran for every later n:
+    an error at n = 11, a wrong value at n = 1."""
+
+    def fn(params, positions):
+        grid = positions.unsqueeze(0).expand(2, positions.shape[0], 3)
+        weights = torch.tensor([1.0, -0.5], dtype=positions.dtype)
+        return (weights[:, None, None] * grid[:, 1:] * params["w"]).sum(), grid[..., ::2].sum(0)
+
+    params = {"w": torch.randn(3, dtype=torch.float64)}
+    compiled = petfunc.compile(fn, params, torch.randn(5, 3, dtype=torch.float64), backend="aot_eager")
+    for n in (5, 2, 11, 3, 1, 2):
+        positions = torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+        for got, expected in zip(compiled(params, positions), fn(params, positions)):
+            torch.testing.assert_close(got, expected, rtol=1e-14, atol=1e-14)
+    assert compiled.num_graphs == 3  # any n > 2 (and n != 1 + 1), n = 2, n = 1
 
 
 def test_trace_cache_tells_where_the_nones_are(tmp_path, monkeypatch):
