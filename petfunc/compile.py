@@ -780,8 +780,11 @@ def _cache_file(key: str, signature) -> Optional[Path]:
     return folder / (hashlib.sha256(text.encode()).hexdigest()[:32] + ".fx.pkl")
 
 
-class _NodeRef(tuple):
-    """A graph node named in a pickled graph's arguments: ``(name,)``."""
+class _NodeRef:
+    """A graph node named in a pickled graph's arguments."""
+
+    def __init__(self, name: str):
+        self.name = name
 
 
 def _graph_state(graph_module: torch.fx.GraphModule) -> dict:
@@ -790,27 +793,21 @@ def _graph_state(graph_module: torch.fx.GraphModule) -> dict:
 
     Pickling the GraphModule itself stores its Python code, which torch.fx traces again
     on load, with proxies for the inputs. torch 2.11 cannot pass a proxy inside a size
-    list to an ATen operator (``aten.expand(x, [1, n, 3])``), so graphs of P3M lattices
+    list to an ATen operator (``aten.expand(eye, [1, n, 3])``), so graphs of P3M lattices
     did not load there. Plain data is rebuilt node by node, running nothing.
     """
     nodes = []
     for node in graph_module.graph.nodes:
         target = node.target
         if isinstance(target, torch._ops.OpOverload):
-            # operator overloads do not pickle (their schema binds a C++ object)
-            target = ("op", target.namespace, target._opname, target._overloadname)
-        elif node.op == "call_function":
-            target = ("function", target)
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _NodeRef((n.name,)))
+            # operator overloads do not pickle (their schema binds a C++ object); no
+            # other target is a tuple (functions, or names of inputs and attributes)
+            target = (target.namespace, target._opname, target._overloadname)
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: _NodeRef(n.name))
         nodes.append((node.op, node.name, target, args, kwargs))
-    attributes = {n.target: _get_path(graph_module, n.target) for n in graph_module.graph.nodes if n.op == "get_attr"}
+    attributes = {n.target: operator.attrgetter(n.target)(graph_module)
+                  for n in graph_module.graph.nodes if n.op == "get_attr"}
     return {"nodes": nodes, "attributes": attributes}
-
-
-def _get_path(module, path: str):
-    for name in path.split("."):
-        module = getattr(module, name)
-    return module
 
 
 def _graph_from_state(state: dict) -> torch.fx.GraphModule:
@@ -818,22 +815,12 @@ def _graph_from_state(state: dict) -> torch.fx.GraphModule:
     made = {}
 
     def resolved(value):
-        if isinstance(value, _NodeRef):
-            return made[value[0]]
-        if isinstance(value, (list, tuple)):
-            return type(value)(resolved(v) for v in value)
-        if isinstance(value, dict):
-            return {k: resolved(v) for k, v in value.items()}
-        if isinstance(value, slice):
-            return slice(resolved(value.start), resolved(value.stop), resolved(value.step))
-        return value
+        return torch.fx.node.map_aggregate(value, lambda v: made[v.name] if isinstance(v, _NodeRef) else v)
 
     for op, name, target, args, kwargs in state["nodes"]:
-        if isinstance(target, tuple) and target[0] == "op":
-            _, namespace, opname, overload = target
+        if isinstance(target, tuple):
+            namespace, opname, overload = target
             target = getattr(getattr(getattr(torch.ops, namespace), opname), overload)
-        elif isinstance(target, tuple) and target[0] == "function":
-            target = target[1]
         node = graph.create_node(op, target, resolved(args), resolved(kwargs), name=name)
         if node.name != name:
             raise ValueError(f"node {name!r} came back as {node.name!r}")
