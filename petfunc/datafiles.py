@@ -138,6 +138,32 @@ def check_info_keys(frames, keys: Mapping, path, where: str) -> None:
             )
 
 
+def require_complete_labels(frames, labels: Labels, path, where: str = "") -> None:
+    """Raise when a label key is in some structures of ``frames`` and not in others.
+
+    Such a structure would silently train without that label. metatrain's reader
+    stops there too; a label that is deliberately absent is written as NaN, which
+    the loss skips (spec section 9), or its structures go to a file of their own.
+    ``frames`` is a whole file, whose indices the error names. (``petfunc eval``
+    predicts unlabelled structures too, so only training files are checked.)
+    """
+    for name in ("energy", "forces", "stress", "virial"):
+        key = getattr(labels, name)
+        if key is None:
+            continue
+        lacking = [i for i, atoms in enumerate(frames) if not _has_key(atoms, key)]
+        if lacking and len(lacking) < len(frames):
+            shown = ", ".join(map(str, lacking[:10])) + (", ..." if len(lacking) > 10 else "")
+            prefix = f"{where}: " if where else ""
+            raise ValueError(
+                f"{prefix}{str(path)!r}: {len(lacking)} of {len(frames)} structures "
+                f"{'has' if len(lacking) == 1 else 'have'} no {name} label under the key {key!r} "
+                f"(structure{'s' if len(lacking) > 1 else ''} {shown}). Give {'it' if len(lacking) == 1 else 'them'} "
+                f"a NaN {name} (the loss skips NaN labels) or move {'it' if len(lacking) == 1 else 'them'} "
+                "to a dataset file of its own."
+            )
+
+
 def to_samples(frames, config: PETConfig, labels: Labels, path, indices=None) -> List[Sample]:
     """Samples of ``frames``; errors name ``indices[i]``, the frame's index in the file."""
     samples = []
@@ -359,13 +385,18 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
         frames = read_frames(path, where("training_set", i))
         # the whole file, before any validation split takes some of its structures
         check_info_keys(frames, section.get("extra_data") or {}, path, where("training_set", i) + ".extra_data.")
+        require_complete_labels(frames, label_keys(frames, section, weights, set(), where("training_set", i)),
+                                path, where=where("training_set", i))
         files.append(frames)
+
     def separate_files(sections, name):
         out = []
         for i, section in enumerate(sections or []):
             path = section["systems"]["read_from"]
             frames = read_frames(path, where(name, i))
             check_info_keys(frames, section.get("extra_data") or {}, path, where(name, i) + ".extra_data.")
+            require_complete_labels(frames, label_keys(frames, section, weights, set(), where(name, i)),
+                                    path, where=where(name, i))
             out.append(frames)
         return out
 

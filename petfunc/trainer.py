@@ -249,8 +249,9 @@ def _load_model(path, dtype, which, device, target, keep_lora: bool):
         raise FileNotFoundError(f"model file not found: {str(path)!r}")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:
-        payload = None
+        load_error = None
+    except Exception as error:  # a metatrain checkpoint (its objects), or a damaged file
+        payload, load_error = None, error
     is_petfunc = isinstance(payload, dict) and payload.get("format") in (CHECKPOINT_FORMAT, "petfunc.params")
     if is_petfunc and target not in (None, "energy"):
         raise ValueError(f"{str(path)!r} is a petfunc file, whose only target is 'energy', not {target!r}")
@@ -285,6 +286,15 @@ def _load_model(path, dtype, which, device, target, keep_lora: bool):
                 f"{str(path)!r} is neither a petfunc checkpoint nor a petfunc parameter file "
                 "(metatrain checkpoints need `pip install 'petfunc[metatrain]'`)"
             ) from None
+        except ValueError as error:
+            if "is not a readable metatrain checkpoint" not in str(error):
+                raise
+            # a damaged archive (a truncated copy, say): torch's own reason says most
+            first = str(load_error).splitlines()[0] if load_error is not None else ""
+            raise ValueError(
+                f"{str(path)!r} is not a readable petfunc or metatrain model file, damaged or truncated? "
+                f"(torch.load: {type(load_error).__name__}: {first})"
+            ) from error
     frozen = ("composition_weights", "energy_scale")
 
     def cast(name, t):

@@ -117,6 +117,11 @@ def test_eval_errors(demo_run, tmp_path, capsys):
     assert "could not read dataset file" in capsys.readouterr().err
     assert main(["eval", str(garbage), str(demo_run / "dataset.xyz")]) == 2
     assert "error" in capsys.readouterr().err
+    # a checkpoint cut short (an interrupted copy): the archive's own reason, not metatrain's
+    data = (demo_run / "best.ckpt").read_bytes()
+    (tmp_path / "cut.ckpt").write_bytes(data[: len(data) // 2])
+    assert main(["eval", str(tmp_path / "cut.ckpt"), str(demo_run / "dataset.xyz")]) == 2
+    assert "cut.ckpt' is not a readable petfunc or metatrain model file, damaged or truncated?" in capsys.readouterr().err
 
 
 def test_train_errors(tmp_path, capsys):
@@ -137,6 +142,35 @@ def test_train_errors(tmp_path, capsys):
     assert "options file not found" in capsys.readouterr().err
     assert main(["train", "--output", str(tmp_path / "o3"), "--set", "architecture.model.d_pet=0"]) == 2
     assert "d_pet" in capsys.readouterr().err
+
+
+def test_labels_missing_from_some_structures_are_errors(tmp_path, capsys):
+    """A label key that some structures of a training file lack would silently drop
+    their term (metatrain's reader stops too): the error names the file, the label
+    and the structures; NaN labels, the deliberate form, train."""
+    import ase.io
+    import numpy as np
+
+    frames = ase.io.read(make_default_dataset(tmp_path / "d.xyz", n_structures=8), ":")
+    for atoms in frames:  # labels as info/arrays, the other place extxyz keeps them
+        atoms.info["energy"], atoms.arrays["forces"] = atoms.get_potential_energy(), atoms.get_forces()
+        atoms.info["stress"], atoms.calc = atoms.get_stress(voigt=False), None
+    del frames[2].info["energy"], frames[6].info["energy"]
+    del frames[5].arrays["forces"]
+    ase.io.write(tmp_path / "partial.xyz", frames)
+    options = tmp_path / "o.yaml"
+    options.write_text(yaml.safe_dump({"training_set": str(tmp_path / "partial.xyz"), "validation_set": 0.25}))
+    assert main(["train", str(options), "--output", str(tmp_path / "o1"), "--epochs", "1", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "partial.xyz': 2 of 8 structures have no energy label under the key 'energy' (structures 2, 6)" in err
+    # the split file: every training structure has its labels, one validation one lacks forces
+    frames[2].info["energy"] = frames[6].info["energy"] = 1.0
+    ase.io.write(tmp_path / "partial.xyz", frames)
+    assert main(["train", str(options), "--output", str(tmp_path / "o2"), "--epochs", "1", *TINY]) == 2
+    assert "1 of 8 structures has no forces label under the key 'forces' (structure 5)" in capsys.readouterr().err
+    frames[5].arrays["forces"] = np.full((len(frames[5]), 3), np.nan)
+    ase.io.write(tmp_path / "partial.xyz", frames)
+    assert main(["train", str(options), "--output", str(tmp_path / "o3"), "--epochs", "1", *TINY]) == 0
 
 
 def test_python_dash_m(tmp_path):
