@@ -78,7 +78,7 @@ class Sample:
 
     def strain_derivative(self) -> np.ndarray:
         """dE/d eps [3, 3] from the stress (times V) or the virial (times -1); NaN if none."""
-        if self.stress is not None:
+        if self.stress is not None and not np.isnan(self.stress).all():
             volume = abs(np.linalg.det(self.structure.cell))
             if volume == 0.0:
                 raise ValueError("a stress label needs a periodic cell with non-zero volume")

@@ -158,14 +158,20 @@ def require_complete_labels(frames, labels: Labels, path, where: str = "") -> No
             raise ValueError(
                 f"{prefix}{str(path)!r}: {len(lacking)} of {len(frames)} structures "
                 f"{'has' if len(lacking) == 1 else 'have'} no {name} label under the key {key!r} "
-                f"(structure{'s' if len(lacking) > 1 else ''} {shown}). Give {'it' if len(lacking) == 1 else 'them'} "
-                f"a NaN {name} (the loss skips NaN labels) or move {'it' if len(lacking) == 1 else 'them'} "
-                "to a dataset file of its own."
+                f"(structure{'s' if len(lacking) > 1 else ''} {shown}). Write NaN {name} labels for "
+                f"{'it' if len(lacking) == 1 else 'them'} (the loss skips NaN labels) or move "
+                f"{'it' if len(lacking) == 1 else 'them'} to a dataset file of its own."
             )
 
 
-def to_samples(frames, config: PETConfig, labels: Labels, path, indices=None) -> List[Sample]:
-    """Samples of ``frames``; errors name ``indices[i]``, the frame's index in the file."""
+def to_samples(frames, config: PETConfig, labels: Labels, path, indices=None,
+               for_loss: bool = False) -> List[Sample]:
+    """Samples of ``frames``; errors name ``indices[i]``, the frame's index in the file.
+
+    ``for_loss``: the samples feed the training loss, which cannot use a stress on a
+    structure that is not periodic in all three directions (no volume): that is an
+    error, and a NaN stress (skipped) is how to say none. Evaluation ignores it.
+    """
     samples = []
     indices = range(len(frames)) if indices is None else indices
     for i, atoms in zip(indices, frames):
@@ -179,6 +185,12 @@ def to_samples(frames, config: PETConfig, labels: Labels, path, indices=None) ->
             value = getattr(sample, name)
             if value is not None and np.isinf(np.asarray(value)).any():
                 raise ValueError(f"{label}: the {name} label is infinite")
+        stress = sample.stress
+        if for_loss and stress is not None and not np.isnan(stress).all() and np.linalg.det(sample.structure.cell) == 0.0:
+            raise ValueError(
+                f"{label}: has a stress label but no cell volume (pbc={np.asarray(atoms.pbc).tolist()}): a stress "
+                "needs a cell periodic in all three directions; write a NaN stress for it (the loss skips NaN labels)"
+            )
         samples.append(sample)
     return samples
 
@@ -355,7 +367,7 @@ class TrainingFiles:
 def _samples(parts, labels, config: PETConfig) -> List[Sample]:
     samples = []
     for (frames, section, idx, _), label in zip(parts, labels):
-        samples += to_samples(frames, config, label, section["systems"]["read_from"], idx)
+        samples += to_samples(frames, config, label, section["systems"]["read_from"], idx, for_loss=True)
     return samples
 
 

@@ -554,6 +554,17 @@ def test_label_errors(dataset, tmp_path):
     ase.io.write(bad, frames)
     with pytest.raises(ValueError, match="structure 0: the energy label is infinite"):
         fit(tiny_options(bad), None, progress=False, log=quiet())
+    # A stress label on a molecule (no cell volume): named before training starts; a
+    # NaN stress there is the way to say "none" and trains
+    frames = ase.io.read(dataset, ":")
+    molecule = ase.Atoms("Cu2", positions=[[0, 0, 0], [0, 0, 2.3]])
+    molecule.calc = type(frames[0].calc)(molecule, energy=1.0, forces=np.zeros((2, 3)), stress=np.zeros(6))
+    ase.io.write(bad, frames + [molecule])
+    with pytest.raises(ValueError, match=r"structure 16: has a stress label but no cell volume"):
+        fit(tiny_options(bad), None, progress=False, log=quiet())
+    molecule.calc.results["stress"] = np.full(6, np.nan)
+    ase.io.write(bad, frames + [molecule])
+    fit(tiny_options(bad, num_epochs=1), tmp_path / "nan_stress", progress=False, log=quiet())
     # Missing file.
     with pytest.raises(FileNotFoundError, match="not found"):
         fit(tiny_options(tmp_path / "nope.xyz"), None, progress=False, log=quiet())
