@@ -163,7 +163,7 @@ def test_labels_missing_from_some_structures_are_errors(tmp_path, capsys):
     assert main(["train", str(options), "--output", str(tmp_path / "o1"), "--epochs", "1", *TINY]) == 2
     err = capsys.readouterr().err
     assert "partial.xyz': 2 of 8 structures have no energy label under the key 'energy' (structures 2, 6)" in err
-    # the split file: every training structure has its labels, one validation one lacks forces
+    # energies complete, forces missing from one structure: the whole file is checked, before the split
     frames[2].info["energy"] = frames[6].info["energy"] = 1.0
     ase.io.write(tmp_path / "partial.xyz", frames)
     assert main(["train", str(options), "--output", str(tmp_path / "o2"), "--epochs", "1", *TINY]) == 2
