@@ -391,29 +391,21 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
     def where(name, i):
         return f"{name}[{i}]" if many else name
 
-    files = []
-    for i, section in enumerate(train_sections):
+    def read_file(section, option):
+        """A dataset file's structures, its info keys and labels checked on the whole
+        file, before any validation split takes some of its structures."""
         path = section["systems"]["read_from"]
-        frames = read_frames(path, where("training_set", i))
-        # the whole file, before any validation split takes some of its structures
-        check_info_keys(frames, section.get("extra_data") or {}, path, where("training_set", i) + ".extra_data.")
-        require_complete_labels(frames, label_keys(frames, section, weights, set(), where("training_set", i)),
-                                path, where=where("training_set", i))
-        files.append(frames)
+        frames = read_frames(path, option)
+        check_info_keys(frames, section.get("extra_data") or {}, path, option + ".extra_data.")
+        require_complete_labels(frames, label_keys(frames, section, weights, set(), option), path, where=option)
+        return frames
 
-    def separate_files(sections, name):
-        out = []
-        for i, section in enumerate(sections or []):
-            path = section["systems"]["read_from"]
-            frames = read_frames(path, where(name, i))
-            check_info_keys(frames, section.get("extra_data") or {}, path, where(name, i) + ".extra_data.")
-            require_complete_labels(frames, label_keys(frames, section, weights, set(), where(name, i)),
-                                    path, where=where(name, i))
-            out.append(frames)
-        return out
+    def read_files(sections, name):
+        return [read_file(section, where(name, i)) for i, section in enumerate(sections or [])]
 
-    val_files = separate_files(val_sections, "validation_set")
-    test_files = separate_files(test_sections, "test_set")
+    files = read_files(train_sections, "training_set")
+    val_files = read_files(val_sections, "validation_set")
+    test_files = read_files(test_sections, "test_set")
     sizes = [len(f) for f in files]
     if ckpt is not None:  # a restart trains on the structures of the run it continues
         splits = restart_split(ckpt, sizes, None if val_sections else val_option, seed)

@@ -246,6 +246,11 @@ def _checkpoint_globals():
     return allowed
 
 
+class UnreadableCheckpointError(ValueError):
+    """A metatrain checkpoint file that cannot be read at all (a damaged archive or
+    pickle), as opposed to one that reads but holds something petfunc refuses."""
+
+
 def _unpickle_checkpoint(data: bytes, label: str):
     """A metatrain checkpoint's dict, read with ``torch.load(weights_only=True)`` and
     :func:`_checkpoint_globals` allowed, so no pickled code runs. A checkpoint with
@@ -261,19 +266,19 @@ def _unpickle_checkpoint(data: bytes, label: str):
             try:
                 return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
             except Exception as error2:
-                raise ValueError(
+                raise UnreadableCheckpointError(
                     f"{label} is not a readable metatrain checkpoint ({type(error2).__name__}: {error2})"
                 ) from error2
         names = _unsafe_globals(data)
         if not names:  # a damaged pickle, not a refused object
-            raise ValueError(f"{label} is not a readable metatrain checkpoint (UnpicklingError: "
-                             f"{str(error).splitlines()[0]})") from error
+            raise UnreadableCheckpointError(f"{label} is not a readable metatrain checkpoint (UnpicklingError: "
+                                            f"{str(error).splitlines()[0]})") from error
         raise ValueError(
             f"{label} holds pickled objects that petfunc does not unpickle ({', '.join(names)}): "
             f"loading them could run code. If you trust this file, set {TRUST_ENV}=1"
         ) from None
     except Exception as error:  # corrupt archives raise many types
-        raise ValueError(
+        raise UnreadableCheckpointError(
             f"{label} is not a readable metatrain checkpoint ({type(error).__name__}: {error})"
         ) from error
 

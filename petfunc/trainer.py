@@ -241,7 +241,7 @@ def _load_model(path, dtype, which, device, target, keep_lora: bool):
     """:func:`load_model`, plus ``lora``: with ``keep_lora``, a source's LoRA
     adapters stay in ``params["lora"]`` and ``lora`` is their ``{rank, alpha,
     targets}`` (else ``None``)."""
-    from .io import _read_metatrain, load_params
+    from .io import UnreadableCheckpointError, _read_metatrain, load_params
 
     source_lora = None
     path = Path(path)
@@ -286,9 +286,7 @@ def _load_model(path, dtype, which, device, target, keep_lora: bool):
                 f"{str(path)!r} is neither a petfunc checkpoint nor a petfunc parameter file "
                 "(metatrain checkpoints need `pip install 'petfunc[metatrain]'`)"
             ) from None
-        except ValueError as error:
-            if "is not a readable metatrain checkpoint" not in str(error):
-                raise
+        except UnreadableCheckpointError as error:
             # a damaged archive (a truncated copy, say): torch's own reason says most
             first = str(load_error).splitlines()[0] if load_error is not None else ""
             raise ValueError(
