@@ -27,7 +27,8 @@ Outputs (in ``--output``, default ``outputs/YYYY-MM-DD/HH-MM-SS``): ``options.ya
 (the complete options used; ``petfunc train DIR/options.yaml`` reruns),
 ``last.ckpt`` and ``best.ckpt`` (see :mod:`petfunc.trainer`; ``--restart`` takes
 either), ``best_params.pt`` (:func:`petfunc.save_params`), ``metrics.csv`` (one row
-per epoch), ``parity.png``, and ``dataset.xyz`` for the demo.
+per epoch), ``parity.png``, and ``dataset.xyz`` for the demo. A run that stops before
+training removes the folder it made (or restores the one it was given).
 
 Options file schema
 -------------------
@@ -393,8 +394,8 @@ def _overrides(args) -> List[tuple]:
 def _train(args) -> int:
     import yaml
 
-    from .options import resolve_options, set_option
-    from .trainer import fit, load_checkpoint
+    from .options import set_option
+    from .trainer import TrainingError, load_checkpoint
 
     restart = args.restart
     if restart is not None:
@@ -444,7 +445,77 @@ def _train(args) -> int:
         now = datetime.datetime.now()
         output = Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
     output = Path(pdist.broadcast_object(str(output)))  # petfunc.distributed: rank 0's folder
+    before = _FolderSnapshot(output, demo) if rank == 0 else None
     output.mkdir(parents=True, exist_ok=True)
+    try:
+        return _train_into(args, options, output, demo, restart, rank, dist_kwargs)
+    except TrainingError:
+        raise  # training ran: its folder is the record of the run
+    except BaseException:
+        if before is not None and before.undo_if_untouched() and not output.exists():
+            print(f"petfunc: removed the output folder {output} (nothing was trained)", file=sys.stderr)
+        raise
+
+
+class _FolderSnapshot:
+    """What the output folder held before ``petfunc train`` began, so that a run that
+    stops before training (bad data or options, Ctrl-C while the files are read)
+    leaves no trace: the ``options.yaml`` it wrote (and the demo's ``dataset.xyz``) is
+    removed, an ``options.yaml`` it replaced (a restart into its own folder) is
+    restored, and the folders it made are removed.
+
+    When anything else in the folder was written or changed (a checkpoint,
+    ``metrics.csv``), everything is kept.
+    """
+
+    def __init__(self, output: Path, demo: bool):
+        self.output = output
+        # the files the command itself writes before training starts
+        self.own = ("options.yaml", "dataset.xyz") if demo else ("options.yaml",)
+        self.made = [p for p in (output, *output.parents) if not p.exists()]  # deepest first
+        self.entries = self._entries()
+        self.previous = {}
+        for name in self.own:
+            if (output / name).is_file():
+                self.previous[name] = (output / name).read_bytes()
+
+    def _entries(self):
+        if not self.output.is_dir():
+            return {}
+        return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in self.output.iterdir()}
+
+    def undo_if_untouched(self) -> bool:
+        """Undo the command's own writes unless something else changed in the folder;
+        returns whether it did."""
+        now = self._entries()
+        others = {name: state for name, state in now.items() if name not in self.own}
+        if others != {name: state for name, state in self.entries.items() if name not in self.own}:
+            return False  # training wrote something: keep the folder as it is
+        for name in self.own:
+            path = self.output / name
+            try:
+                if name in self.previous:
+                    if path.read_bytes() != self.previous[name]:
+                        path.write_bytes(self.previous[name])
+                elif path.is_file():
+                    path.unlink()
+            except OSError:
+                pass
+        for folder in self.made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break  # not empty (or not ours to remove)
+        return True
+
+
+def _train_into(args, options, output, demo, restart, rank, dist_kwargs) -> int:
+    """The part of :func:`_train` that writes into the output folder."""
+    import yaml
+
+    from . import distributed as pdist
+    from .options import resolve_options
+    from .trainer import fit
 
     if demo:
         # check the options before spending time on the dataset

@@ -142,6 +142,34 @@ def test_train_errors(tmp_path, capsys):
     assert "options file not found" in capsys.readouterr().err
     assert main(["train", "--output", str(tmp_path / "o3"), "--set", "architecture.model.d_pet=0"]) == 2
     assert "d_pet" in capsys.readouterr().err
+    # runs that stop before training leave no output folder behind
+    assert not any((tmp_path / name).exists() for name in ("o1", "o2", "o3"))
+
+
+def test_failed_start_leaves_the_folder_as_it_was(demo_run, tmp_path, capsys):
+    """A run that stops before training removes what it wrote (options.yaml, the
+    folders it made) and restores an options.yaml it replaced; a user's files stay."""
+    import shutil
+
+    data = make_default_dataset(tmp_path / "d.xyz", n_structures=4)
+    options = tmp_path / "o.yaml"
+    options.write_text(yaml.safe_dump({"training_set": str(data), "architecture": {"name": "pet", "model": {"cutoff": 0}}}))
+    assert main(["train", str(options), "--output", str(tmp_path / "a" / "b" / "c")]) == 2
+    assert "removed the output folder" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+    # an existing folder: the user's file stays, the folder stays, options.yaml goes
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    assert main(["train", str(options), "--output", str(tmp_path / "mine")]) == 2
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+    # a restart into its own folder with options the checkpoint rejects
+    run = tmp_path / "run"
+    shutil.copytree(demo_run, run)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    args = ["train", "--restart", str(run / "last.ckpt"), "--set", "architecture.model.d_pet=16", "--no-progress"]
+    assert main(args) == 2
+    assert "differs from the architecture in the restart checkpoint" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
 def test_labels_missing_from_some_structures_are_errors(tmp_path, capsys):
