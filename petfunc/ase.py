@@ -170,6 +170,11 @@ class PETCalculator(Calculator):
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if isinstance(config, (str, os.PathLike)):
+            raise TypeError(f"config must be a PETConfig, got the path {str(config)!r}: "
+                            "PETCalculator.from_checkpoint(path) loads a petfunc parameter file or checkpoint, "
+                            "PETCalculator.from_metatrain(path) a metatrain checkpoint, "
+                            "PETCalculator.from_exported(path) a petfunc export")
         if not isinstance(config, PETConfig):
             raise TypeError(f"config must be a PETConfig, got {type(config).__name__}")
         if remat and (compile or exported is not None):
