@@ -411,6 +411,12 @@ def parse_loss(spec) -> tuple:
         return LossWeights(term, term, term), set()
     if not isinstance(spec, Mapping):
         raise ValueError(f"option '{where}' must be a loss type or a mapping, got {spec!r}")
+    for key in spec:
+        if key in _TERM_ALIASES:  # a natural guess; metatrain keeps them under the energy target
+            raise ValueError(
+                f"unknown option '{where}.{key}': the {_TERM_ALIASES[key]} loss is set under the energy target, "
+                f"as '{where}.energy.gradients.{key}' (or '{where}.energy.{key}')"
+            )
     _check_keys(spec, ("energy",), where)
     energy = spec.get("energy", {})
     if isinstance(energy, str):

@@ -594,6 +594,9 @@ def test_unknown_species_when_finetuning(dataset, tmp_path):
         (lambda o: o["architecture"]["model"].update(dpet=3), "'architecture.model.dpet'"),
         (lambda o: o.update(training_set={"systems": "x.xyz", "targets": {"energy": {"kye": "e"}}}), "'training_set.targets.energy.kye'"),
         (lambda o: o["architecture"]["training"].update(loss={"energy": {"wieght": 2}}), "'architecture.training.loss.energy.wieght'"),
+        (lambda o: o["architecture"]["training"].update(loss={"forces": {"weight": 2}}),
+         r"'architecture.training.loss.forces': the forces loss is set under the energy target, as "
+         r"'architecture.training.loss.energy.gradients.forces'"),
         (lambda o: o["architecture"]["training"].update(batch_size=0), "batch_size' must be positive"),
         (lambda o: o.update(base_precision=16), "base_precision"),
         (lambda o: o.update(validation_set=1.0), "validation_set"),
