@@ -392,8 +392,6 @@ def _overrides(args) -> List[tuple]:
 
 
 def _train(args) -> int:
-    import yaml
-
     from .options import set_option
     from .trainer import TrainingError, load_checkpoint
 
