@@ -260,7 +260,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--device", help="cpu, cuda or cuda:N")
     train.add_argument("--compile", action="store_true", default=None,
                        help="trace and torch.compile the training and validation steps")
-    train.add_argument("--no-compile", dest="compile", action="store_false")
+    train.add_argument("--no-compile", dest="compile", action="store_false",
+                       help="eager training steps (overrides compile: true of the options file)")
     train.add_argument("--backend", choices=("inductor", "aot_eager", "eager"),
                        help="architecture.training.compile_backend")
     train.add_argument("--remat", action="store_true", default=None,
