@@ -28,7 +28,7 @@ Outputs (in ``--output``, default ``outputs/YYYY-MM-DD/HH-MM-SS``): ``options.ya
 ``last.ckpt`` and ``best.ckpt`` (see :mod:`petfunc.trainer`; ``--restart`` takes
 either), ``best_params.pt`` (:func:`petfunc.save_params`), ``metrics.csv`` (one row
 per epoch), ``parity.png``, and ``dataset.xyz`` for the demo. A run that stops before
-training removes the folder it made (or restores the one it was given).
+its first checkpoint removes the folder it made (or restores the one it was given).
 
 Options file schema
 -------------------
@@ -452,19 +452,21 @@ def _train(args) -> int:
         raise  # training ran: its folder is the record of the run
     except BaseException:
         if before is not None and before.undo_if_untouched() and not output.exists():
-            print(f"petfunc: removed the output folder {output} (nothing was trained)", file=sys.stderr)
+            print(f"petfunc: removed the output folder {output} (the run wrote no checkpoint to it)", file=sys.stderr)
         raise
 
 
 class _FolderSnapshot:
     """What the output folder held before ``petfunc train`` began, so that a run that
-    stops before training (bad data or options, Ctrl-C while the files are read)
-    leaves no trace: the ``options.yaml`` it wrote (and the demo's ``dataset.xyz``) is
+    stops before its first checkpoint (bad data or options, Ctrl-C while the files
+    are read or in the first epoch) leaves no trace: the ``options.yaml`` it wrote (and the demo's ``dataset.xyz``) is
     removed, an ``options.yaml`` it replaced (a restart into its own folder) is
     restored, and the folders it made are removed.
 
     When anything else in the folder was written or changed (a checkpoint,
-    ``metrics.csv``), everything is kept.
+    ``metrics.csv``), everything is kept; so is the folder of a run that a NaN loss
+    stopped (:class:`petfunc.trainer.TrainingError`): its ``options.yaml`` records
+    the run that diverged.
     """
 
     def __init__(self, output: Path, demo: bool):
