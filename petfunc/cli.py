@@ -541,8 +541,10 @@ def _train_into(args, options, output, demo, restart, rank, dist_kwargs) -> int:
     kwargs.update(dist_kwargs)  # petfunc.distributed
     try:
         fit(resolved, output, **kwargs)
-    finally:
-        pdist.shutdown()  # petfunc.distributed (no-op in one process)
+    except BaseException:
+        pdist.shutdown(wait_for_all=False)  # petfunc.distributed (no-op in one process)
+        raise
+    pdist.shutdown()  # petfunc.distributed: all ranks leave together
     return 0
 
 

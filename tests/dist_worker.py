@@ -108,8 +108,10 @@ def main():
                        os.path.join(out_dir, f"resumed_rank{info.rank}.pt"))
         elif scenario == "fail":
             run(init_state(params, optimizer), optimizer, data, w, c, 0, STEPS, info)
-    finally:
-        pdist.shutdown()
+    except BaseException:
+        pdist.shutdown(wait_for_all=False)  # the other rank may never come
+        raise
+    pdist.shutdown()
 
 
 if __name__ == "__main__":
