@@ -451,8 +451,11 @@ def _train(args) -> int:
     except TrainingError:
         raise  # training ran: its folder is the record of the run
     except BaseException:
-        if before is not None and before.undo_if_untouched() and not output.exists():
-            print(f"petfunc: removed the output folder {output} (the run wrote no checkpoint to it)", file=sys.stderr)
+        if before is not None and before.undo_if_untouched():
+            args.wrote_nothing = True
+            if not output.exists():
+                print(f"petfunc: removed the output folder {output} (the run wrote no checkpoint to it)",
+                      file=sys.stderr)
         raise
 
 
@@ -633,7 +636,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"petfunc: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("petfunc: interrupted (the last checkpoint is intact)", file=sys.stderr)
+        wrote = args.command == "train" and not getattr(args, "wrote_nothing", False)
+        print("petfunc: interrupted" + (" (the checkpoints written so far are intact)" if wrote else ""),
+              file=sys.stderr)
         return 130
 
 

@@ -201,6 +201,34 @@ def test_labels_missing_from_some_structures_are_errors(tmp_path, capsys):
     assert main(["train", str(options), "--output", str(tmp_path / "o3"), "--epochs", "1", *TINY]) == 0
 
 
+def test_ctrl_c_in_the_first_epoch_leaves_no_folder(tmp_path):
+    """SIGINT once training has started but before its first checkpoint: exit status
+    130 and no output folder left behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "petfunc", "train", "--structures", "320", "--no-progress", "--threads", "1", "-o", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, as under a shell's '&'
+    )
+    try:
+        for line in process.stdout:
+            if line.startswith("per epoch:"):  # the last line before the first step
+                break
+        assert (out / "options.yaml").is_file()
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, err[-2000:]
+    assert "removed the output folder" in err and err.rstrip().endswith("petfunc: interrupted")
+    assert not out.exists()
+
+
 def test_python_dash_m(tmp_path):
     import subprocess
     import sys
