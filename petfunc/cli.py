@@ -444,6 +444,8 @@ def _train(args) -> int:
         now = datetime.datetime.now()
         output = Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
     output = Path(pdist.broadcast_object(str(output)))  # petfunc.distributed: rank 0's folder
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"the output folder {str(output)!r} is a file")
     before = _FolderSnapshot(output, demo) if rank == 0 else None
     output.mkdir(parents=True, exist_ok=True)
     try:
@@ -462,9 +464,9 @@ def _train(args) -> int:
 class _FolderSnapshot:
     """What the output folder held before ``petfunc train`` began, so that a run that
     stops before its first checkpoint (bad data or options, Ctrl-C while the files
-    are read or in the first epoch) leaves no trace: the ``options.yaml`` it wrote (and the demo's ``dataset.xyz``) is
-    removed, an ``options.yaml`` it replaced (a restart into its own folder) is
-    restored, and the folders it made are removed.
+    are read or in the first epoch) leaves no trace: the ``options.yaml`` it wrote
+    (and the demo's ``dataset.xyz``) is removed, one it replaced (a restart into
+    its own folder) is restored, and the folders it made are removed.
 
     When anything else in the folder was written or changed (a checkpoint,
     ``metrics.csv``), everything is kept; so is the folder of a run that a NaN loss

@@ -144,6 +144,8 @@ def test_train_errors(tmp_path, capsys):
     assert "d_pet" in capsys.readouterr().err
     # runs that stop before training leave no output folder behind
     assert not any((tmp_path / name).exists() for name in ("o1", "o2", "o3"))
+    assert main(["train", str(missing), "--output", str(data)]) == 2
+    assert "the output folder" in capsys.readouterr().err and data.is_file()
 
 
 def test_failed_start_leaves_the_folder_as_it_was(demo_run, tmp_path, capsys):
