@@ -212,20 +212,24 @@ def test_ctrl_c_in_the_first_epoch_leaves_no_folder(tmp_path):
     import sys
 
     out = tmp_path / "run"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "petfunc", "train", "--structures", "320", "--no-progress", "--threads", "1", "-o", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, as under a shell's '&'
-    )
-    try:
-        for line in process.stdout:
-            if line.startswith("per epoch:"):  # the last line before the first step
-                break
-        assert (out / "options.yaml").is_file()
-        process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=120)
-    finally:
-        process.kill()
+    # stderr to a file: a full pipe that nobody reads would block the run
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "petfunc", "train", "--structures", "320", "--no-progress", "--threads", "1",
+             "-o", str(out)],
+            stdout=subprocess.PIPE, stderr=stderr, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, as under a shell's '&'
+        )
+        try:
+            for line in process.stdout:
+                if line.startswith("per epoch:"):  # the last line before the first step
+                    break
+            assert (out / "options.yaml").is_file()
+            process.send_signal(signal.SIGINT)
+            process.communicate(timeout=120)
+        finally:
+            process.kill()
+    err = (tmp_path / "stderr.txt").read_text()
     assert process.returncode == 130, err[-2000:]
     assert "removed the output folder" in err and err.rstrip().endswith("petfunc: interrupted")
     assert not out.exists()
