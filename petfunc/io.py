@@ -21,6 +21,7 @@ to the computation dtype, as metatrain does with its float64 buffers.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gzip
 import io
 import json
@@ -446,6 +447,72 @@ def _assemble(config, network, weights, scale, dtype, source):
     return tree.unflatten({k: flat[k] for k in expected})
 
 
+def _unit_factor(from_unit: str, to_unit: str, label: str) -> float:
+    """metatomic's conversion factor (what its ASE calculator multiplies by), so that
+    a converted model agrees with metatomic's to round-off."""
+    from metatomic.torch import unit_conversion_factor
+
+    try:
+        try:
+            return float(unit_conversion_factor(from_unit, to_unit))
+        except TypeError:  # metatomic before 0.1.5: (quantity, from, to)
+            quantity = "length" if to_unit == "angstrom" else "energy"
+            return float(unit_conversion_factor(quantity, from_unit, to_unit))
+    except Exception as error:  # noqa: BLE001 - metatomic raises RuntimeError or ValueError
+        raise ValueError(f"{label}: cannot convert its unit {from_unit!r} to {to_unit}: {error}") from None
+
+
+def _in_angstrom_and_ev(config: PETConfig, params, length_unit: str, energy_unit: str, label: str,
+                        uncertainty: Optional[dict] = None):
+    """``(config, params, uncertainty)`` of a metatrain model made to take Å and give eV.
+
+    A metatrain model works in the units of its training data (its ``length_unit``
+    and its energy target's ``unit``), and metatomic's calculator converts at the
+    boundary. petfunc works in Å and eV throughout, so a model in other units is
+    converted once, here, exactly (to round-off):
+
+    * energy: E_eV = f E_model. The energy is ``c sum eps_i + sum w_Z``, so the scale c
+      and the composition weights w are multiplied by f (and the LLPR multiplier and
+      ensemble weights, which give energies too).
+    * length: the model sees x_model = k x_Å. Lengths enter PET as the edge vectors
+      and distances fed to each GNN layer's linear ``edge_embedder`` (whose weight is
+      multiplied by k), and as distances compared with ``cutoff``, ``cutoff_width``
+      and ``cutoff_width_adaptive`` (divided by k) in switching functions and the
+      adaptive solver, which depend on ratios of lengths only. The ``grid`` adaptive
+      method probes radii from a fixed 0.5 length units, and the long-range features
+      are Coulomb potentials in the model's units, so those two are refused in
+      lengths other than Å.
+    """
+    f = _unit_factor(energy_unit or "", "eV", label) if energy_unit not in ("", "eV") else 1.0
+    k = _unit_factor("angstrom", length_unit, label) if length_unit not in ("", "angstrom") else 1.0
+    if k != 1.0:
+        where = f"{label} works in lengths of {length_unit!r}"
+        if config.adaptive and config.adaptive_cutoff_method == "grid":
+            raise ValueError(f"{where}; petfunc converts only Å models with the 'grid' adaptive cutoff")
+        if config.long_range.enable:
+            raise ValueError(f"{where}; petfunc converts only Å models with long-range features")
+        config = dataclasses.replace(
+            config, cutoff=config.cutoff / k, cutoff_width=config.cutoff_width / k,
+            cutoff_width_adaptive=config.cutoff_width_adaptive / k,
+        )
+        flat = tree.flatten(params)
+        for name, value in flat.items():
+            # the geometric embedding [V_x, V_y, V_z, D] -> d_pet of every GNN layer,
+            # and a LoRA adapter of it (W + s B A: A takes the input)
+            if name.startswith(("gnn_layers.", "lora.gnn_layers.")) and name.endswith(
+                    (".edge_embedder.weight", ".edge_embedder.lora_A.weight")):
+                flat[name] = value * k
+        params = tree.unflatten(flat)
+    if f != 1.0:
+        params = {**params, "composition_weights": params["composition_weights"] * f,
+                  "energy_scale": params["energy_scale"] * f}
+        if uncertainty is not None:
+            uncertainty = {**uncertainty, "multiplier": uncertainty["multiplier"] * f}
+            if "ensemble_weights" in uncertainty:
+                uncertainty["ensemble_weights"] = uncertainty["ensemble_weights"] * f
+    return config, params, uncertainty
+
+
 def _config_from_hypers(hypers: Mapping, atomic_types, source: str) -> PETConfig:
     hypers = dict(hypers)
     try:
@@ -558,7 +625,8 @@ def from_metatrain(
     Checkpoints of every PET model version (1 to 16) are upgraded with metatrain's
     own ``PET.upgrade_checkpoint``. As metatrain's ``"export"`` context does, this
     reads ``best_model_state_dict`` (``model_state_dict`` if that is missing), and
-    merges LoRA finetuning weights into the plain weights.
+    merges LoRA finetuning weights into the plain weights. A model trained in other
+    units than Å and eV is converted to them (see :func:`_in_angstrom_and_ev`).
 
     Raises:
         ImportError: metatrain is not installed (``pip install 'petfunc[metatrain]'``).
@@ -660,7 +728,18 @@ def _read_metatrain(source, dtype=None, target=None, llpr: Optional[str] = None,
         from .llpr import _uncertainty_of
 
         uncertainty = _uncertainty_of(wrapper, config, params, dtype, target, label)
-    return config, params, uncertainty
+    energy_unit = str(getattr(dataset_info.targets[target], "unit", "") or "")
+    return _in_angstrom_and_ev(_zbl_as_metatrain(config, energy_unit), params,
+                               str(dataset_info.length_unit or ""), energy_unit, label, uncertainty)
+
+
+def _zbl_as_metatrain(config: PETConfig, energy_unit: str) -> PETConfig:
+    """metatrain adds its ZBL repulsion only to energy targets whose unit is exactly
+    ``"eV"`` (``ZBL.supports_target``); with any other unit, the empty default
+    included, its PET has no ZBL term, whatever ``zbl`` says."""
+    if config.zbl and energy_unit != "eV":
+        return dataclasses.replace(config, zbl=False)
+    return config
 
 
 def _llpr_state(checkpoint: Mapping) -> Dict[str, torch.Tensor]:
@@ -752,7 +831,15 @@ def _from_exported(data: bytes, dtype, target, label):
         raise ValueError(f"{label}: cannot pick the energy target among {targets}; pass target=...")
     network = _network_params(state, target)
     weights, scale = _composition_and_scale(state, target, config.atomic_types)
-    return config, _assemble(config, network, weights, scale, dtype, label)
+    params = _assemble(config, network, weights, scale, dtype, label)
+    try:
+        capabilities = module.capabilities()
+        length_unit, energy_unit = str(capabilities.length_unit), str(capabilities.outputs[target].unit)
+    except Exception as error:  # noqa: BLE001 - a TorchScript error of an unknown export
+        raise ValueError(f"{label}: cannot read the units of the exported model ({error})") from None
+    config, params, _ = _in_angstrom_and_ev(_zbl_as_metatrain(config, energy_unit), params,
+                                            length_unit, energy_unit, label)
+    return config, params
 
 
 def to_metatrain_state_dict(params, config: Optional[PETConfig] = None) -> Dict[str, torch.Tensor]:

@@ -23,8 +23,10 @@ from metatrain.utils.neighbor_lists import (
 import petfunc
 
 
-def make_model(config: petfunc.PETConfig):
-    """A metatrain PET with the architecture of ``config`` (float64, eval mode)."""
+def make_model(config: petfunc.PETConfig, length_unit: str = "angstrom", energy_unit: str = "eV"):
+    """A metatrain PET with the architecture of ``config`` (float64, eval mode), whose
+    dataset was in ``length_unit`` and ``energy_unit`` (its cutoffs are in
+    ``length_unit``, as metatrain reads them)."""
     hypers = copy.deepcopy(get_default_hypers("pet")["model"])
     for key, value in config.to_hypers().items():
         if key == "atomic_types":
@@ -35,8 +37,8 @@ def make_model(config: petfunc.PETConfig):
         hypers[key] = value
     if hypers["num_neighbors_adaptive"] is not None:
         hypers["num_neighbors_adaptive"] = int(hypers["num_neighbors_adaptive"])
-    targets = {"energy": get_energy_target_info("energy", {"quantity": "energy", "unit": "eV"})}
-    info = DatasetInfo(length_unit="angstrom", atomic_types=list(config.atomic_types), targets=targets)
+    targets = {"energy": get_energy_target_info("energy", {"quantity": "energy", "unit": energy_unit})}
+    info = DatasetInfo(length_unit=length_unit, atomic_types=list(config.atomic_types), targets=targets)
     model = MttPET(hypers, info)
     return model.to(torch.float64).eval()
 

@@ -216,6 +216,75 @@ def test_from_metatrain_keeps_the_zbl_flag():
     petfunc.io.check_params(config, params)  # ZBL has no trainable parameters
 
 
+# (length unit, energy unit, hypers in those units): metatrain works in its data's units
+UNIT_CASES = [
+    ("angstrom", "kcal/mol", dict(num_neighbors_adaptive=6)),
+    ("bohr", "Hartree", dict(cutoff=8.5, cutoff_width=0.9, num_neighbors_adaptive=6, cutoff_width_adaptive=1.9)),
+    ("nm", "kJ/mol", dict(cutoff=0.45, cutoff_width=0.05, cutoff_function="Cosine")),
+]
+
+
+@pytest.mark.parametrize("length_unit, energy_unit, hypers", UNIT_CASES)
+def test_from_metatrain_converts_other_units_to_angstrom_and_ev(tmp_path, length_unit, energy_unit, hypers):
+    """A metatrain model trained in other units gives what metatomic's calculator
+    gives (it converts at the boundary), from the checkpoint and from the export."""
+    ref = _metatrain()
+    metatomic_ase = pytest.importorskip("metatomic_ase")
+    import ase.build
+    import numpy as np
+    from petfunc.ase import PETCalculator
+
+    config = _config(**hypers)
+    model = ref.make_model(config, length_unit=length_unit, energy_unit=energy_unit)
+    ref.load_params(model, _params(config))
+    torch.save(model.get_checkpoint(), tmp_path / "model.ckpt")
+    model.export().save(str(tmp_path / "model.pt"))
+    reference = metatomic_ase.MetatomicCalculator(str(tmp_path / "model.pt"), device="cpu")
+
+    bulk = ase.build.bulk("C", "diamond", a=3.57, cubic=True)
+    bulk.cell[0, 1] += 0.4
+    bulk.rattle(0.1, seed=1)
+    molecule = ase.build.molecule("CH3CH2OH")
+    molecule.rattle(0.05, seed=2)
+    for source in ("model.ckpt", "model.pt"):
+        calculator = PETCalculator.from_metatrain(tmp_path / source, dtype=torch.float64)
+        for atoms in (bulk, molecule):
+            expected, got = atoms.copy(), atoms.copy()
+            expected.calc, got.calc = reference, calculator
+            energy = expected.get_potential_energy()
+            assert abs(energy) > 1e-3  # the weights are not trivial
+            assert got.get_potential_energy() == pytest.approx(energy, rel=1e-10, abs=1e-12)
+            np.testing.assert_allclose(got.get_forces(), expected.get_forces(), rtol=1e-8, atol=1e-11)
+            if atoms.pbc.all():
+                np.testing.assert_allclose(got.get_stress(), expected.get_stress(), rtol=1e-8, atol=1e-12)
+
+    if length_unit == "bohr":  # the grid method probes from a fixed 0.5 length units
+        grid = ref.make_model(_config(**{**hypers, "adaptive_cutoff_method": "grid"}),
+                              length_unit=length_unit, energy_unit=energy_unit)
+        with pytest.raises(ValueError, match="works in lengths of 'bohr'.*'grid' adaptive cutoff"):
+            petfunc.from_metatrain(grid.get_checkpoint())
+
+
+def test_from_metatrain_zbl_only_on_ev_targets():
+    """metatrain adds ZBL only to a target in exactly 'eV': with the default unit ''
+    its model has no ZBL term, and petfunc's reading of it has none either."""
+    ref = _metatrain()
+    import ase
+
+    config = _config(zbl=True)
+    pair = ase.Atoms("CO", positions=[[0, 0, 0], [0.9, 0.2, 0.1]])  # deep in the repulsion
+    for unit, zbl in (("eV", True), ("", False), ("meV", False)):
+        model = ref.make_model(config, energy_unit=unit)
+        ref.load_params(model, _params(config))
+        loaded, params = petfunc.from_metatrain(model.get_checkpoint())
+        assert loaded.zbl is zbl
+        expected = ref.evaluate(model, [pair], stress=False)[0]
+        positions, cell, neighbors = petfunc.from_atoms([pair], loaded, dtype=torch.float64)
+        energy = petfunc.PET(loaded).energy(params, positions, cell, neighbors)
+        factor = {"eV": 1.0, "": 1.0, "meV": 1e-3}[unit]
+        torch.testing.assert_close(energy, expected * factor, rtol=1e-7, atol=0)
+
+
 def test_from_metatrain_does_not_modify_its_input():
     _metatrain()
     with gzip.open(_checkpoint_path("model-v4_trainer-v3.ckpt.gz"), "rb") as handle:
