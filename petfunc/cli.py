@@ -339,6 +339,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _yaml_load(stream):
+    """``yaml.safe_load`` that reads ``1e-3`` as a number, as metatrain's OmegaConf
+    (and YAML 1.2) does; PyYAML's YAML 1.1 rules need a dot (``1.0e-3``) and would
+    give the string ``'1e-3'``."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."),
+    )
+    return yaml.load(stream, Loader=Loader)  # noqa: S506 - a SafeLoader
+
+
 def _read_options_file(path) -> dict:
     import yaml
 
@@ -347,7 +366,7 @@ def _read_options_file(path) -> dict:
         raise FileNotFoundError(f"options file not found: {str(path)!r}")
     try:
         with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+            data = _yaml_load(handle)
     except yaml.YAMLError as error:
         raise ValueError(f"could not parse options file {str(path)!r}: {error}") from None
     if data is None:
@@ -385,7 +404,7 @@ def _overrides(args) -> List[tuple]:
             raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
         key, text = item.split("=", 1)
         try:
-            value = yaml.safe_load(text)
+            value = _yaml_load(text)
         except yaml.YAMLError:
             value = text
         pairs.append((key.strip(), value))

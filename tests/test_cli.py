@@ -273,3 +273,28 @@ def test_demo_options_on_own_data(demo_run, tmp_path):
     args = ["train", "--output", str(out), "--epochs", "1", "--set", f"training_set={demo_run / 'dataset.xyz'}", *TINY]
     assert main(args) == 0
     assert not (out / "dataset.xyz").exists() and (out / "best.ckpt").is_file()
+
+
+def test_options_read_exponent_numbers_as_metatrain_does(tmp_path):
+    """metatrain reads options with OmegaConf, where ``1e-3`` is a number; PyYAML's
+    YAML 1.1 rules alone would give the string '1e-3' (a rejected learning rate, or a
+    validation "file" named 1e-1)."""
+    from petfunc.cli import _overrides, _parser, _read_options_file
+    from petfunc.options import resolve_options
+
+    path = tmp_path / "options.yaml"
+    path.write_text(
+        "training_set: train.xyz\nvalidation_set: 1e-1\n"
+        "architecture:\n  training:\n    learning_rate: 1e-3\n    weight_decay: 5E-5\n"
+        "  model:\n    cutoff: 45e-1\n    d_pet: 1e3x\n"
+    )
+    given = _read_options_file(path)
+    assert given["validation_set"] == 0.1 and given["architecture"]["model"]["d_pet"] == "1e3x"
+    given["architecture"]["model"].pop("d_pet")
+    options = resolve_options(given)
+    training = options["architecture"]["training"]
+    assert training["learning_rate"] == 1e-3 and training["weight_decay"] == 5e-5
+    assert options["architecture"]["model"]["cutoff"] == 4.5
+    args = _parser().parse_args(["train", "--set", "architecture.training.learning_rate=2e-3",
+                                      "--set", "seed='7'"])
+    assert dict(_overrides(args)) == {"architecture.training.learning_rate": 2e-3, "seed": "7"}
