@@ -620,15 +620,31 @@ def _baseline_file(path, kind, atomic_types, unit, additive_models=("Composition
                          f"{error}") from None
 
 
+def check_model_section(model_hypers: Mapping, config: PETConfig, what: str) -> None:
+    """Raise unless every hyperparameter the options name equals ``config``'s.
+
+    As metatrain's ``raise_if_hypers_mismatch`` on restart and fine-tuning, only the
+    keys given are compared (a nested section such as ``long_range`` is filled with
+    its defaults first); the architecture itself comes from the checkpoint.
+    """
+    given = {k: v for k, v in model_hypers.items() if k != "atomic_types"}
+    if not given:
+        return
+    try:
+        merged = PETConfig.from_hypers({**config.to_hypers(), **given})
+    except ValueError as error:
+        raise ValueError(f"option 'architecture.model': {error}") from None
+    diff = [f"{k}: {getattr(merged, k)!r} here, {getattr(config, k)!r} in it"
+            for k in given if getattr(merged, k) != getattr(config, k)]
+    if diff:
+        raise ValueError(f"option 'architecture.model' differs from the architecture of {what} ("
+                         + "; ".join(diff) + "); remove these keys or make them match")
+
+
 def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log):
     finetune_options = options["architecture"]["training"]["finetune"]
     finetune = finetune_options.get("read_from")
     if finetune:
-        if model_hypers and set(model_hypers) != {"atomic_types"}:
-            raise ValueError(
-                "option 'architecture.model' must be empty when fine-tuning: the architecture "
-                f"comes from {finetune!r}"
-            )
         # metatrain's inherit_heads {energy: SOURCE}: the energy heads start from the
         # source target's heads
         source = (finetune_options.get("inherit_heads") or {}).get("energy")
@@ -643,6 +659,7 @@ def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log
                     "pass target=...", "choose one with 'architecture.training.finetune.inherit_heads: "
                     "{energy: NAME}'")) from None
             raise
+        check_model_section(model_hypers, config, f"the fine-tuning checkpoint {finetune!r}")
         log(f"fine-tuning from {finetune} ({len(config.atomic_types)} atomic types {config.atomic_types})"
             + (f", heads of its target {source!r}" if source else ""))
         if source_lora is not None:
@@ -754,13 +771,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
     model_hypers = dict(options["architecture"]["model"])
     if ckpt is not None:
         config = PETConfig.from_hypers(json.loads(ckpt["config"]))
-        if model_hypers:
-            given = PETConfig.from_hypers({"atomic_types": config.atomic_types, **model_hypers})
-            if given != config:
-                raise ValueError(
-                    "option 'architecture.model' differs from the architecture in the restart "
-                    f"checkpoint {str(restart)!r}; remove it or make it match"
-                )
+        check_model_section(model_hypers, config, f"the restart checkpoint {str(restart)!r}")
         stored = ckpt.get("dtype")
         if stored != str(dtype).replace("torch.", ""):
             raise ValueError(f"the restart checkpoint was trained in {stored}; set base_precision to match")

@@ -740,9 +740,13 @@ def test_finetune_from_metatrain_checkpoint(tmp_path):
     moved = [k for k, v in tree.flatten(trainable(start)).items() if not torch.equal(v, tree.flatten(result.last_params)[k])]
     assert moved, "no parameter changed"
     assert not torch.equal(result.params["composition_weights"], start["composition_weights"])
-    # Options may not redefine the architecture when fine-tuning.
-    options["architecture"]["model"] = {"d_pet": 16}
-    with pytest.raises(ValueError, match="architecture.model' must be empty when fine-tuning"):
+    # Options may not redefine the architecture when fine-tuning; as in metatrain, the
+    # keys they give must match the checkpoint's (an unchanged options file works).
+    from petfunc.trainer import check_model_section
+
+    check_model_section({"d_pet": config.d_pet, "cutoff": config.cutoff, "normalization": config.normalization.lower()}, config, "it")
+    options["architecture"]["model"] = {"cutoff": config.cutoff + 0.5, "num_heads": config.num_heads}
+    with pytest.raises(ValueError, match=r"differs from the architecture of the fine-tuning checkpoint .*\(cutoff: "):
         fit(options, None, progress=False, log=quiet())
 
 
