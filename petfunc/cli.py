@@ -69,7 +69,7 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
         #        positions: {type: mse, weight: 10.0}     # forces (alias: forces)
         #        strain: {type: mse, weight: 1.0}         # stress (aliases: stress, virial)
         best_model_metric: mae_prod   # mae_prod | rmse_prod | loss (on validation)
-        log_interval: 1           # validate (and maybe update best.ckpt) every N epochs
+        log_interval: 1           # print a line every N epochs (validation: every epoch)
         checkpoint_interval: 100  # also keep epoch_N.ckpt every N epochs
         scale_targets: true       # fit the energy scale (false: scale 1 eV)
         finetune:

@@ -12,8 +12,9 @@ schema and :func:`petfunc.options.resolve_options`). :func:`fit`
    or packed by atom count with ``max_atoms_per_batch``; see :mod:`petfunc.batching`),
    random O(3) augmentation, Adam(W) with linear warm-up + cosine decay stepped per
    batch, global gradient-norm clipping;
-4. validates every ``log_interval`` epochs with the same loss (no augmentation, no
-   optimizer), keeps the best parameters by ``best_model_metric``, and writes
+4. validates every epoch with the same loss (no augmentation, no optimizer), keeps
+   the best parameters by ``best_model_metric`` (as metatrain, which also validates
+   every epoch; ``log_interval`` only spaces the printed lines), and writes
    ``last.ckpt``, ``best.ckpt``, ``metrics.csv`` and, at the end, ``parity.png``
    and ``best_params.pt`` (a :func:`petfunc.save_params` file);
 5. evaluates the best parameters on the test set, if any (log, ``parity_test.png``,
@@ -1072,43 +1073,40 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
             row = {"epoch": epoch + 1, "step": step, "learning_rate": float(schedule(max(step - 1, 0)))}
             row.update({f"train_{k}": v for k, v in train_summary.items()})
 
-            validate = (epoch + 1) % training["log_interval"] == 0 or epoch + 1 == num_epochs
-            if validate:
-                if val_samples:
-                    if val_batches is None:
-                        val_batches = [
-                            b for _, b in iterate_batches(
-                                val_samples, config, composition, scale, batch_size, shuffle=False,
-                                drop_last=False, augment=False, dtype=dtype, device=device,
-                                rank=rank, world_size=world_size, even_shards=False, groups=val_groups,
-                                max_atoms=max_atoms,
-                            )
-                        ]
-                    # every validation structure is evaluated once, on one rank; a
-                    # rank whose shard is empty contributes zero sums
-                    if eval_fn is None and val_batches:
-                        eval_fn = build_eval(val_batches[0])
-                    vsums = _Sums(terms)
-                    for batch in val_batches:
-                        vsums.add(_floats(eval_fn(state.params, batch)[1]))
-                    vsums.values = reduce_metrics(vsums.values)
-                    val_summary = vsums.summary(scale)
-                    if not math.isfinite(val_summary["loss"]):
-                        raise TrainingError(
-                            f"epoch {epoch + 1}: the validation loss is {val_summary['loss']}; "
-                            "lower the learning rate or check the validation labels"
+            # every epoch, as metatrain: the best model must not depend on log_interval
+            if val_samples:
+                if val_batches is None:
+                    val_batches = [
+                        b for _, b in iterate_batches(
+                            val_samples, config, composition, scale, batch_size, shuffle=False,
+                            drop_last=False, augment=False, dtype=dtype, device=device,
+                            rank=rank, world_size=world_size, even_shards=False, groups=val_groups,
+                            max_atoms=max_atoms,
                         )
-                    row.update({f"val_{k}": v for k, v in val_summary.items()})
-                    metric = selected_metric(val_summary, training["best_model_metric"], terms)
-                else:
-                    metric = selected_metric(train_summary, training["best_model_metric"], terms)
-                row["best_metric"] = metric
-                improved = metric < best_metric
-                if improved:
-                    best_metric, best_epoch = metric, epoch + 1
-                    best_params = tree.tree_map(lambda t: t.detach().clone(), state.params)
+                    ]
+                # every validation structure is evaluated once, on one rank; a
+                # rank whose shard is empty contributes zero sums
+                if eval_fn is None and val_batches:
+                    eval_fn = build_eval(val_batches[0])
+                vsums = _Sums(terms)
+                for batch in val_batches:
+                    vsums.add(_floats(eval_fn(state.params, batch)[1]))
+                vsums.values = reduce_metrics(vsums.values)
+                val_summary = vsums.summary(scale)
+                if not math.isfinite(val_summary["loss"]):
+                    raise TrainingError(
+                        f"epoch {epoch + 1}: the validation loss is {val_summary['loss']}; "
+                        "lower the learning rate or check the validation labels"
+                    )
+                row.update({f"val_{k}": v for k, v in val_summary.items()})
+                metric = selected_metric(val_summary, training["best_model_metric"], terms)
             else:
-                improved = False
+                metric = selected_metric(train_summary, training["best_model_metric"], terms)
+            row["best_metric"] = metric
+            improved = metric < best_metric
+            if improved:
+                best_metric, best_epoch = metric, epoch + 1
+                best_params = tree.tree_map(lambda t: t.detach().clone(), state.params)
             row["time_s"] = time.perf_counter() - t0
             history.append(row)
             if files:
@@ -1118,7 +1116,8 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
                 if (epoch + 1) % training["checkpoint_interval"] == 0:
                     checkpoint(output_dir / f"epoch_{epoch + 1}.ckpt", state, epoch + 1)
                 write_csv()
-            log(_epoch_line(row, num_epochs, terms, improved))
+            if epoch == start_epoch or (epoch + 1) % training["log_interval"] == 0 or epoch + 1 == num_epochs:
+                log(_epoch_line(row, num_epochs, terms, improved))
     finally:
         bar.close()
 

@@ -94,6 +94,25 @@ def test_loss_falls(dataset, tmp_path):
     assert len(csv_lines) == 11 and csv_lines[0].startswith("epoch,step,learning_rate,train_loss")
 
 
+def test_log_interval_only_spaces_the_printed_lines(dataset):
+    """metatrain validates and picks the best model every epoch; log_interval only
+    says how often a line is printed. The best epoch must not depend on it."""
+    runs = {}
+    for interval in (1, 3):
+        lines = []
+        result = fit(tiny_options(dataset, num_epochs=4, log_interval=interval), None, progress=False,
+                     log=quiet(lines))
+        printed = [int(line.split()[1].split("/")[0]) for line in lines if line.startswith("epoch ")]
+        runs[interval] = result, printed
+    (one, printed_one), (three, printed_three) = runs[1], runs[3]
+    assert printed_one == [1, 2, 3, 4] and printed_three == [1, 3, 4]
+    assert all(math.isfinite(row["val_loss"]) for row in three.history) and len(three.history) == 4
+    assert [row["best_metric"] for row in three.history] == [row["best_metric"] for row in one.history]
+    metrics = [row["best_metric"] for row in three.history]
+    assert three.best_epoch == one.best_epoch == 1 + metrics.index(min(metrics))
+    assert params_equal(three.params, one.params)
+
+
 def assert_plain(node):
     """Only dicts, lists, tensors and plain scalars (no NamedTuples, no objects)."""
     if isinstance(node, dict):
