@@ -8,6 +8,7 @@ imports a higher layer for it.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Union
@@ -15,12 +16,37 @@ from typing import Union
 PathLike = Union[str, os.PathLike]
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (the only portable way)
+    os.umask(mask)
+    return mask
+
+
+def _mode_for(path: Path) -> int:
+    """Permissions the file at ``path`` gets: those of the file it replaces, or what
+    ``open`` would give a new one (0o666 less the umask). ``mkstemp`` alone would
+    leave every written file readable by its owner only."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
+
+
 def atomic_write(path: PathLike, write, text: bool = False) -> None:
     """``write(handle)`` into a temporary file next to ``path`` (binary, or UTF-8 text
     with ``text``), fsync, then rename it over ``path``.
 
     A crash or a kill leaves either the old file or the new one, never a partial
-    one; a failing ``write`` removes the temporary file and re-raises.
+    one; a failing ``write`` removes the temporary file and re-raises. The file gets
+    the permissions of the one it replaces, or those of a newly opened file.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -29,6 +55,8 @@ def atomic_write(path: PathLike, write, text: bool = False) -> None:
         with opened as handle:
             write(handle)
             handle.flush()
+            if hasattr(os, "fchmod"):
+                os.fchmod(handle.fileno(), _mode_for(path))
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -495,3 +495,24 @@ def test_from_metatrain_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "metatrain.pet", None)
     with pytest.raises(ImportError, match=r"petfunc\[metatrain\]"):
         petfunc.from_metatrain(checkpoint)
+
+
+def test_written_files_get_ordinary_permissions(tmp_path):
+    """Files are written through a temporary file (mkstemp: mode 0600) and renamed; they
+    must end up with the mode a plain open() gives (0666 less the umask), or keep the
+    mode of the file they replace."""
+    import stat
+
+    from petfunc._files import atomic_write
+
+    mask = os.umask(0o027)
+    try:
+        path = tmp_path / "params.pt"
+        petfunc.save_params(path, _config(), _params(_config()))
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    finally:
+        os.umask(mask)
+    path.chmod(0o604)
+    atomic_write(path, lambda handle: handle.write(b"x"))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o604 and path.read_bytes() == b"x"
+    assert [p.name for p in tmp_path.iterdir()] == ["params.pt"]  # no temporary left
