@@ -11,6 +11,7 @@ structures, same order). :func:`read_training_files` does all of it for the
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -371,6 +372,34 @@ def _samples(parts, labels, config: PETConfig) -> List[Sample]:
     return samples
 
 
+def _check_split_options(options: Mapping, ckpt: Mapping) -> None:
+    """A restart keeps the split of the run it continues; options that ask for another
+    one (a new validation or test fraction, a fraction instead of a file) are an
+    error, not silently ignored."""
+    try:
+        before = json.loads(ckpt.get("options") or "{}")
+    except (TypeError, ValueError):
+        return
+    for name in ("validation_set", "test_set"):
+        if name not in before:
+            continue
+        old, new = before[name], options.get(name, 0.0)
+        fraction_old, fraction_new = isinstance(old, (int, float)), isinstance(new, (int, float))
+        if (fraction_old, fraction_new) == (True, True) and float(old) == float(new):
+            continue
+        if fraction_old or fraction_new:
+
+            def show(value):
+                return f"{value:g}" if isinstance(value, (int, float)) else "a separate file"
+
+            raise ValueError(
+                f"option '{name}' is {show(new)} here, {show(old)} in the run the restart checkpoint "
+                "continues: a restart keeps that run's split, so that no structure moves between "
+                "the sets. Set it back, or start a new run from the checkpoint's weights "
+                "(architecture.training.finetune.read_from)"
+            )
+
+
 def read_training_files(options: Mapping, weights: LossWeights, explicit: set, seed: int,
                         ckpt: Optional[Mapping] = None, log: Callable[[str], None] = print) -> TrainingFiles:
     """Read and split the ``training_set``, ``validation_set`` and ``test_set`` of
@@ -407,6 +436,8 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
     val_files = read_files(val_sections, "validation_set")
     test_files = read_files(test_sections, "test_set")
     sizes = [len(f) for f in files]
+    if ckpt is not None:
+        _check_split_options(options, ckpt)
     if ckpt is not None:  # a restart trains on the structures of the run it continues
         splits = restart_split(ckpt, sizes, None if val_sections else val_option, seed)
     else:

@@ -1145,10 +1145,29 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
             parity_plot(test_pred, files["parity_test"], title=f"test set, best epoch {best_epoch}")
         log(f"best epoch {best_epoch} ({training['best_model_metric']} {best_metric:.4g}); {what} set RMSE/MAE: "
             + _errors_line(error_metrics(pred)))
-        log(f"files in {output_dir}: " + ", ".join(sorted(p.name for p in files.values())))
+        if not files["best"].exists() and best_epoch and restart is not None:
+            _carry_best_checkpoint(Path(restart), files["best"], best_epoch, log)
+        log(f"files in {output_dir}: " + ", ".join(sorted(p.name for p in files.values() if p.exists())))
     graphs = {name: fn.num_graphs for name, fn in (("train", step_fn), ("eval", eval_fn)) if hasattr(fn, "num_graphs")}
     return FitResult(config, best_cpu, last_cpu, best_epoch, best_metric, history, output_dir, files, graphs,
                      test_errors)
+
+
+def _carry_best_checkpoint(restart: Path, best: Path, best_epoch: int, log) -> None:
+    """A restart into a new folder whose epochs never beat the best epoch before it:
+    copy that epoch's ``best.ckpt`` from the restart checkpoint's folder, so that the
+    new folder has one too; or say where the best parameters are."""
+    source = restart.resolve().parent / "best.ckpt"
+    try:
+        found = source.is_file() and int(load_checkpoint(source).get("epoch", -1)) == best_epoch
+    except (OSError, ValueError):
+        found = False
+    if found:
+        atomic_write(best, lambda handle: handle.write(source.read_bytes()))
+        log(f"best.ckpt: epoch {best_epoch}, before this run, copied from {source}")
+    else:
+        log(f"no best.ckpt: the best epoch ({best_epoch}) came before this run, and {source} is not "
+            "its checkpoint; '--which best' reads its parameters from last.ckpt")
 
 
 def _errors_line(errors: Mapping[str, float]) -> str:

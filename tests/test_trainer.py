@@ -288,11 +288,37 @@ def test_restart_keeps_the_split(dataset, tmp_path):
     assert "validation set: 4 structures" in restart_sizes(None)
     ckpt["split"] = {"training": [train], "validation": [val]}
     torch.save(ckpt, tmp_path / "edited.ckpt")
+    # options asking for another split are an error, not ignored
+    for name, value, message in (("validation_set", 0.5, "'validation_set' is 0.5 here, 0.25 in the run"),
+                                 ("test_set", 0.1, "'test_set' is 0.1 here, 0 in the run"),
+                                 ("validation_set", str(dataset), "is a separate file here, 0.25 in the run")):
+        options = json.loads(ckpt["options"])
+        options[name] = value
+        with pytest.raises(ValueError, match=message):
+            fit(options, tmp_path / "resplit", restart=tmp_path / "edited.ckpt", progress=False, log=quiet())
+    assert not (tmp_path / "resplit").exists() or not any((tmp_path / "resplit").iterdir())
     ase.io.write(tmp_path / "fewer.xyz", ase.io.read(dataset, ":10"))
     options = json.loads(ckpt["options"])
     options["training_set"]["systems"]["read_from"] = str(tmp_path / "fewer.xyz")
     with pytest.raises(ValueError, match=r"training data changed since the checkpoint.*\[16\].*\[10\]"):
         fit(options, tmp_path / "changed", restart=tmp_path / "edited.ckpt", progress=False, log=quiet())
+
+
+def test_restart_into_a_new_folder_carries_the_best_checkpoint(dataset, tmp_path):
+    """When no epoch after a restart beats the best epoch before it, the new folder
+    gets that epoch's best.ckpt from the old one (the final log lists only the files
+    that exist)."""
+    from petfunc.trainer import _carry_best_checkpoint
+
+    result = fit(tiny_options(dataset, num_epochs=2), tmp_path / "run", progress=False, log=quiet())
+    (tmp_path / "new").mkdir()
+    lines = []
+    _carry_best_checkpoint(tmp_path / "run" / "last.ckpt", tmp_path / "new" / "best.ckpt", result.best_epoch,
+                           quiet(lines))
+    assert (tmp_path / "new" / "best.ckpt").read_bytes() == (tmp_path / "run" / "best.ckpt").read_bytes()
+    assert "copied from" in lines[0]
+    _carry_best_checkpoint(tmp_path / "run" / "last.ckpt", tmp_path / "new" / "other.ckpt", 7, quiet(lines))
+    assert not (tmp_path / "new" / "other.ckpt").exists() and "no best.ckpt" in lines[1]
 
 
 def test_test_set(dataset, tmp_path):
