@@ -586,13 +586,18 @@ def _eval(args) -> int:
         target=args.target,
     )
     print(f"{args.dataset}: {metrics['n_structures']} structures, {metrics['n_atoms']} atoms")
-    print(f"{'':16s}{'RMSE':>12s}{'MAE':>12s}  unit      labels")
     rows = (("energy_per_atom", "energy/atom", "eV/atom"), ("forces", "forces", "eV/Å"),
             ("stress", "stress", "eV/Å^3"))
+    if any(f"{key}_rmse" in metrics for key, _, _ in rows):
+        print(f"{'':16s}{'RMSE':>12s}{'MAE':>12s}  unit      labels")
+    else:
+        print("no labels in the file: predictions only")
     for key, name, unit in rows:
         if f"{key}_rmse" in metrics:
             print(f"{name:16s}{metrics[f'{key}_rmse']:12.5g}{metrics[f'{key}_mae']:12.5g}  "
                   f"{unit:8s}  {metrics[f'{key}_count']}")
+        if metrics.get(f"{key}_nan_predictions"):
+            print(f"warning: {metrics[f'{key}_nan_predictions']} {name} predictions are NaN", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(metrics, indent=2))
     if args.output:

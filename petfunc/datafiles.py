@@ -291,9 +291,11 @@ def split_datasets(sizes: Sequence[int], fraction: Optional[float], seed: int,
 
 def read_labelled(path, config: PETConfig, energy_key="energy", forces_key="forces", stress_key="stress",
                   virial_key=None, energy_unit="eV", length_unit="angstrom",
-                  charge_key=None, spin_multiplicity_key=None) -> List[Sample]:
+                  charge_key=None, spin_multiplicity_key=None, require_labels: bool = True) -> List[Sample]:
     """Read an extxyz file into samples for ``config`` (missing label keys are skipped;
-    ``charge_key``/``spin_multiplicity_key``: see :func:`petfunc.data.sample_from_atoms`)."""
+    ``charge_key``/``spin_multiplicity_key``: see :func:`petfunc.data.sample_from_atoms`).
+    A file without any of the labels is an error unless ``require_labels`` is false
+    (its samples then have NaN labels)."""
     frames = read_frames(path, "dataset")
     check_info_keys(frames, {"charge_key": charge_key, "spin_multiplicity_key": spin_multiplicity_key}, path, "")
 
@@ -304,10 +306,11 @@ def read_labelled(path, config: PETConfig, energy_key="energy", forces_key="forc
         key_or_none(energy_key), key_or_none(forces_key), key_or_none(stress_key), key_or_none(virial_key),
         energy_unit_factor(energy_unit), length_unit_factor(length_unit), charge_key, spin_multiplicity_key,
     )
-    if labels.energy is None and labels.forces is None and labels.stress is None and labels.virial is None:
+    unlabelled = labels.energy is None and labels.forces is None and labels.stress is None and labels.virial is None
+    if unlabelled and require_labels:
         raise ValueError(
             f"{str(path)!r} has no labels under the keys {energy_key!r}, {forces_key!r}, {stress_key!r} "
-            f"(keys in the file: {_available_keys(frames)})"
+            f"(keys in the file: {_available_keys(frames)}); to write predictions alone, give an output file"
         )
     return to_samples(frames, config, labels, path)
 

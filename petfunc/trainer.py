@@ -507,7 +507,9 @@ def _write_results(evaluated, path) -> Path:
 
 
 def error_metrics(pred: dict) -> Dict[str, float]:
-    """RMSE and MAE of energies per atom (eV/atom), forces (eV/Å), stress (eV/Å^3)."""
+    """RMSE and MAE of energies per atom (eV/atom), forces (eV/Å), stress (eV/Å^3),
+    over the components with labels (``*_count``). NaN predictions make them NaN
+    and are counted in ``*_nan_predictions``."""
     out = {}
     pairs = {
         "energy_per_atom": (pred["energy_per_atom"], pred["energy_per_atom_ref"]),
@@ -515,12 +517,16 @@ def error_metrics(pred: dict) -> Dict[str, float]:
         "stress": (pred["stress"], pred["stress_ref"]),
     }
     for name, (p, r) in pairs.items():
-        diff = (np.asarray(p) - np.asarray(r)).reshape(-1)
-        diff = diff[~np.isnan(diff)]
+        p, r = np.asarray(p, dtype=np.float64).reshape(-1), np.asarray(r, dtype=np.float64).reshape(-1)
+        labelled = ~np.isnan(r)  # a missing label is skipped; a NaN prediction is not
+        diff = p[labelled] - r[labelled]
         if diff.size:
             out[f"{name}_rmse"] = float(np.sqrt(np.mean(diff**2)))
             out[f"{name}_mae"] = float(np.mean(np.abs(diff)))
             out[f"{name}_count"] = int(diff.size)
+            nan = int(np.count_nonzero(np.isnan(p[labelled])))
+            if nan:
+                out[f"{name}_nan_predictions"] = nan
     return out
 
 
@@ -569,9 +575,10 @@ def evaluate(model_path, dataset_path, batch_size: int = 16, dtype: Optional[tor
     :func:`error_metrics`, :func:`predict`). ``which`` picks a training checkpoint's
     best or last parameters; ``label_options`` go to :func:`read_labelled`;
     ``output``: also write every structure's predictions there
-    (:func:`write_predictions`); ``target``: see :func:`load_model`."""
+    (:func:`write_predictions`; then the file may hold no labels, and the metrics
+    only the counts); ``target``: see :func:`load_model`."""
     config, params = load_model(model_path, dtype=dtype, which=which, device=device, target=target)
-    samples = read_labelled(dataset_path, config, **label_options)
+    samples = read_labelled(dataset_path, config, require_labels=output is None, **label_options)
     if output is None:
         pred = predict(config, params, samples, batch_size=batch_size)
     else:

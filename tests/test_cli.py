@@ -106,6 +106,16 @@ def test_eval_writes_predictions(demo_run, tmp_path, capsys):
         if reference.pbc.all():
             np.testing.assert_allclose(atoms.get_stress(), reference.get_stress(), rtol=1e-4, atol=1e-6)
     assert "stress" not in predicted[3].calc.results
+    # a file without labels: predictions only (as mtt eval without targets)
+    bare = tmp_path / "bare.xyz"
+    ase.io.write(bare, [atoms.copy() for atoms in frames])
+    assert main(["eval", str(demo_run / "best.ckpt"), str(bare)]) == 2
+    assert "has no labels" in capsys.readouterr().err
+    assert main(["eval", str(demo_run / "best.ckpt"), str(bare), "-o", str(tmp_path / "bare_out.xyz")]) == 0
+    assert "no labels in the file: predictions only" in capsys.readouterr().out
+    bare_predicted = ase.io.read(tmp_path / "bare_out.xyz", ":")
+    for atoms, reference in zip(bare_predicted, predicted):
+        assert atoms.get_potential_energy() == reference.get_potential_energy()
 
 
 def test_eval_errors(demo_run, tmp_path, capsys):

@@ -94,6 +94,20 @@ def test_loss_falls(dataset, tmp_path):
     assert len(csv_lines) == 11 and csv_lines[0].startswith("epoch,step,learning_rate,train_loss")
 
 
+def test_error_metrics_skip_missing_labels_not_nan_predictions():
+    import numpy as np
+
+    from petfunc.trainer import error_metrics
+
+    pred = {"energy_per_atom": [1.0, 2.0, np.nan], "energy_per_atom_ref": [1.5, np.nan, 3.0],
+            "forces": [[0.0, 1.0, 2.0]], "forces_ref": [[1.0, np.nan, 0.0]], "stress": [], "stress_ref": []}
+    out = error_metrics(pred)
+    assert math.isnan(out["energy_per_atom_rmse"]) and out["energy_per_atom_count"] == 2
+    assert out["energy_per_atom_nan_predictions"] == 1
+    assert out["forces_rmse"] == pytest.approx(math.sqrt(2.5)) and out["forces_count"] == 2
+    assert "forces_nan_predictions" not in out and "stress_rmse" not in out
+
+
 def test_log_interval_only_spaces_the_printed_lines(dataset):
     """metatrain validates and picks the best model every epoch; log_interval only
     says how often a line is printed. The best epoch must not depend on it."""
