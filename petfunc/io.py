@@ -639,7 +639,7 @@ def from_metatrain(
 
 
 def _read_metatrain(source, dtype=None, target=None, llpr: Optional[str] = None,
-                    lora_out: Optional[dict] = None):
+                    lora_out: Optional[dict] = None, which: str = "best"):
     """``(config, params, uncertainty)`` of a metatrain checkpoint or exported model,
     read once. ``llpr``: ``None`` (``uncertainty`` is ``None``), ``"if present"``
     (an LLPR checkpoint's uncertainty quantities, see :mod:`petfunc.llpr`) or
@@ -648,7 +648,9 @@ def _read_metatrain(source, dtype=None, target=None, llpr: Optional[str] = None,
     LoRA adapters of a checkpoint fine-tuned with ``method: lora`` are merged into
     the weights, unless ``lora_out`` is a dict: the adapters then stay apart, in
     ``params["lora"]`` (:mod:`petfunc.lora`'s layout), and ``lora_out`` receives the
-    source's ``{"rank", "alpha", "targets"}``."""
+    source's ``{"rank", "alpha", "targets"}``. ``which``: ``"best"`` reads a
+    checkpoint's ``best_model_state_dict`` (as metatrain's export), ``"last"`` its
+    ``model_state_dict``; an exported model has only one set of weights."""
     metatrain_pet = _require_metatrain()
     if isinstance(source, Mapping):
         label = "the checkpoint"
@@ -659,6 +661,9 @@ def _read_metatrain(source, dtype=None, target=None, llpr: Optional[str] = None,
         if _is_torchscript(data):
             if llpr == "required":
                 raise ValueError(f"{label} is an exported model, not an LLPR checkpoint")
+            if which != "best":
+                raise ValueError(f"{label} is an exported model, with one set of weights: there is no "
+                                 f"{which!r} one to choose (the training checkpoint has both)")
             return (*_from_exported(data, dtype, target, label), None)
         checkpoint = _unpickle_checkpoint(data, label)
         if not isinstance(checkpoint, dict):
@@ -694,7 +699,9 @@ def _read_metatrain(source, dtype=None, target=None, llpr: Optional[str] = None,
     target = _choose_target(dataset_info, target)
 
     latest_state = checkpoint.get("model_state_dict") or {}
-    state = dict(checkpoint.get("best_model_state_dict") or latest_state)
+    if which not in ("best", "last"):
+        raise ValueError(f"which must be 'best' or 'last', got {which!r}")
+    state = dict(latest_state if which == "last" else checkpoint.get("best_model_state_dict") or latest_state)
     if not state:
         raise ValueError(f"{label} holds no model weights (no model_state_dict)")
     finetune = state.pop("finetune_config", None) or latest_state.get("finetune_config") or {}

@@ -280,7 +280,7 @@ def _load_model(path, dtype, which, device, target, keep_lora: bool):
             )
         lora_out = {} if keep_lora else None
         try:
-            config, params, _ = _read_metatrain(path, target=target, lora_out=lora_out)
+            config, params, _ = _read_metatrain(path, target=target, lora_out=lora_out, which=which)
             source_lora = lora_out or None
         except ImportError:
             raise ValueError(

@@ -516,3 +516,29 @@ def test_written_files_get_ordinary_permissions(tmp_path):
     atomic_write(path, lambda handle: handle.write(b"x"))
     assert stat.S_IMODE(path.stat().st_mode) == 0o604 and path.read_bytes() == b"x"
     assert [p.name for p in tmp_path.iterdir()] == ["params.pt"]  # no temporary left
+
+
+def test_which_picks_best_or_last_weights_of_a_metatrain_checkpoint(tmp_path):
+    """metatrain checkpoints hold the best and the last weights; ``which`` (``petfunc
+    eval/export --which``) picks one, as it does for petfunc's own checkpoints."""
+    ref = _metatrain()
+    from petfunc.trainer import load_model
+
+    config = _config()
+    model = ref.make_model(config)
+    ref.load_params(model, _params(config))
+    checkpoint = model.get_checkpoint()
+    key = "backend.gnn_layers.0.edge_embedder.weight"
+    last = dict(checkpoint["model_state_dict"])
+    last[key] = last[key] + 1.0
+    checkpoint["model_state_dict"] = last
+    torch.save(checkpoint, tmp_path / "model.ckpt")
+    _, best = load_model(tmp_path / "model.ckpt", which="best")
+    _, latest = load_model(tmp_path / "model.ckpt", which="last")
+    name = "gnn_layers.0.edge_embedder.weight"
+    torch.testing.assert_close(petfunc.tree.flatten(latest)[name] - petfunc.tree.flatten(best)[name],
+                               torch.ones_like(petfunc.tree.flatten(best)[name]))
+    model.export().save(str(tmp_path / "model.pt"))
+    load_model(tmp_path / "model.pt")
+    with pytest.raises(ValueError, match="exported model, with one set of weights"):
+        load_model(tmp_path / "model.pt", which="last")
