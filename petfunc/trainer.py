@@ -741,6 +741,12 @@ def fit(
     if options is None:
         raise ValueError("fit() needs options (or a restart checkpoint that holds them)")
     options = _absolute_paths(resolve_options(options))
+    if ckpt is not None and options["architecture"]["training"]["num_epochs"] <= int(ckpt["epoch"]):
+        raise ValueError(
+            f"the restart checkpoint is at epoch {int(ckpt['epoch'])} and num_epochs is "
+            f"{options['architecture']['training']['num_epochs']}: nothing is left to train; ask for "
+            "more epochs (--epochs N, or architecture.training.num_epochs)"
+        )
     # fixed-order scatter-adds, so that the same seed gives the same run (determinism.py);
     # by default on CPU only, where it was measured to cost nothing
     deterministic = options["architecture"]["training"]["deterministic"]
