@@ -483,6 +483,14 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
     test_labels = [label_keys(f, sec, weights, set(), w) for f, sec, _, w in test_parts]
     has = {name: any(getattr(lab, name) for lab in train_labels) for name in ("forces", "stress", "virial")}
     # terms without any training labels are dropped (no derivative is computed for them)
+    for term, found in (("forces", has["forces"]), ("stress", has["stress"] or has["virial"])):
+        # as metatrain's "No forces found": a term not switched off, found nowhere
+        sought = sorted({value["key"] for _, sec, _, _ in train_parts
+                         for value in [sec["targets"]["energy"].get(term)] if isinstance(value, dict)}
+                        | {term for _, sec, _, _ in train_parts if sec["targets"]["energy"].get(term) == "auto"})
+        if getattr(weights, term).weight > 0 and not found and sought:
+            log(f"no {term} labels in the training files (looked for {', '.join(map(repr, sought))}): "
+                f"training without the {term} term")
     weights = dataclasses.replace(
         weights,
         forces=weights.forces if has["forces"] else LossTerm(0.0, weights.forces.type),

@@ -94,6 +94,25 @@ def test_loss_falls(dataset, tmp_path):
     assert len(csv_lines) == 11 and csv_lines[0].startswith("epoch,step,learning_rate,train_loss")
 
 
+def test_missing_auto_labels_are_reported(dataset, tmp_path):
+    """Forces stored under another key than the one looked for: training goes on with
+    energies only, and says so (as metatrain's "No forces found")."""
+    import ase.io
+
+    frames = ase.io.read(dataset, ":")
+    for atoms in frames:
+        energy, forces = atoms.get_potential_energy(), atoms.get_forces()
+        atoms.calc = None
+        atoms.info["energy"] = energy
+        atoms.arrays["dft_forces"] = forces
+    ase.io.write(tmp_path / "renamed.xyz", frames)
+    lines = []
+    result = fit(tiny_options(tmp_path / "renamed.xyz", num_epochs=1), None, progress=False, log=quiet(lines))
+    assert "no forces labels in the training files (looked for 'forces'): training without the forces term" in lines
+    assert any(line.startswith("no stress labels") for line in lines)
+    assert "train_forces_rmse" not in result.history[0]
+
+
 def test_error_metrics_skip_missing_labels_not_nan_predictions():
     import numpy as np
 
