@@ -124,6 +124,22 @@ def length_unit_factor(unit: Optional[str]) -> float:
 # helpers
 
 
+def _distributed(value) -> None:
+    """metatrain's deprecated ``distributed`` switch. petfunc trains on several
+    processes exactly when a launcher (torchrun) gives it ``WORLD_SIZE`` > 1, so the
+    switch only has to agree with that."""
+    if value is None or value is False:
+        return
+    if value is not True:
+        raise ValueError(f"option 'architecture.training.distributed' must be true or false, got {value!r}")
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        raise ValueError(
+            "option 'architecture.training.distributed' is true, but this is one process: petfunc "
+            "trains on several when started by torchrun (torchrun --nproc-per-node N -m petfunc train "
+            "...; see the README's Multi-process section)"
+        )
+
+
 def _check_keys(section: Mapping, allowed, where: str) -> None:
     """Raise ``ValueError`` naming the first key of ``section`` not in ``allowed``."""
     if not isinstance(section, Mapping):
@@ -493,10 +509,11 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     arch["model"] = model
 
     training = dict(arch.get("training") or {})
-    allowed = tuple(TRAINING_DEFAULTS) + IGNORED_METATRAIN_KEYS
+    allowed = tuple(TRAINING_DEFAULTS) + IGNORED_METATRAIN_KEYS + ("distributed",)
     _check_keys(training, allowed, "architecture.training")
     for key in IGNORED_METATRAIN_KEYS:
         training.pop(key, None)
+    _distributed(training.pop("distributed", None))
     training = _merge(TRAINING_DEFAULTS, training)
     t = "architecture.training"
     training["atomic_baseline"] = _atomic_baseline(training["atomic_baseline"], f"{t}.atomic_baseline")

@@ -699,6 +699,12 @@ def test_options_defaults_and_loss_forms():
     assert training["best_model_metric"] == "mae_prod" and "num_workers" not in training
     assert options["training_set"]["targets"]["energy"]["forces"] == "auto"
     assert options["validation_set"] == 0.1
+    # metatrain's deprecated 'distributed': false is fine; true must come with torchrun
+    training = {"distributed": False, "distributed_port": 1234}
+    resolve_options({"training_set": "data.xyz", "architecture": {"name": "pet", "training": training}})
+    for value, message in ((True, "is true, but this is one process"), ("yes", "must be true or false")):
+        with pytest.raises(ValueError, match=message):
+            resolve_options({"training_set": "data.xyz", "architecture": {"training": {"distributed": value}}})
     weights, explicit = parse_loss({"energy": {"type": "mae", "gradients": {"positions": {"weight": 10}}, "stress": 0.5}})
     # metatrain: the energy type does not carry over to the gradient terms
     assert (weights.energy.type, weights.forces.weight, weights.forces.type, weights.stress.weight) == ("mae", 10.0, "mse", 0.5)
