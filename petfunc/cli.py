@@ -299,6 +299,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--energy-key", default="energy")
     ev.add_argument("--forces-key", default="forces")
     ev.add_argument("--stress-key", default="stress")
+    ev.add_argument("--virial-key", default=None,
+                    help="atoms.info key of virial labels W (eV), compared as the stress -W/V")
     ev.add_argument("--charge-key", default=None,
                     help="atoms.info key of the total charge (conditioned models; default: charge)")
     ev.add_argument("--spin-key", default=None,
@@ -581,6 +583,7 @@ def _eval(args) -> int:
     metrics, _ = evaluate(
         args.model, args.dataset, batch_size=args.batch_size, dtype=dtype, device=args.device,
         which=args.which, energy_key=args.energy_key, forces_key=args.forces_key, stress_key=args.stress_key,
+        virial_key=args.virial_key,
         energy_unit=args.energy_unit, length_unit=args.length_unit,
         charge_key=args.charge_key, spin_multiplicity_key=args.spin_key, output=args.output,
         target=args.target,

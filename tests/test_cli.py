@@ -123,6 +123,32 @@ def test_eval_writes_predictions(demo_run, tmp_path, capsys):
         assert atoms.get_potential_energy() == reference.get_potential_energy()
 
 
+def test_eval_reads_virials(demo_run, tmp_path, capsys):
+    """``--virial-key``: virial labels W are compared as the stress -W/V, so a file of
+    virials gives the stress errors of the same file with stresses."""
+    import ase.io
+    import numpy as np
+    from ase.stress import voigt_6_to_full_3x3_stress
+
+    frames = ase.io.read(demo_run / "dataset.xyz", ":4")
+    with_virials = []
+    for atoms in frames:
+        copy = atoms.copy()
+        copy.info["energy"] = atoms.get_potential_energy()
+        copy.arrays["forces"] = atoms.get_forces()
+        copy.info["virial"] = -voigt_6_to_full_3x3_stress(atoms.get_stress()) * atoms.get_volume()
+        with_virials.append(copy)
+    ase.io.write(tmp_path / "virials.xyz", with_virials)
+    json_s, json_w = tmp_path / "s.json", tmp_path / "w.json"
+    ase.io.write(tmp_path / "stresses.xyz", frames)
+    assert main(["eval", str(demo_run / "best.ckpt"), str(tmp_path / "stresses.xyz"), "--json", str(json_s)]) == 0
+    assert main(["eval", str(demo_run / "best.ckpt"), str(tmp_path / "virials.xyz"), "--virial-key", "virial",
+                 "--json", str(json_w)]) == 0
+    stress, virial = json.loads(json_s.read_text()), json.loads(json_w.read_text())
+    assert virial["stress_count"] == stress["stress_count"] == 4 * 9
+    np.testing.assert_allclose(virial["stress_rmse"], stress["stress_rmse"], rtol=1e-6)
+
+
 def test_eval_errors(demo_run, tmp_path, capsys):
     assert main(["eval", str(demo_run / "best.ckpt"), str(tmp_path / "missing.xyz")]) == 2
     assert "not found" in capsys.readouterr().err
