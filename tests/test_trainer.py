@@ -327,12 +327,14 @@ def test_restart_keeps_the_split(dataset, tmp_path):
                                  ("validation_set", str(dataset), "is a separate file here, 0.25 in the run")):
         options = json.loads(ckpt["options"])
         options[name] = value
+        options["architecture"]["training"]["num_epochs"] = 2
         with pytest.raises(ValueError, match=message):
             fit(options, tmp_path / "resplit", restart=tmp_path / "edited.ckpt", progress=False, log=quiet())
     assert not (tmp_path / "resplit").exists() or not any((tmp_path / "resplit").iterdir())
     ase.io.write(tmp_path / "fewer.xyz", ase.io.read(dataset, ":10"))
     options = json.loads(ckpt["options"])
     options["training_set"]["systems"]["read_from"] = str(tmp_path / "fewer.xyz")
+    options["architecture"]["training"]["num_epochs"] = 2
     with pytest.raises(ValueError, match=r"training data changed since the checkpoint.*\[16\].*\[10\]"):
         fit(options, tmp_path / "changed", restart=tmp_path / "edited.ckpt", progress=False, log=quiet())
 
