@@ -296,18 +296,19 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--which", choices=("best", "last"), default="best",
                     help="parameters of a training checkpoint (default: best)")
-    ev.add_argument("--energy-key", default="energy")
-    ev.add_argument("--forces-key", default="forces")
-    ev.add_argument("--stress-key", default="stress")
-    ev.add_argument("--virial-key", default=None,
-                    help="atoms.info key of virial labels W (eV), compared as the stress -W/V")
+    labels = ("(default: as in the training options of a petfunc checkpoint, else {})")
+    ev.add_argument("--energy-key", help=labels.format("energy"))
+    ev.add_argument("--forces-key", help=labels.format("forces"))
+    ev.add_argument("--stress-key", help=labels.format("stress"))
+    ev.add_argument("--virial-key",
+                    help="atoms.info key of virial labels W, compared as the stress -W/V " + labels.format("none"))
     ev.add_argument("--charge-key", default=None,
                     help="atoms.info key of the total charge (conditioned models; default: charge)")
     ev.add_argument("--spin-key", default=None,
                     help="atoms.info key of the spin multiplicity (conditioned models; "
                          "default: spin_multiplicity, else spin)")
-    ev.add_argument("--energy-unit", default="eV")
-    ev.add_argument("--length-unit", default="angstrom")
+    ev.add_argument("--energy-unit", help="unit of the file's energies " + labels.format("eV"))
+    ev.add_argument("--length-unit", help="unit of the file's lengths " + labels.format("angstrom"))
     ev.add_argument("--target", metavar="NAME",
                     help="energy target of a metatrain checkpoint with several (default: 'energy')")
     ev.add_argument("--json", metavar="FILE", help="also write the metrics as JSON")
@@ -574,12 +575,35 @@ def _train_into(args, options, output, demo, restart, rank, dist_kwargs) -> int:
     return 0
 
 
+_LABEL_DEFAULTS = {"energy_key": "energy", "forces_key": "forces", "stress_key": "stress", "virial_key": None,
+                   "energy_unit": "eV", "length_unit": "angstrom"}
+
+
+def _label_options(args) -> None:
+    """Fill the label keys and units ``petfunc eval`` was not given: from the first
+    training file of a petfunc checkpoint's options (a model trained on ``U0`` in
+    kcal/mol is evaluated on ``U0`` in kcal/mol), else the defaults."""
+    from .trainer import training_label_options
+
+    missing = [name for name in _LABEL_DEFAULTS if getattr(args, name) is None]
+    trained = training_label_options(args.model) if missing else {}
+    taken = []
+    for name in missing:
+        value = trained.get(name, _LABEL_DEFAULTS[name])
+        setattr(args, name, value)
+        if value != _LABEL_DEFAULTS[name]:
+            taken.append(f"{name.replace('_', ' ')} {value!r}")
+    if taken:
+        print("labels read as the model was trained: " + ", ".join(taken))
+
+
 def _eval(args) -> int:
     import torch
 
     from .trainer import evaluate
 
     dtype = {"float32": torch.float32, "float64": torch.float64, None: None}[args.dtype]
+    _label_options(args)
     metrics, _ = evaluate(
         args.model, args.dataset, batch_size=args.batch_size, dtype=dtype, device=args.device,
         which=args.which, energy_key=args.energy_key, forces_key=args.forces_key, stress_key=args.stress_key,

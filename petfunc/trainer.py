@@ -568,6 +568,30 @@ def parity_plot(pred: dict, path, title: str = "") -> None:
     atomic_write(path, lambda handle: handle.write(buffer.getvalue()))
 
 
+def training_label_options(path) -> Dict[str, Any]:
+    """Label keys and units of the first training file of a petfunc training
+    checkpoint's options (``energy_key``, ``forces_key``, ``stress_key``,
+    ``virial_key``, ``energy_unit``, ``length_unit``; only those the options set),
+    or ``{}`` for any other file."""
+    from .options import dataset_sections
+
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        section = dataset_sections(json.loads(payload["options"])["training_set"])[0]
+    except Exception:  # noqa: BLE001 - not a petfunc training checkpoint: no defaults
+        return {}
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        return {}
+    energy = section["targets"]["energy"]
+    out = {"energy_key": energy.get("key"), "energy_unit": energy.get("unit"),
+           "length_unit": section["systems"].get("length_unit")}
+    for name in ("forces", "stress", "virial"):
+        value = energy.get(name)
+        if isinstance(value, Mapping) and value.get("key"):
+            out[f"{name}_key"] = value["key"]
+    return {k: v for k, v in out.items() if v}
+
+
 def evaluate(model_path, dataset_path, batch_size: int = 16, dtype: Optional[torch.dtype] = None, device=None,
              which: str = "best", output=None, target: Optional[str] = None,
              **label_options) -> Tuple[Dict[str, float], dict]:

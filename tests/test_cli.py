@@ -149,6 +149,39 @@ def test_eval_reads_virials(demo_run, tmp_path, capsys):
     np.testing.assert_allclose(virial["stress_rmse"], stress["stress_rmse"], rtol=1e-6)
 
 
+def test_eval_reads_labels_as_the_model_was_trained(demo_run, tmp_path, capsys):
+    """A model trained on other keys and units is evaluated on them by default."""
+    import ase.io
+    import ase.units
+
+    frames = ase.io.read(demo_run / "dataset.xyz", ":12")
+    renamed = []
+    for atoms in frames:
+        copy = atoms.copy()
+        copy.info["U0"] = atoms.get_potential_energy() / (ase.units.kcal / ase.units.mol)
+        copy.arrays["F"] = atoms.get_forces() / (ase.units.kcal / ase.units.mol)
+        renamed.append(copy)
+    ase.io.write(tmp_path / "kcal.xyz", renamed)
+    options = tmp_path / "options.yaml"
+    options.write_text(
+        f"training_set:\n  systems: {tmp_path / 'kcal.xyz'}\n  targets:\n    energy:\n      key: U0\n"
+        "      unit: kcal/mol\n      forces: {key: F}\n      stress: false\nvalidation_set: 0.25\n"
+    )
+    assert main(["train", str(options), "--output", str(tmp_path / "run"), "--epochs", "1", *TINY]) == 0
+    capsys.readouterr()
+    model = str(tmp_path / "run" / "best.ckpt")
+    assert main(["eval", model, str(tmp_path / "kcal.xyz"), "--json", str(tmp_path / "a.json")]) == 0
+    assert "labels read as the model was trained: energy key 'U0', forces key 'F', energy unit 'kcal/mol'" \
+        in capsys.readouterr().out
+    ase.io.write(tmp_path / "ev.xyz", frames)
+    assert main(["eval", model, str(tmp_path / "ev.xyz"), "--energy-key", "energy", "--forces-key", "forces",
+                 "--energy-unit", "eV", "--json", str(tmp_path / "b.json")]) == 0
+    a, b = json.loads((tmp_path / "a.json").read_text()), json.loads((tmp_path / "b.json").read_text())
+    assert a["forces_count"] == b["forces_count"] > 0 and "stress_rmse" not in a
+    for key in ("energy_per_atom_rmse", "forces_rmse", "forces_mae"):
+        assert a[key] == pytest.approx(b[key], rel=1e-6)
+
+
 def test_eval_errors(demo_run, tmp_path, capsys):
     assert main(["eval", str(demo_run / "best.ckpt"), str(tmp_path / "missing.xyz")]) == 2
     assert "not found" in capsys.readouterr().err
