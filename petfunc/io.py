@@ -778,6 +778,15 @@ def _llpr_wrapped_checkpoint(checkpoint: Mapping, label: str) -> dict:
     return wrapped
 
 
+def _as_written(value) -> float:
+    """A hyperparameter an exported model keeps as a tensor: a float32 one reads back
+    as the decimal it was written as (1.1, not 1.100000023841858), so that its config
+    equals the checkpoint's."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+        return float(np.format_float_positional(np.float32(value.item()), unique=True))
+    return float(value)
+
+
 def _from_exported(data: bytes, dtype, target, label):
     """An exported metatomic ``AtomisticModel`` wrapping a metatrain PET."""
     module = torch.jit.load(io.BytesIO(data), map_location="cpu")
@@ -810,8 +819,8 @@ def _from_exported(data: bytes, dtype, target, label):
             p3m = featurizer.p3m_calculator
             hypers["long_range"].update(
                 use_ewald=bool(featurizer.use_ewald),
-                smearing=float(p3m.potential.smearing),
-                kspace_resolution=float(p3m.mesh_spacing),
+                smearing=_as_written(p3m.potential.smearing),
+                kspace_resolution=_as_written(p3m.mesh_spacing),
                 interpolation_nodes=int(p3m.interpolation_nodes),
             )
         except AttributeError as error:
