@@ -202,3 +202,23 @@ def test_fresh_process_reads_llpr_checkpoints():
     out = subprocess.run([sys.executable, "-c", code, CHECKPOINTS[-1]], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "['cholesky', 'ensemble_weights', 'multiplier'] True" in out.stdout
+
+
+def test_llpr_of_a_model_in_other_units():
+    """An LLPR checkpoint of a model trained in meV: energies, uncertainties and
+    ensemble members (energies and forces) come out in eV, 1e-3 times metatrain's."""
+    path = CHECKPOINTS[-1]
+    with gzip.open(path, "rb") as handle:
+        checkpoint = torch.load(handle, weights_only=False, map_location="cpu")
+    model = model_from_checkpoint(checkpoint, context="export").to(torch.float64).eval()
+    info = checkpoint["wrapped_model_checkpoint"]["model_data"]["dataset_info"]
+    info.targets["energy"].unit = "meV"
+    config, params, uncertainty = llpr.from_metatrain(checkpoint, dtype=torch.float64)
+    energy, sigma, members, member_forces, _ = _metatrain_outputs(model, _frames())
+    positions, cell, neighbors = petfunc.from_atoms(_frames(), config, dtype=torch.float64)
+    e, s = llpr.energy_and_uncertainty(config)(params, uncertainty, positions, cell, neighbors)
+    ens, forces, _ = llpr.ensemble(config)(params, uncertainty, positions, cell, neighbors)
+    torch.testing.assert_close(e, 1e-3 * energy, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(s, 1e-3 * sigma, rtol=1e-12, atol=0)
+    torch.testing.assert_close(ens, 1e-3 * members, rtol=1e-12, atol=1e-13)
+    assert (forces - 1e-3 * member_forces).abs().max() <= 1e-11 * member_forces.abs().max()
