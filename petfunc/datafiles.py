@@ -386,7 +386,8 @@ def _check_split_options(options: Mapping, ckpt: Mapping) -> None:
     for name in ("validation_set", "test_set"):
         if name not in before:
             continue
-        old, new = before[name], options.get(name, 0.0)
+        old, new = before[name], options.get(name)
+        old, new = (0.0 if old is None else old), (0.0 if new is None else new)  # None: no such set
         fraction_old, fraction_new = isinstance(old, (int, float)), isinstance(new, (int, float))
         if (fraction_old, fraction_new) == (True, True) and float(old) == float(new):
             continue
@@ -439,9 +440,8 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
     val_files = read_files(val_sections, "validation_set")
     test_files = read_files(test_sections, "test_set")
     sizes = [len(f) for f in files]
-    if ckpt is not None:
-        _check_split_options(options, ckpt)
     if ckpt is not None:  # a restart trains on the structures of the run it continues
+        _check_split_options(options, ckpt)
         splits = restart_split(ckpt, sizes, None if val_sections else val_option, seed)
     else:
         splits = split_datasets(sizes, None if val_sections else val_option, seed,
@@ -485,11 +485,15 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
     # terms without any training labels are dropped (no derivative is computed for them)
     for term, found in (("forces", has["forces"]), ("stress", has["stress"] or has["virial"])):
         # as metatrain's "No forces found": a term not switched off, found nowhere
-        sought = sorted({value["key"] for _, sec, _, _ in train_parts
-                         for value in [sec["targets"]["energy"].get(term)] if isinstance(value, dict)}
-                        | {term for _, sec, _, _ in train_parts if sec["targets"]["energy"].get(term) == "auto"})
+        sought = set()
+        for _, section, _, _ in train_parts:
+            value = section["targets"]["energy"].get(term)
+            if value == "auto":
+                sought.add(term)
+            elif isinstance(value, dict):
+                sought.add(value["key"])
         if getattr(weights, term).weight > 0 and not found and sought:
-            log(f"no {term} labels in the training files (looked for {', '.join(map(repr, sought))}): "
+            log(f"no {term} labels in the training files (looked for {', '.join(map(repr, sorted(sought)))}): "
                 f"training without the {term} term")
     weights = dataclasses.replace(
         weights,
