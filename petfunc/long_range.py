@@ -434,18 +434,24 @@ def _p3m(q, positions, cell, sizes, mesh, volume, sigma: float, order: int):
     rho = torch.zeros_like(mesh, dtype=dtype).reshape(1, -1).repeat(channels, 1)
     rho = rho.scatter_add(1, flat[None].expand(channels, -1), values).reshape(channels, nx, ny, nz)
 
-    # the P3M filter: Coulomb kernel divided by the squared assignment transform
-    reciprocal = 2 * math.pi * _inverse(cell).T  # rows b_a
-    fx, fy, fz = _p3m_frequencies(nx, ny, nz, dtype, device)
+    # the P3M filter: Coulomb kernel divided by the squared assignment transform, in
+    # float64 whatever the model's dtype: near the zeros of the sinc, u2 (a 2p-th
+    # power) is tiny, and the derivative of 1/u2 with respect to the cell (-1/u2^2)
+    # overflows float32, which made float32 stresses NaN on some triclinic cells (as
+    # in torch-pme); the kernel itself is small there and fits any dtype
+    wide = torch.float64
+    cell64 = cell.to(wide)
+    reciprocal = 2 * math.pi * _inverse(cell64).T  # rows b_a
+    fx, fy, fz = _p3m_frequencies(nx, ny, nz, wide, device)
     k = (
         fx[:, None, :, None] * reciprocal[0] + fy[None, :, :, None] * reciprocal[1] + fz[None, None, :, None] * reciprocal[2]
     )  # [nx, ny, nz, 3]
     k_sq = torch.linalg.vector_norm(k, dim=3) ** 2
-    spacing = torch.linalg.vector_norm(cell, dim=1) / sizes.to(dtype)
+    spacing = torch.linalg.vector_norm(cell64, dim=1) / sizes.to(wide)
     u2 = torch.prod(torch.sinc(k * spacing / (2 * math.pi)), dim=-1) ** (2 * order)
     zero = u2 == 0
     influence = torch.where(zero, torch.zeros_like(u2), 1 / torch.where(zero, torch.ones_like(u2), u2))
-    kernel = influence * _coulomb_kernel(k_sq, sigma)
+    kernel = (influence * _coulomb_kernel(k_sq, sigma)).to(dtype)
     # complex transforms of the whole spectrum, not rfftn/irfftn: the derivative of
     # irfftn doubles the frequencies strictly inside the half spectrum, a slice whose
     # size (n_c - n_c // 2 - 1) a trace guards against being 0 or 1, so a compiled or

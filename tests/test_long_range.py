@@ -223,6 +223,31 @@ def test_hessian_and_committee(method):
     assert _relative(committee, one_by_one) < 1e-12
 
 
+def test_float32_p3m_stress_is_finite_on_a_skewed_cell():
+    """On this triclinic cell a float32 P3M stress was NaN (as it is in metatrain and
+    torch-pme): near the zeros of the assignment transform u2 is tiny and the
+    derivative of 1/u2 overflowed float32. The filter is now computed in float64."""
+    cell = [[0.1275630698106605, 3.8943382352980405, 4.028415802274155],
+            [4.54732734295724, -0.15872097399302576, 4.0794188467815236],
+            [4.358008085459175, 4.0474560753479984, 0.23382439329760002]]
+    atoms = ase.Atoms("Pd8", scaled_positions=np.random.default_rng(0).random((8, 3)), cell=cell, pbc=True)
+    config = petfunc.PETConfig(
+        atomic_types=(46,), cutoff=4.0, cutoff_width=0.4, d_pet=16, d_head=16, d_node=48, d_feedforward=24,
+        num_heads=4, num_attention_layers=1, featurizer_type="residual",
+        long_range=dict(enable=True, smearing=1.1, kspace_resolution=0.9, interpolation_nodes=3),
+    )
+    model = petfunc.PET(config)
+    params = model.init(seed=0, dtype=torch.float64)
+    results = {}
+    for dtype in (torch.float32, torch.float64):
+        cast = petfunc.tree.tree_map(lambda t: t.to(dtype), params)
+        positions, cell_t, neighbors = petfunc.from_atoms([atoms], config, dtype=dtype)
+        results[dtype] = petfunc.energy_forces_stress(model.energy)(cast, positions, cell_t, neighbors)
+    for single, double in zip(results[torch.float32], results[torch.float64]):
+        assert torch.isfinite(single).all()
+        assert (single.double() - double).abs().max() <= 1e-4 * double.abs().max()
+
+
 def test_ewald_converges_to_p3m():
     """Two methods, one potential: Ewald and P3M agree to the P3M discretisation error,
     and P3M comes closer on a finer mesh."""
