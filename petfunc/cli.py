@@ -296,7 +296,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--which", choices=("best", "last"), default="best",
                     help="parameters of a training checkpoint (default: best)")
-    labels = ("(default: as in the training options of a petfunc checkpoint, else {})")
+    labels = ("(default: as the model was trained, else {})")
     ev.add_argument("--energy-key", help=labels.format("energy"))
     ev.add_argument("--forces-key", help=labels.format("forces"))
     ev.add_argument("--stress-key", help=labels.format("stress"))
@@ -582,11 +582,12 @@ _LABEL_DEFAULTS = {"energy_key": "energy", "forces_key": "forces", "stress_key":
 def _label_options(args) -> None:
     """Fill the label keys and units ``petfunc eval`` was not given: from the first
     training file of a petfunc checkpoint's options (a model trained on ``U0`` in
-    kcal/mol is evaluated on ``U0`` in kcal/mol), else the defaults."""
+    kcal/mol is evaluated on ``U0`` in kcal/mol), the units of a metatrain model's
+    training data, else the defaults."""
     from .trainer import training_label_options
 
     missing = [name for name in _LABEL_DEFAULTS if getattr(args, name) is None]
-    trained = training_label_options(args.model) if missing else {}
+    trained = training_label_options(args.model, args.target) if missing else {}
     taken = []
     for name in missing:
         value = trained.get(name, _LABEL_DEFAULTS[name])

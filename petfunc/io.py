@@ -740,6 +740,27 @@ def _read_metatrain(source, dtype=None, target=None, llpr: Optional[str] = None,
                                str(dataset_info.length_unit or ""), energy_unit, label, uncertainty)
 
 
+def metatrain_units(source: PathLike, target: Optional[str] = None) -> Tuple[str, str]:
+    """``(length unit, energy unit)`` of the data a metatrain checkpoint or exported
+    model was trained on (metatomic's names; ``""`` where it names none)."""
+    label = repr(str(source))
+    data = _read_bytes(Path(source))
+    if _is_torchscript(data):
+        _require_metatrain()  # registers metatomic's TorchScript classes
+        capabilities = torch.jit.load(io.BytesIO(data), map_location="cpu").capabilities()
+        outputs = dict(capabilities.outputs)
+        name = target or (TARGET if TARGET in outputs else None)
+        if name not in outputs:
+            raise ValueError(f"{label}: cannot pick the energy target among {sorted(outputs)}")
+        return str(capabilities.length_unit or ""), str(outputs[name].unit or "")
+    checkpoint = _unpickle_checkpoint(data, label)
+    if checkpoint.get("architecture_name") == "llpr":
+        checkpoint = _llpr_wrapped_checkpoint(checkpoint, label)
+    info = checkpoint["model_data"]["dataset_info"]
+    name = _choose_target(info, target)
+    return str(info.length_unit or ""), str(getattr(info.targets[name], "unit", "") or "")
+
+
 def _zbl_as_metatrain(config: PETConfig, energy_unit: str) -> PETConfig:
     """metatrain adds its ZBL repulsion only to energy targets whose unit is exactly
     ``"eV"`` (``ZBL.supports_target``); with any other unit, the empty default

@@ -568,20 +568,35 @@ def parity_plot(pred: dict, path, title: str = "") -> None:
     atomic_write(path, lambda handle: handle.write(buffer.getvalue()))
 
 
-def training_label_options(path) -> Dict[str, Any]:
+def training_label_options(path, target: Optional[str] = None) -> Dict[str, Any]:
     """Label keys and units of the first training file of a petfunc training
     checkpoint's options (``energy_key``, ``forces_key``, ``stress_key``,
-    ``virial_key``, ``energy_unit``, ``length_unit``; only those the options set),
-    or ``{}`` for any other file."""
-    from .options import dataset_sections
+    ``virial_key``, ``energy_unit``, ``length_unit``; only those the options set);
+    for a metatrain checkpoint or exported model, the units of its training data
+    (what ``mtt eval`` reads a file without units in); else ``{}``."""
+    from .options import dataset_sections, energy_unit_factor, length_unit_factor
 
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
         section = dataset_sections(json.loads(payload["options"])["training_set"])[0]
-    except Exception:  # noqa: BLE001 - not a petfunc training checkpoint: no defaults
-        return {}
-    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-        return {}
+        if payload.get("format") != CHECKPOINT_FORMAT:
+            return {}
+    except Exception:  # noqa: BLE001 - not a petfunc training checkpoint
+        from .io import metatrain_units
+
+        out = {}
+        try:
+            length, energy = metatrain_units(path, target)
+        except Exception:  # noqa: BLE001 - not a metatrain model either (or no metatrain): no defaults
+            return {}
+        for name, unit, known in (("length_unit", length, length_unit_factor), ("energy_unit", energy, energy_unit_factor)):
+            try:
+                if unit:
+                    known(unit)  # a unit petfunc's readers know
+                    out[name] = unit
+            except ValueError:
+                pass
+        return out
     energy = section["targets"]["energy"]
     out = {"energy_key": energy.get("key"), "energy_unit": energy.get("unit"),
            "length_unit": section["systems"].get("length_unit")}

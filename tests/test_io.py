@@ -3,6 +3,7 @@
 import copy
 import gzip
 import io
+import json
 import os
 import pickle
 import sys
@@ -231,6 +232,7 @@ def test_from_metatrain_converts_other_units_to_angstrom_and_ev(tmp_path, length
     ref = _metatrain()
     metatomic_ase = pytest.importorskip("metatomic_ase")
     import ase.build
+    import ase.io
     import numpy as np
     from petfunc.ase import PETCalculator
 
@@ -257,6 +259,28 @@ def test_from_metatrain_converts_other_units_to_angstrom_and_ev(tmp_path, length
             np.testing.assert_allclose(got.get_forces(), expected.get_forces(), rtol=1e-8, atol=1e-11)
             if atoms.pbc.all():
                 np.testing.assert_allclose(got.get_stress(), expected.get_stress(), rtol=1e-8, atol=1e-12)
+
+    # petfunc eval reads a file without units in the model's units, as mtt eval does:
+    # metatomic's predictions written in those units evaluate to zero errors
+    from petfunc.cli import main
+    from petfunc.options import energy_unit_factor, length_unit_factor
+
+    to_energy, to_length = 1 / energy_unit_factor(energy_unit), 1 / length_unit_factor(length_unit)
+    labelled = []
+    for atoms in (bulk, molecule):
+        atoms = atoms.copy()
+        atoms.calc = reference
+        energy, forces = atoms.get_potential_energy(), atoms.get_forces()
+        scaled = ase.Atoms(atoms.numbers, positions=atoms.positions * to_length, cell=atoms.cell[:] * to_length,
+                           pbc=atoms.pbc)
+        scaled.info["energy"] = energy * to_energy
+        scaled.arrays["forces"] = forces * to_energy / to_length
+        labelled.append(scaled)
+    ase.io.write(tmp_path / "labels.xyz", labelled)
+    assert main(["eval", str(tmp_path / "model.ckpt"), str(tmp_path / "labels.xyz"), "--dtype", "float64",
+                 "--json", str(tmp_path / "errors.json")]) == 0
+    errors = json.loads((tmp_path / "errors.json").read_text())
+    assert errors["energy_per_atom_rmse"] < 1e-6 and errors["forces_rmse"] < 1e-5
 
     if length_unit == "bohr":  # the grid method probes from a fixed 0.5 length units
         grid = ref.make_model(_config(**{**hypers, "adaptive_cutoff_method": "grid"}),
