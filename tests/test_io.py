@@ -566,3 +566,15 @@ def test_which_picks_best_or_last_weights_of_a_metatrain_checkpoint(tmp_path):
     load_model(tmp_path / "model.pt")
     with pytest.raises(ValueError, match="exported model, with one set of weights"):
         load_model(tmp_path / "model.pt", which="last")
+
+
+def test_float32_hypers_of_an_export_read_as_written():
+    """An exported float32 long-range model keeps its smearing as a float32 tensor;
+    read back as 1.100000023841858 its config would differ from the checkpoint's."""
+    from petfunc.io import _as_written
+
+    assert _as_written(torch.tensor(1.1, dtype=torch.float32)) == 1.1
+    assert _as_written(torch.tensor(0.9, dtype=torch.float32)) == 0.9
+    assert _as_written(torch.tensor(1.1, dtype=torch.float64)) == 1.1
+    assert _as_written(torch.tensor(1.0 / 3.0, dtype=torch.float64)) == 1.0 / 3.0  # float64: exact
+    assert _as_written(1.33) == 1.33
