@@ -294,10 +294,14 @@ def _unsafe_globals(data: bytes):
             return []
 
 
-def _is_torchscript(data: bytes) -> bool:
-    if not zipfile.is_zipfile(io.BytesIO(data)):
+def _is_torchscript(source) -> bool:
+    """Whether ``source`` (the bytes or the path of a file) is a TorchScript archive,
+    such as an exported metatomic model."""
+    if isinstance(source, (bytes, bytearray)):
+        source = io.BytesIO(source)
+    if not zipfile.is_zipfile(source):
         return False
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+    with zipfile.ZipFile(source) as archive:
         return any("/code/" in name for name in archive.namelist())
 
 
@@ -453,11 +457,7 @@ def _unit_factor(from_unit: str, to_unit: str, label: str) -> float:
     from metatomic.torch import unit_conversion_factor
 
     try:
-        try:
-            return float(unit_conversion_factor(from_unit, to_unit))
-        except TypeError:  # metatomic before 0.1.5: (quantity, from, to)
-            quantity = "length" if to_unit == "angstrom" else "energy"
-            return float(unit_conversion_factor(quantity, from_unit, to_unit))
+        return float(unit_conversion_factor(from_unit, to_unit))
     except Exception as error:  # noqa: BLE001 - metatomic raises RuntimeError or ValueError
         raise ValueError(f"{label}: cannot convert its unit {from_unit!r} to {to_unit}: {error}") from None
 
@@ -483,7 +483,7 @@ def _in_angstrom_and_ev(config: PETConfig, params, length_unit: str, energy_unit
       are Coulomb potentials in the model's units, so those two are refused in
       lengths other than Å.
     """
-    f = _unit_factor(energy_unit or "", "eV", label) if energy_unit not in ("", "eV") else 1.0
+    f = _unit_factor(energy_unit, "eV", label) if energy_unit not in ("", "eV") else 1.0
     k = _unit_factor("angstrom", length_unit, label) if length_unit not in ("", "angstrom") else 1.0
     if k != 1.0:
         where = f"{label} works in lengths of {length_unit!r}"

@@ -59,6 +59,9 @@ TRAINING_DEFAULTS: Dict[str, Any] = {
     # torch.use_deterministic_algorithms for the run (same seed, same result):
     # true, false, or null = on CPU only
     "deterministic": None,
+    # metatrain's deprecated switch: null or false, or true in a run of several
+    # processes (petfunc.trainer.fit checks that; torchrun makes the processes)
+    "distributed": None,
 }
 
 #: metatrain trainer keys that only affect metatrain's logging or data loading:
@@ -122,22 +125,6 @@ def length_unit_factor(unit: Optional[str]) -> float:
 
 # ---------------------------------------------------------------------------------------
 # helpers
-
-
-def _distributed(value) -> None:
-    """metatrain's deprecated ``distributed`` switch. petfunc trains on several
-    processes exactly when a launcher (torchrun) gives it ``WORLD_SIZE`` > 1, so the
-    switch only has to agree with that."""
-    if value is None or value is False:
-        return
-    if value is not True:
-        raise ValueError(f"option 'architecture.training.distributed' must be true or false, got {value!r}")
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
-        raise ValueError(
-            "option 'architecture.training.distributed' is true, but this is one process: petfunc "
-            "trains on several when started by torchrun (torchrun --nproc-per-node N -m petfunc train "
-            "...; see the README's Multi-process section)"
-        )
 
 
 def _check_keys(section: Mapping, allowed, where: str) -> None:
@@ -509,11 +496,10 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     arch["model"] = model
 
     training = dict(arch.get("training") or {})
-    allowed = tuple(TRAINING_DEFAULTS) + IGNORED_METATRAIN_KEYS + ("distributed",)
+    allowed = tuple(TRAINING_DEFAULTS) + IGNORED_METATRAIN_KEYS
     _check_keys(training, allowed, "architecture.training")
     for key in IGNORED_METATRAIN_KEYS:
         training.pop(key, None)
-    _distributed(training.pop("distributed", None))
     training = _merge(TRAINING_DEFAULTS, training)
     t = "architecture.training"
     training["atomic_baseline"] = _atomic_baseline(training["atomic_baseline"], f"{t}.atomic_baseline")
@@ -522,6 +508,8 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     if "file" in training["fixed_scaling_weights"] and "file" not in training["atomic_baseline"]:
         raise ValueError(f"option '{t}.fixed_scaling_weights' names a scaler checkpoint, which needs "
                          f"'{t}.atomic_baseline' to name a composition checkpoint too (as in metatrain)")
+    if training["distributed"] not in (None, False, True):
+        raise ValueError(f"option '{t}.distributed' must be true or false, got {training['distributed']!r}")
     training["batch_size"] = _number(training["batch_size"], f"{t}.batch_size", positive=True, integer=True)
     if training["max_atoms_per_batch"] is not None:
         training["max_atoms_per_batch"] = _number(training["max_atoms_per_batch"], f"{t}.max_atoms_per_batch",

@@ -238,6 +238,21 @@ def load_model(path, dtype: Optional[torch.dtype] = None, which: str = "best", d
     return config, params
 
 
+def _torch_payload(path):
+    """``(torch.load(path, weights_only=True), None)``, or ``(None, error)`` where
+    that fails (a metatrain checkpoint, whose objects it refuses, or a damaged
+    file). An exported TorchScript model gives ``(None, None)`` unread: torch.load
+    would load it with torch.jit.load, only to refuse it."""
+    from .io import _is_torchscript
+
+    if _is_torchscript(path):
+        return None, None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True), None
+    except Exception as error:  # noqa: BLE001 - whatever the archive or pickle raised
+        return None, error
+
+
 def _load_model(path, dtype, which, device, target, keep_lora: bool):
     """:func:`load_model`, plus ``lora``: with ``keep_lora``, a source's LoRA
     adapters stay in ``params["lora"]`` and ``lora`` is their ``{rank, alpha,
@@ -248,11 +263,7 @@ def _load_model(path, dtype, which, device, target, keep_lora: bool):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {str(path)!r}")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        load_error = None
-    except Exception as error:  # a metatrain checkpoint (its objects), or a damaged file
-        payload, load_error = None, error
+    payload, load_error = _torch_payload(path)
     is_petfunc = isinstance(payload, dict) and payload.get("format") in (CHECKPOINT_FORMAT, "petfunc.params")
     if is_petfunc and target not in (None, "energy"):
         raise ValueError(f"{str(path)!r} is a petfunc file, whose only target is 'energy', not {target!r}")
@@ -576,19 +587,19 @@ def training_label_options(path, target: Optional[str] = None) -> Dict[str, Any]
     (what ``mtt eval`` reads a file without units in); else ``{}``."""
     from .options import dataset_sections, energy_unit_factor, length_unit_factor
 
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        section = dataset_sections(json.loads(payload["options"])["training_set"])[0]
+    payload, _ = _torch_payload(path)  # None: a metatrain model, or no model at all
+    if isinstance(payload, dict):  # petfunc's own files; only a training checkpoint has options
         if payload.get("format") != CHECKPOINT_FORMAT:
             return {}
-    except Exception:  # noqa: BLE001 - not a petfunc training checkpoint
+        section = dataset_sections(json.loads(payload["options"])["training_set"])[0]
+    else:
         from .io import metatrain_units
 
-        out = {}
         try:
             length, energy = metatrain_units(path, target)
         except Exception:  # noqa: BLE001 - not a metatrain model either (or no metatrain): no defaults
             return {}
+        out = {}
         for name, unit, known in (("length_unit", length, length_unit_factor), ("energy_unit", energy, energy_unit_factor)):
             try:
                 if unit:
@@ -780,6 +791,12 @@ def fit(
     if options is None:
         raise ValueError("fit() needs options (or a restart checkpoint that holds them)")
     options = _absolute_paths(resolve_options(options))
+    if options["architecture"]["training"]["distributed"] and world_size <= 1:
+        raise ValueError(
+            "option 'architecture.training.distributed' is true, but this is one process: petfunc "
+            "trains on several when started by torchrun (torchrun --nproc-per-node N -m petfunc train "
+            "...; see the README's Multi-process section)"
+        )
     if ckpt is not None and options["architecture"]["training"]["num_epochs"] <= int(ckpt["epoch"]):
         raise ValueError(
             f"the restart checkpoint is at epoch {int(ckpt['epoch'])} and num_epochs is "

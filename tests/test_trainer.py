@@ -701,12 +701,17 @@ def test_options_defaults_and_loss_forms():
     assert training["best_model_metric"] == "mae_prod" and "num_workers" not in training
     assert options["training_set"]["targets"]["energy"]["forces"] == "auto"
     assert options["validation_set"] == 0.1
-    # metatrain's deprecated 'distributed': false is fine; true must come with torchrun
+    # metatrain's deprecated 'distributed': false is fine; true needs several processes
     training = {"distributed": False, "distributed_port": 1234}
     resolve_options({"training_set": "data.xyz", "architecture": {"name": "pet", "training": training}})
-    for value, message in ((True, "is true, but this is one process"), ("yes", "must be true or false")):
-        with pytest.raises(ValueError, match=message):
-            resolve_options({"training_set": "data.xyz", "architecture": {"training": {"distributed": value}}})
+    with pytest.raises(ValueError, match="must be true or false"):
+        resolve_options({"training_set": "data.xyz", "architecture": {"training": {"distributed": "yes"}}})
+    distributed = {"training_set": "missing.xyz", "architecture": {"training": {"distributed": True}}}
+    with pytest.raises(ValueError, match="is true, but this is one process"):
+        fit(distributed, None, progress=False, log=quiet())
+    with pytest.raises(FileNotFoundError):  # two ranks: past that check, to the data
+        fit(distributed, None, progress=False, log=quiet(), world_size=2, reduce_grads=lambda g: g,
+            reduce_metrics=lambda m: m)
     weights, explicit = parse_loss({"energy": {"type": "mae", "gradients": {"positions": {"weight": 10}}, "stress": 0.5}})
     # metatrain: the energy type does not carry over to the gradient terms
     assert (weights.energy.type, weights.forces.weight, weights.forces.type, weights.stress.weight) == ("mae", 10.0, "mse", 0.5)
