@@ -731,7 +731,10 @@ def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log
         return config, params
     hypers = dict(model_hypers)
     hypers.setdefault("atomic_types", atomic_types)
-    config = PETConfig.from_hypers(hypers)
+    try:  # the options checked each value; here the relations between them (d_pet, num_heads, ...)
+        config = PETConfig.from_hypers(hypers)
+    except ValueError as error:
+        raise ValueError(f"option 'architecture.model': {error}") from None
     params = PET(config).init(seed=seed, dtype=dtype, device=device)
     return config, params
 

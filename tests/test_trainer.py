@@ -946,3 +946,34 @@ def test_float32_runs_repeat_exactly(dataset, compiled):
     assert not torch.are_deterministic_algorithms_enabled()
     assert params_equal(runs[0].last_params, runs[1].last_params)
     assert [r["train_loss"] for r in runs[0].history] == [r["train_loss"] for r in runs[1].history]
+
+
+def test_partial_model_section_is_checked_against_the_checkpoint(dataset):
+    """A fine-tuning or restart options file may name a few model keys; the keys it
+    omits come from the checkpoint, so relations such as d_pet % num_heads are checked
+    there, not against the defaults ({d_pet: 4} fails with the default num_heads 8 but
+    suits a checkpoint with num_heads 2)."""
+    from petfunc.config import PETConfig
+    from petfunc.trainer import check_model_section
+
+    config = PETConfig(atomic_types=(13, 28, 29), **{**TINY_MODEL, "d_pet": 4, "num_heads": 2})
+    options = tiny_options(dataset)
+    options["architecture"]["model"] = {"d_pet": 4, "cutoff_width": 0.5}
+    resolve_options(options)  # each value is fine; d_pet 4 against the default num_heads 8 is not checked here
+    check_model_section({"d_pet": 4, "cutoff_width": 0.5}, config, "it")
+    with pytest.raises(ValueError, match=r"d_pet must be divisible by num_heads, got d_pet=4 and num_heads=3"):
+        check_model_section({"num_heads": 3}, config, "it")
+    # relations among the keys given are still checked by the options
+    options["architecture"]["model"] = {"d_pet": 4, "num_heads": 3}
+    with pytest.raises(ValueError, match=r"option 'architecture.model': d_pet must be divisible"):
+        resolve_options(options)
+    options["architecture"]["model"] = {"cutoff": 2.0, "cutoff_width": 2.5}
+    with pytest.raises(ValueError, match=r"option 'architecture.model': cutoff_width must be smaller"):
+        resolve_options(options)
+    options["architecture"]["model"] = {"d_pet": 0}
+    with pytest.raises(ValueError, match=r"option 'architecture.model': d_pet must be a positive integer"):
+        resolve_options(options)
+    # a fresh model fills the omitted keys with the defaults, and names the relation
+    options["architecture"]["model"] = {"d_pet": 4}
+    with pytest.raises(ValueError, match=r"option 'architecture.model': d_pet must be divisible by num_heads, got d_pet=4 and num_heads=8"):
+        fit(options, None, progress=False, log=quiet())
