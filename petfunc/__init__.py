@@ -29,7 +29,7 @@ from .train import (
     warmup_cosine,
 )
 from .trainer import fit
-from . import dynamics, llpr, lora, relax
+from . import dynamics, ensemble, export, hessian_loss, llpr, lora, relax
 from . import hessian  # callable: petfunc.hessian(energy_fn) (see petfunc.hessian)
 from .hessian import hvp
 from . import remat  # callable: petfunc.remat(fn) (see petfunc.remat)

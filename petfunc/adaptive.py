@@ -5,8 +5,9 @@ Each atom gets the radius at which its smoothed neighbour count
 Both methods are differentiable functions of the edge distances, so the forces
 contain the dr_i/dx term (the one metatrain's compiled-PET pull request lost).
 
-* ``solver``: 10 Newton-bisection steps on detached distances, then one
-  implicit-function step on the live distances (gradient -dn_i/dd / n_i').
+* ``solver``: 10 Newton-bisection steps on detached distances, then
+  implicit-function steps on the live distances (gradient -dn_i/dd / n_i', and
+  the implicit function's second derivative, for Hessians).
 * ``grid``: a Gaussian-weighted average of probe radii, fully differentiable.
 
 Everything has a fixed trip count and fixed shapes, so it traces with ``make_fx``.
@@ -52,6 +53,18 @@ def _count_and_slope(r, distances, centers, n_atoms, width, r_max, nu):
     return n, dn
 
 
+def _curvature(r, distances, centers, n_atoms, width, r_max, nu):
+    """n_rr: the second derivative of the count in r, ``[n_atoms]``."""
+    s = (distances - (r[centers] - width)) / width
+    active = (s > 0.0) & (s < 1.0)
+    arg = math.pi * s.clamp(1e-6, 1.0 - 1e-6)
+    sin, cos = torch.sin(arg), torch.cos(arg)
+    t = torch.tanh(cos / sin)
+    # d/dr of the slope's (pi / 2 w) (1 - t^2) / sin^2, with d arg / dr = -pi / w
+    ddf = (-(math.pi / width) ** 2) * (1.0 - t * t) * (t / sin - cos) / (sin * sin * sin) * active.to(s.dtype)
+    return _segment_sum(ddf, centers, n_atoms) + 6.0 * nu * r / r_max**3
+
+
 def cutoffs_solver(centers, distances, n_atoms: int, nu: float, r_max: float, width: float):
     """Per-atom radii ``[n_atoms]`` by Newton-bisection plus an implicit-function step.
 
@@ -74,11 +87,26 @@ def cutoffs_solver(centers, distances, n_atoms: int, nu: float, r_max: float, wi
         r_newton = r - g / dn.clamp_min(1e-6)
         inside = (r_newton >= lo) & (r_newton <= hi)
         r = torch.where(inside, r_newton, 0.5 * (lo + hi))
-    _, slope = _count_and_slope(r, d, centers, n_atoms, width, r_max, nu)
     r = r.detach()
-    slope = slope.detach()
+    # the slope n_r(r, d), live in the distances (for the second derivative below)
+    _, slope_live = _count_and_slope(r, distances, centers, n_atoms, width, r_max, nu)
+    slope = slope_live.detach().clamp_min(1e-6)
     residual = _count(r, distances, centers, n_atoms, width, r_max, nu) - nu
-    return (r - residual / slope.clamp_min(1e-6)).clamp(r_max / 16.0, r_max)
+    step = r - residual / slope  # metatrain's radii and first derivative, -n_d / n_r
+    # With r and the slope constant, the step's second derivative is -n_dd / n_r,
+    # which lacks the terms of the implicit function r(d) (n(r(d), d) = nu):
+    #   r'' = -n_dd / n_r + 2 n_d n_rd / n_r^2 - n_d^2 n_rr / n_r^3,
+    # so Hessians of the energy were ~10 % off. They are added as terms whose value
+    # and first derivative are exactly zero (products of two quantities that are
+    # zero in value): u = step - step.detach() has u' = r' = -n_d / n_r, and
+    # w = -(n_r - n_r.detach()) / n_r has w' = -n_rd / n_r. (w u)'' and
+    # -(n_rr / 2 n_r) (u^2)'' are the two missing terms; the radii and the forces
+    # stay metatrain's bit for bit.
+    u = step - step.detach()
+    w = -(slope_live - slope_live.detach()) / slope
+    curvature = _curvature(r, d, centers, n_atoms, width, r_max, nu)
+    correction = w * u - (0.5 * curvature / slope) * (u * u)
+    return (step + correction).clamp(r_max / 16.0, r_max)
 
 
 def _unit_gradient(x: torch.Tensor) -> torch.Tensor:
