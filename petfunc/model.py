@@ -266,8 +266,22 @@ def last_layer_features(params, positions, cell, neighbors: Neighbors, config: P
     return torch.cat(out, dim=1)
 
 
+def _check_dtypes(params, positions, cell) -> None:
+    # PyTorch would stop at the first product ("mat1 and mat2 must have the same
+    # dtype"), which does not say which input is off
+    weight = params["edge_embedder"]["weight"]
+    for name, tensor in (("positions", positions), ("cell", cell)):
+        if tensor.dtype != weight.dtype or tensor.device != weight.device:
+            raise TypeError(
+                f"{name}: {tensor.dtype} on {tensor.device}, but the parameters: {weight.dtype} on "
+                f"{weight.device}; give both the same dtype and device (from_atoms(..., dtype=, "
+                "device=) for the inputs)"
+            )
+
+
 def _readout_inputs(params, positions, cell, neighbors: Neighbors, config: PETConfig):
     """``([(nodes, edge tokens)] per readout layer, token cutoff factors, token centres)``."""
+    _check_dtypes(params, positions, cell)
     vectors = edge_vectors(positions, cell, neighbors)
     distances = torch.linalg.vector_norm(vectors, dim=-1) + 1e-15
     factors = cutoff_factors(config, distances, neighbors)

@@ -358,7 +358,15 @@ def apply_gradients(optimizer, state: TrainState, grads, grad_clip_norm: float =
         grads, norm = clip_by_global_norm(grads, grad_clip_norm)
     params = state.params
     train_params = trainable(params, train)
-    updates, opt_state = optimizer.update(grads, state.opt_state, params=train_params, inplace=False)
+    try:
+        updates, opt_state = optimizer.update(grads, state.opt_state, params=train_params, inplace=False)
+    except ValueError as error:  # optree's "Node arity mismatch" and the like
+        if "arity" not in str(error) and "structure" not in str(error):
+            raise
+        raise ValueError(
+            f"the optimizer state does not fit the trained parameters (train={train!r}): make the "
+            f"state with init_state(params, optimizer, train=...) with the step's own train= ({error})"
+        ) from None
     new_params = apply_updates(train_params, updates)
     return TrainState(with_trained(params, new_params, train), opt_state), norm
 

@@ -368,3 +368,8 @@ def test_float32_smoke():
     assert float((e.double() - e64).abs().max()) < 1e-6 * float(comp.max())
     assert _max_rel(f.double(), f64) < 1e-3
     assert _max_rel(s[1].double(), s64[1]) < 1e-3
+    # mixed dtypes name the inputs (PyTorch's own error names two matrices)
+    with pytest.raises(TypeError, match=r"positions: torch.float32 on cpu, but the parameters: torch.float64"):
+        fn(params64, positions, cell, graph)
+    with pytest.raises(TypeError, match=r"cell: torch.float32 on cpu, but the parameters: torch.float64"):
+        petfunc.PET(CONFIG).energy(params64, positions.double(), cell, graph)

@@ -395,6 +395,10 @@ def test_loss_falls(dataset, fitted):
             total += metrics["loss"].item()
         losses.append(total)
     assert losses[-1] < 0.5 * losses[0], losses
+    # a state made for other trained parameters is refused with the reason
+    heads = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights(), train=petfunc.train.HEADS)
+    with pytest.raises(ValueError, match=r"optimizer state does not fit the trained parameters"):
+        heads(state, _batch(dataset, fitted, [0]))
 
 
 def test_loss_skips_nan_labels_and_supports_loss_types(dataset, fitted):
