@@ -12,6 +12,7 @@ mesh; the crystals are put first in the model call).
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -80,7 +81,10 @@ class BatchEvaluator:
 
     def check(self, frames: Sequence, labels: Optional[Sequence[str]] = None) -> None:
         """Raise a ``ValueError`` naming the structure for an empty one, or (with
-        stress) one whose cell has zero volume."""
+        stress) one whose cell has zero volume; with stress, warn (as
+        :class:`~petfunc.ase.PETCalculator` does) for cells not periodic in all
+        three directions."""
+        partly = []
         for i, atoms in enumerate(frames):
             label = labels[i] if labels is not None else f"structure {i}"
             if len(atoms) == 0:
@@ -90,9 +94,20 @@ class BatchEvaluator:
                     f"{label}: its cell has zero volume (pbc={atoms.pbc.tolist()}); the stress needs a "
                     "periodic cell"
                 )
+            if self.stress and not np.all(atoms.pbc):
+                partly.append(label)
+        if partly:
+            # one message per set of structures: a relaxation repeats it once
+            named = ", ".join(partly[:3]) + (f" and {len(partly) - 3} more" if len(partly) > 3 else "")
+            warnings.warn(
+                f"stress requested but likely to be wrong for {named}: not periodic in all "
+                "directions (computed with the ASE cell volume, as metatomic does)",
+                stacklevel=3,
+            )
 
     def __call__(self, frames: Sequence, labels: Optional[Sequence[str]] = None) -> List[Dict[str, np.ndarray]]:
         labels = list(labels) if labels is not None else [f"structure {i}" for i in range(len(frames))]
+        self.check(frames, labels)
         results: List[Optional[Dict[str, np.ndarray]]] = [None] * len(frames)
         for group in _chunks([len(a) for a in frames], self.max_atoms):
             if self.compile and self.config.long_range.enable:

@@ -128,6 +128,33 @@ def check_structure(positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray, la
             )
 
 
+# Closer than this, two atoms are taken to be at the same place (round-off of an
+# atom put on a periodic image of another); metatrain's PET still gives finite
+# numbers down to ~1e-9 Å, and ZBL's ~1e12 eV there.
+COINCIDENT = 1e-10
+
+
+def check_coincident(positions, cell, centers, neighbors, shifts, label: str = "structure") -> None:
+    """Raise a ``ValueError`` naming the first pair of atoms at the same place.
+
+    Their edge vector is zero: PET's edge features and cutoff factors are then
+    arbitrary (metatrain gives a finite, meaningless energy) and ZBL's repulsion is
+    infinite, so there is no energy to return.
+    """
+    if len(centers) == 0:
+        return
+    vectors = positions[neighbors] - positions[centers] + shifts @ cell
+    close = np.flatnonzero((vectors**2).sum(axis=1) < COINCIDENT**2)
+    if close.size:
+        e = close[0]
+        i, j, shift = int(centers[e]), int(neighbors[e]), shifts[e].tolist()
+        where = "" if not any(shift) else f" (atom {j} through the periodic image shifted by {shift} cells)"
+        raise ValueError(
+            f"{label}: atoms {i} and {j} are at the same place{where}; PET has no energy for "
+            "coinciding atoms"
+        )
+
+
 def edge_list(positions, cell, pbc, cutoff: float):
     """Full neighbour list of one structure with vesin: (centers, neighbors, shifts).
 

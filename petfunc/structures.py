@@ -122,7 +122,8 @@ def prepare(
 
     Raises:
         ValueError: unknown species, NaN/inf positions, wrong shapes, a singular cell
-            along a periodic direction, no atoms, a charge or spin the model cannot
+            along a periodic direction, two atoms (or an atom and a periodic image of
+            another) at the same place, no atoms, a charge or spin the model cannot
             represent, or a partly periodic structure for a long-range model.
     """
     numbers = np.asarray(numbers, dtype=np.int64).reshape(-1)
@@ -147,6 +148,7 @@ def prepare(
         check_periodicity(pbc, label)
     cell[~pbc] = 0.0
     centers, neighbors, shifts = nbl.edge_list(positions, cell, pbc, list_cutoff(config))
+    nbl.check_coincident(positions, cell, centers, neighbors, shifts, label)
     return Structure(
         numbers, species, positions, cell, pbc, centers, neighbors, shifts, charge, spin_multiplicity
     )

@@ -166,6 +166,20 @@ def test_singular_periodic_cell(cell):
         petfunc.from_atoms(atoms, CONFIG)
 
 
+def test_coinciding_atoms():
+    """Atoms at one place (or on a periodic image of another) have no PET energy
+    (and an infinite ZBL one); metatrain returns a meaningless finite number, or
+    inf with ZBL. Here a clear error; 1e-6 Å apart is still evaluated."""
+    atoms = ase.Atoms("COH", positions=[[0, 0, 0], [0, 0, 0], [1.0, 0.3, 0]])
+    with pytest.raises(ValueError, match=r"structure 1: atoms 0 and 1 are at the same place; PET has no energy"):
+        petfunc.from_atoms([ase.Atoms("H"), atoms], CONFIG)
+    image = ase.Atoms("CO", positions=[[0, 0, 0], [3.0, 0, 0]], cell=[3, 3, 3], pbc=True)
+    with pytest.raises(ValueError, match=r"atoms (0 and 1|1 and 0) are at the same place \(atom [01] through the periodic image shifted by \[-?1, 0, 0\] cells\)"):
+        petfunc.from_atoms(image, CONFIG)
+    atoms.positions[1, 0] = 1e-6
+    petfunc.from_atoms(atoms, CONFIG)
+
+
 def test_zero_cell_rows_are_fine_when_not_periodic():
     atoms = ase.Atoms("CH", positions=[[0, 0, 0], [1, 0, 0]], cell=[[2, 0, 0], [0, 0, 0], [0, 0, 0]], pbc=[True, False, False])
     petfunc.from_atoms(atoms, CONFIG)

@@ -108,6 +108,23 @@ def test_fire_cell_filter_needs_a_cell(params):
         fire(CONFIG, params, [_cells()[0], ase.build.molecule("H2O")], cell_filter=FrechetCellFilter)
 
 
+def test_partly_periodic_stress_warns(params):
+    """As PETCalculator, the batched evaluator (relaxation, MD) warns that a slab's
+    stress uses the ASE cell volume; a bulk cell does not."""
+    import warnings
+
+    from petfunc.ase_batch import BatchEvaluator
+
+    slab = _cells()[0].copy()
+    slab.pbc = [True, True, False]
+    evaluate = BatchEvaluator(CONFIG, params, stress=True)
+    with pytest.warns(UserWarning, match="stress requested but likely to be wrong for structure 1: not periodic"):
+        evaluate([_cells()[0], slab])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        evaluate([_cells()[0]])
+
+
 def test_fire_compiled_one_graph(params):
     """Compiled: one graph while the batch shrinks from 4 structures to 1."""
     pytest.importorskip("torch._dynamo")
