@@ -12,12 +12,14 @@ Averaging the per-rank gradients of the per-rank means is exact only when every
 rank holds the same number of labels of every term. Here each rank instead
 differentiates
 
-    L_r = sum_t w_t (n_{t,r} / N_t) mean_{t,r}  =  sum_t w_t (sum_r of l) / N_t,
+    L_r = sum_t w_t (n_{t,r} / N_t) mean_{t,r}  =  sum_t w_t (sum over rank r's labels of l) / N_t,
 
 with the *global* counts ``N_t = sum_r n_{t,r}`` (all-reduced from the batch targets
 before the step: one tiny collective), so ``sum_r L_r`` is the loss of the union
-batch and the SUM of the per-rank gradients is its gradient, to round-off. Clipping
-and Adam then see the same gradient as a one-process run on the union batch.
+batch and the SUM of the per-rank gradients is its gradient, to round-off. A term
+with ``reduction="sum"`` has no ``1/N_t``: its factor is 1, as the sum of the ranks'
+sums is the union's sum. Clipping and Adam then see the same gradient as a
+one-process run on the union batch.
 
 Shapes. Every rank's batch is padded by :func:`petfunc.data.make_batch` so no size is
 0 or 1: the compiled step sees the same 0/1 specialisations on every rank, and no
@@ -223,11 +225,21 @@ def label_counts(batch) -> torch.Tensor:
     ).to(batch.positions.dtype)
 
 
+def share_factors(local: torch.Tensor, total: torch.Tensor, weights: LossWeights) -> torch.Tensor:
+    """``[3]`` factors of the loss terms (energy, forces, stress) on one rank: the
+    rank's share ``n_local / N_global`` of the labels for a mean term, 1 for a term
+    with ``reduction="sum"`` (the ranks' sums add up to the union's sum), 0 for a
+    term with no label anywhere in the union batch."""
+    mean_terms = torch.tensor([getattr(weights, t).reduction == "mean" for t in TERMS], device=local.device)
+    share = torch.where(total > 0, local / total.clamp_min(1.0), torch.zeros_like(local))
+    return torch.where(mean_terms, share, torch.ones_like(local))
+
+
 def make_scaled_grad_step(energy_fn, weights: LossWeights = LossWeights(), autodiff: str = "func",
                           train=None):
     """``grad_step(params, batch, factors) -> (grads, metrics)`` of
-    ``sum_t w_t factors[t] mean_t``: with ``factors = n_local / N_global`` the sum of
-    the ranks' gradients is the gradient of the union batch's loss.
+    ``sum_t w_t factors[t] loss_t``: with :func:`share_factors` the sum of the ranks'
+    gradients is the gradient of the union batch's loss.
 
     ``metrics`` holds the local ``*_sse``/``*_sae``/``*_count`` sums, the local shares
     ``factors[t] mean_t`` as ``*_loss`` and ``loss = L_r``: all of them sum over the
@@ -246,7 +258,7 @@ def make_scaled_grad_step(energy_fn, weights: LossWeights = LossWeights(), autod
             out = {k: v for k, v in metrics.items() if k != "loss"}
             for i, (term, w) in enumerate(zip(TERMS, term_weights)):
                 if f"{term}_loss" in metrics:
-                    # this rank's share of the union batch's mean (sums to it over ranks)
+                    # this rank's share of the union batch's term (sums to it over ranks)
                     out[f"{term}_loss"] = factors[i] * metrics[f"{term}_loss"]
                     share = share + w * out[f"{term}_loss"]
             out["loss"] = share
@@ -278,6 +290,10 @@ class DataParallel:
             by default ``"func"`` when compiling, ``"autograd"`` (faster eagerly) when not.
         train: which parameters are trained (:func:`petfunc.train.trainable`); the
             optimizer state must be ``optimizer.init(trainable(params, train))``.
+        cache_key: with ``compile``, keep the compiled step's trace in the trace
+            cache under this key (:func:`petfunc.compile`), so a restart loads it.
+        first_step: the number of steps already taken (a resumed run), so that an
+            error names the run's step.
 
     Calling the object, ``dp(params, batch)``, is :meth:`grad_step`: it is a drop-in
     replacement for :func:`petfunc.train.make_grad_step`'s function whose gradient is
@@ -286,7 +302,8 @@ class DataParallel:
 
     def __init__(self, energy_fn, optimizer, weights: LossWeights = LossWeights(), grad_clip_norm=1.0,
                  compile: bool = False, backend: str = "inductor", info: Optional[DistInfo] = None,
-                 metrics: str = "global", autodiff: Optional[str] = None, train=None):
+                 metrics: str = "global", autodiff: Optional[str] = None, train=None,
+                 cache_key: Optional[str] = None, first_step: int = 0):
         if metrics not in ("global", "share"):
             raise ValueError(f"metrics must be 'global' or 'share', got {metrics!r}")
         self.metrics = metrics
@@ -300,8 +317,10 @@ class DataParallel:
         self._raw = make_scaled_grad_step(energy_fn, weights, self.autodiff, train)
         self._compile = compile
         self._backend = backend
+        self._cache_key = cache_key
         self._fn = None
-        self.steps = 0
+        # gradient steps taken (by grad_step, which step() calls): names the step in errors
+        self.steps = int(first_step)
 
     @property
     def num_graphs(self) -> int:
@@ -317,8 +336,8 @@ class DataParallel:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         except Exception as error:  # gloo/NCCL raise RuntimeError or DistBackendError
             raise DistributedError(
-                f"rank {self.info.rank}/{self.info.world_size}: all_reduce of the {what} failed at step "
-                f"{self.steps}: another rank stopped (see its error) or did not answer within the "
+                f"rank {self.info.rank}/{self.info.world_size}: all_reduce of the {what} failed in step "
+                f"{self.steps + 1}: another rank stopped (see its error) or did not answer within the "
                 f"{self.info.timeout_s:g} s timeout ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
             ) from error
         return tensor
@@ -328,13 +347,13 @@ class DataParallel:
         and global metrics (``loss``, ``*_loss``, summed ``*_sse``/``*_sae``/``*_count``)."""
         local = label_counts(batch)
         total = self._all_reduce(local.clone(), "label counts")
-        factors = torch.where(total > 0, local / total.clamp_min(1.0), torch.zeros_like(local))
+        factors = share_factors(local, total, self.weights)
         if self._fn is None:
             if self._compile:
                 from .compile import compile as compile_fn
 
                 self._fn = compile_fn(self._raw, params, batch, factors, backend=self._backend,
-                                      static_argnums=(0, 2))
+                                      static_argnums=(0, 2), cache_key=self._cache_key)
             else:
                 self._fn = self._raw
         grads, metrics = self._fn(params, batch, factors)
@@ -353,6 +372,7 @@ class DataParallel:
             for k in keys:
                 if _is_sum(k):
                     reduced[k] = reduced[k] / self.info.world_size
+        self.steps += 1
         return torch.utils._pytree.tree_unflatten(out, spec), reduced
 
     __call__ = grad_step
@@ -363,7 +383,6 @@ class DataParallel:
         state, norm = apply_gradients(self.optimizer, state, grads, self.grad_clip_norm, self.train)
         if norm is not None:
             metrics["grad_norm"] = norm
-        self.steps += 1
         return state, metrics
 
 

@@ -81,7 +81,13 @@ def reference(tmp_path_factory):
         if i + 1 == W.CHECKPOINT_STEP:
             state3 = state
             pdist.save_checkpoint(out / "single.ckpt", state, i + 1, info=pdist.DistInfo())
-    return {"state3": state3, "state5": state, "losses": losses, "dir": out, "setup": (data, w, c, optimizer)}
+    summed_step = make_train_step(petfunc.PET(W.CONFIG), optimizer, W.SUM_WEIGHTS, grad_clip_norm=None)
+    summed, summed_losses = init_state(W.setup()[3], optimizer), []
+    for i in range(W.SUM_STEPS):
+        summed, metrics = summed_step(summed, W.batch(data, w, c, W.GLOBAL_BATCHES[i]))
+        summed_losses.append(float(metrics["loss"]))
+    return {"state3": state3, "state5": state, "losses": losses, "dir": out, "setup": (data, w, c, optimizer),
+            "summed": summed, "summed_losses": summed_losses}
 
 
 def test_shard_batches_cover_union_with_equal_steps():
@@ -115,6 +121,14 @@ def test_two_processes_equal_union_batch_and_checkpoints_cross_world_sizes(refer
     worst = _assert_close(r0["params"], ref5)
     print(f"2 ranks vs union batch after {W.STEPS} steps: max relative {worst:.2e} ({seconds:.1f} s)")
     assert max(abs(a - b) / abs(b) for a, b in zip(r0["losses"], reference["losses"])) < RTOL
+
+    # loss terms with reduction "sum" (they were scaled by the rank's share of the
+    # labels: 4e-2 apart). Unclipped, Adam's first steps g/(|g| + 1e-8) lift the
+    # round-off of tiny gradient entries to ~1e-10: hence 1e-8
+    for rank in range(2):
+        summed = torch.load(out / f"sum_rank{rank}.pt", weights_only=True)
+        _assert_close(summed["params"], petfunc.tree.flatten(reference["summed"].params), rtol=1e-8)
+        assert max(abs(a - b) / abs(b) for a, b in zip(summed["losses"], reference["summed_losses"])) < RTOL
 
     # 2-process checkpoint (step 3) -> 1 process, 2 more steps
     data, w, c, optimizer = reference["setup"]
@@ -155,7 +169,8 @@ def test_stuck_rank_times_out(tmp_path):
 @pytest.mark.slow
 def test_petfunc_train_under_torchrun_equals_one_process(tmp_path):
     """``torchrun --nproc_per_node=2 -m petfunc train`` with batch_size B equals the
-    one-process run with 2B (no augmentation: the union batches are the same sets)."""
+    one-process run with 2B: the union batches are the same sets, rotated the same
+    way (augmentation on), and the validation loss is that of the whole set."""
     import inspect
     import shutil
 
@@ -169,7 +184,7 @@ def test_petfunc_train_under_torchrun_equals_one_process(tmp_path):
     # 40 structures, 5 for validation: an odd count, so the ranks' validation shards
     # differ (3 and 2) and every structure must still be evaluated once
     common = ["train", "--structures", "40", "-s", "validation_set=0.125", "--epochs", "2", "--dtype", "float64", "--no-compile",
-              "--no-augmentation", "--no-progress", "--threads", "1",
+              "--no-progress", "--threads", "1",
               "-s", "architecture.model.d_pet=8", "-s", "architecture.model.d_head=8",
               "-s", "architecture.model.d_node=16", "-s", "architecture.model.d_feedforward=16",
               "-s", "architecture.model.num_gnn_layers=1"]
@@ -186,8 +201,8 @@ def test_petfunc_train_under_torchrun_equals_one_process(tmp_path):
     assert a["step"] == b["step"]
     _assert_close(b["params"], a["params"])
     for row_a, row_b in zip(a["history"], b["history"]):
-        for key in ("train_loss", "train_energy_rmse", "train_forces_rmse", "train_stress_rmse", "val_energy_rmse", "val_forces_rmse",
-                    "val_stress_rmse"):
+        for key in ("train_loss", "train_energy_rmse", "train_forces_rmse", "train_stress_rmse", "val_loss",
+                    "val_energy_rmse", "val_forces_rmse", "val_stress_rmse"):
             assert abs(row_a[key] - row_b[key]) <= 1e-10 * abs(row_a[key]), key
     # rank 0 alone wrote: one output folder, no other
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
