@@ -95,16 +95,23 @@ def batch_plan(
 ) -> List[np.ndarray]:
     """Indices of the batches of one epoch for one rank.
 
-    All ranks draw the same permutation (from ``seed`` and ``epoch``) and take
-    ``perm[rank::world_size]``; that shard is cut into batches of ``batch_size``, the
-    last partial one dropped when ``drop_last`` (unless it is the only one), as
-    metatrain's training loader does.
+    All ranks draw the same permutation (from ``seed`` and ``epoch``). With one
+    process it is cut into batches of ``batch_size``, the last partial one dropped
+    when ``drop_last`` (unless it is the only one), as metatrain's training loader
+    does.
 
-    With ``even_shards`` (training) the permutation is first truncated to a multiple
-    of ``world_size``, so that every rank runs the same number of steps (each step
-    all-reduces gradients). ``even_shards=False`` (evaluation, which has no per-batch
-    collectives) puts every structure in exactly one shard; shards may then differ by
-    one structure, and a rank may get none.
+    With ``even_shards`` (training; every step all-reduces gradients, so every rank
+    must take the same number of steps) ``batch_size`` is per process: the
+    permutation is cut into global batches of ``batch_size * world_size`` by the same
+    rule, and rank ``r`` takes ``global_batch[r::world_size]`` of each. The union of
+    the ranks' batches of a step is then exactly the one-process batch of
+    ``batch_size * world_size``, the lone partial batch of a small file included
+    (its shares differ by at most one structure). A global batch with fewer
+    structures than processes is left out (a rank would get none).
+    ``even_shards=False`` (evaluation, which has no per-batch collectives) gives each
+    rank ``perm[rank::world_size]`` cut into batches of ``batch_size``: every
+    structure in exactly one shard; shards may differ by one structure, and a rank
+    may get none.
 
     ``max_atoms`` (with ``atom_counts``, one per structure): batches are packed by
     atom count instead (:func:`pack_by_atoms`; ``batch_size`` is not used): the
@@ -150,10 +157,20 @@ def batch_plan(
     order = np.arange(n)
     if shuffle:
         order = np.random.default_rng(derived_seed(seed, epoch, 0x5EED)).permutation(n)
+    if world_size > 1 and even_shards:
+        # the one-process batches of batch_size * world_size, each shared by the ranks
+        # (for full batches this is perm[rank::world_size] cut into batch_size)
+        size = batch_size * world_size
+        global_batches = _cut(order, size, drop_last)
+        return [b[rank::world_size] for b in global_batches if len(b) >= world_size]
     if world_size > 1:
-        if even_shards:
-            order = order[: (n // world_size) * world_size]
         order = order[rank::world_size]
+    return _cut(order, batch_size, drop_last)
+
+
+def _cut(order: np.ndarray, batch_size: int, drop_last: bool) -> List[np.ndarray]:
+    """``order`` in consecutive batches of ``batch_size``; with ``drop_last`` the last
+    partial one is dropped unless it is the only one."""
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     if drop_last and len(batches) > 1 and len(batches[-1]) < batch_size:
         batches = batches[:-1]

@@ -29,13 +29,14 @@ Step structure (the seam for data-parallel training)::
         grads = reduce_grads(grads)                             # e.g. all-reduce AVG
         state, _ = apply_gradients(optimizer, state, grads, clip)
 
-:func:`batch_plan` already takes ``rank``/``world_size``: every rank draws the
-same permutation (seeded by ``seed`` and the epoch) and takes ``indices[rank::
-world_size]``. Only rank 0 writes files. ``reduce_metrics`` (identity by default)
-is where summed metrics would be all-reduced.
+:func:`batch_plan` takes ``rank``/``world_size``: every rank draws the same
+permutation (seeded by ``seed`` and the epoch), cuts it into the one-process batches
+of ``batch_size * world_size`` and takes its share of each. Only rank 0 writes
+files. ``reduce_metrics`` (identity by default) is where summed metrics are
+all-reduced.
 
 Randomness: all of it (split, shuffling, augmentation, initial parameters) derives
-from ``seed``, the epoch and the rank, never from global RNG state, so a run
+from ``seed`` and the epoch, never from global RNG state or the rank, so a run
 restarted from the checkpoint of epoch k continues bit for bit like the
 uninterrupted run (same device, same dtype, same number of threads). Two runs with
 the same options give the same model: on CPU the training runs by default under
@@ -80,7 +81,7 @@ from .data import Sample, fit_composition, fit_scale, make_batch, random_rotatio
 from .datafiles import read_labelled, read_training_files
 from .derivatives import energy_and_forces, energy_forces_strain_derivative
 from .io import atomic_save, atomic_write, read_metatrain_baseline
-from .loss import make_loss
+from .loss import LossWeights, make_loss
 from .model import PET
 from .determinism import deterministic_algorithms
 from .remat import remat
@@ -214,6 +215,11 @@ def load_checkpoint(path) -> dict:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         raise ValueError(f"{str(path)!r} is not a readable petfunc checkpoint ({type(error).__name__})") from error
+    return _checked_checkpoint(payload, path)
+
+
+def _checked_checkpoint(payload, path) -> dict:
+    """:func:`load_checkpoint`'s checks of a loaded ``payload`` (read from ``path``)."""
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{str(path)!r} is not a petfunc training checkpoint")
     if payload.get("format_version") != CHECKPOINT_VERSION:
@@ -257,7 +263,7 @@ def _load_model(path, dtype, which, device, target, keep_lora: bool):
     """:func:`load_model`, plus ``lora``: with ``keep_lora``, a source's LoRA
     adapters stay in ``params["lora"]`` and ``lora`` is their ``{rank, alpha,
     targets}`` (else ``None``)."""
-    from .io import UnreadableCheckpointError, _read_metatrain, load_params
+    from .io import UnreadableCheckpointError, _read_metatrain, params_from_payload
 
     source_lora = None
     path = Path(path)
@@ -268,7 +274,7 @@ def _load_model(path, dtype, which, device, target, keep_lora: bool):
     if is_petfunc and target not in (None, "energy"):
         raise ValueError(f"{str(path)!r} is a petfunc file, whose only target is 'energy', not {target!r}")
     if isinstance(payload, dict) and payload.get("format") == CHECKPOINT_FORMAT:
-        payload = load_checkpoint(path)
+        payload = _checked_checkpoint(payload, path)  # read once
         config = PETConfig.from_hypers(json.loads(payload["config"]))
         flat = payload["best_params"] if which == "best" and payload.get("best_params") else payload["params"]
         params = tree.unflatten(dict(flat))
@@ -278,7 +284,7 @@ def _load_model(path, dtype, which, device, target, keep_lora: bool):
             if not keep_lora:
                 params = lora.merge(params, lora.scaling_of(source_lora["alpha"], params))
     elif isinstance(payload, dict) and payload.get("format") == "petfunc.params":
-        config, params = load_params(path)
+        config, params = params_from_payload(payload, path)
     elif payload is not None:
         raise ValueError(f"{str(path)!r} is not a petfunc checkpoint, parameter file or metatrain checkpoint")
     else:
@@ -340,15 +346,22 @@ def iterate_batches(
     max_atoms: Optional[int] = None,
     min_atoms: int = 0,
 ):
-    """Yield ``(indices, Batch)`` for one epoch (see :func:`batch_plan`). Augmentation
-    rotations come from a generator seeded by ``(seed, epoch, rank)``."""
-    generator = torch.Generator().manual_seed(derived_seed(seed, epoch, rank, 0xA06))
+    """Yield ``(indices, Batch)`` for one epoch (see :func:`batch_plan`).
+
+    Augmentation: one rotation per structure and epoch, drawn for all structures at
+    once from a generator seeded by ``(seed, epoch)`` and indexed by the structure,
+    so a structure is rotated the same way whichever process or batch takes it, and
+    N processes train the model of one process."""
+    rotations = None
+    if augment:
+        generator = torch.Generator().manual_seed(derived_seed(seed, epoch, 0xA06))
+        rotations = random_rotations(len(samples), generator)
     counts = [len(s) for s in samples] if max_atoms is not None else None
     for idx in batch_plan(len(samples), batch_size, epoch, seed, shuffle, drop_last, rank, world_size,
                           even_shards, groups, counts, max_atoms, min_atoms):
         chosen = [samples[i] for i in idx]
-        rotations = random_rotations(len(chosen), generator) if augment else None
-        yield idx, make_batch(chosen, config, composition, scale, dtype, device, rotations)
+        yield idx, make_batch(chosen, config, composition, scale, dtype, device,
+                              None if rotations is None else rotations[np.asarray(idx)])
 
 
 # ---------------------------------------------------------------------------------------
@@ -362,13 +375,20 @@ class _Sums:
     The keys are fixed by ``terms``, so every rank holds the same keys even when it
     evaluated no batch, and every value is a sum: the ``reduce_metrics`` hook
     all-reduces them with SUM and :meth:`summary` gives the global means.
+
+    With ``weights`` (validation) the summary's ``loss`` is the loss of all the
+    structures seen as one batch (from the per-term sums ``{term}_lsum`` of the
+    elementwise losses), which does not depend on how they were batched or on the
+    number of processes; without, it is the mean of the batch losses (training,
+    where each step's loss is that of its whole global batch).
     """
 
-    def __init__(self, terms: Sequence[str]):
+    def __init__(self, terms: Sequence[str], weights: Optional[LossWeights] = None):
         self.terms = tuple(terms)
+        self.weights = weights
         self.values: Dict[str, float] = {"loss": 0.0, "batch_count": 0.0}
         for term in self.terms:
-            for kind in ("sse", "sae", "count"):
+            for kind in ("sse", "sae", "count") + (("lsum",) if weights is not None else ()):
                 self.values[f"{term}_{kind}"] = 0.0
 
     def add(self, metrics: Dict[str, float]):
@@ -376,10 +396,32 @@ class _Sums:
         for key in self.values:
             if key in metrics:
                 self.values[key] += metrics[key]
+        if self.weights is not None:
+            for term in self.terms:
+                loss = metrics[f"{term}_loss"]
+                if getattr(self.weights, term).reduction == "mean":
+                    loss = loss * metrics[f"{term}_count"]
+                self.values[f"{term}_lsum"] += loss
+
+    def _pooled_loss(self) -> float:
+        loss = 0.0
+        for term in self.terms:
+            spec = getattr(self.weights, term)
+            total, count = self.values[f"{term}_lsum"], self.values[f"{term}_count"]
+            if spec.reduction == "mean":
+                total = total / count if count > 0 else 0.0
+            loss += spec.weight * total
+        return loss
 
     def summary(self, scale: float) -> Dict[str, float]:
         batches = self.values["batch_count"]
-        out = {"loss": self.values["loss"] / batches if batches > 0 else math.nan}
+        if batches <= 0:
+            loss = math.nan
+        elif self.weights is not None:
+            loss = self._pooled_loss()
+        else:
+            loss = self.values["loss"] / batches
+        out = {"loss": loss}
         for term in self.terms:
             count = self.values[f"{term}_count"]
             if count > 0:
@@ -925,6 +967,20 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
                 f"max_atoms_per_batch = {max_atoms}, min_atoms_per_batch = {min_atoms}: no training batch is left"
                 + (f" for each of the {world_size} processes" if world_size > 1 else "")
             )
+    elif world_size > 1:
+        # a file's global batch is shared by the processes: one with fewer training
+        # structures than processes cannot be
+        small = [(k, size) for k, size in enumerate(train_groups or [len(train_samples)]) if 0 < size < world_size]
+        if small and steps_per_epoch > 0:
+            log("warning: " + ", ".join(f"training file {k + 1} has {size} structure(s)" for k, size in small)
+                + f", fewer than the {world_size} processes: not trained on")
+        if steps_per_epoch == 0:
+            raise ValueError(
+                f"{len(train_samples)} training structure(s) cannot be shared by {world_size} processes: every "
+                "process needs at least one structure of every batch; use fewer processes or more data"
+            )
+    if steps_per_epoch == 0:
+        raise ValueError(f"no training batch: the training set has {len(train_samples)} structures")
     num_epochs = training["num_epochs"]
     total_steps = max(1, num_epochs * steps_per_epoch)
     schedule = warmup_cosine(training["learning_rate"], total_steps, training["warmup_fraction"])
@@ -970,22 +1026,24 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
         raw_step = make_grad_step(model, weights, autodiff, train)
     else:
         raw_step = make_train_step(model, optimizer, weights, clip, autodiff, train)
-    # >>> petfunc.distributed
-    if exact_dp:
-        from .distributed import DataParallel
-
-        raw_step = DataParallel(model, optimizer, weights, clip, compile=compile_on, backend=backend,
-                                metrics="share", train=train)  # compiles itself on the first batch
-    # <<< petfunc.distributed
-    if training["remat"]:
-        raw_step = remat(raw_step)
-    step_fn = None
-    eval_fn = None
     # the trace cache key (petfunc.compile) must name everything the traced step bakes
     # in: every option, the architecture, the loss weights and the schedule length
     # (which depends on the data). Any change traces afresh; an identical restart
     # loads the trace.
     trace_key = repr((json.dumps(options, sort_keys=True, default=str), config, weights, total_steps, split))
+    # >>> petfunc.distributed
+    if exact_dp:
+        from .distributed import DataParallel
+
+        # compiles itself on the first batch
+        raw_step = DataParallel(model, optimizer, weights, clip, compile=compile_on, backend=backend,
+                                metrics="share", train=train, cache_key=f"fit dp step {trace_key}",
+                                first_step=step)
+    # <<< petfunc.distributed
+    if training["remat"]:
+        raw_step = remat(raw_step)
+    step_fn = None
+    eval_fn = None
 
     def build_step(example):
         if not compile_on or exact_dp:  # exact_dp: petfunc.distributed
@@ -1090,10 +1148,11 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
         + (f", compile {backend}" if compile_on else "")
     )
     if weights.per_atom:
-        log("per epoch: mean batch loss (training units) and RMSE of E: energy per atom (eV/atom), "
-            "F: forces (eV/Å), S: strain derivative per atom V·σ/N (eV/atom)")
+        log("per epoch: loss (training units; training: mean over the steps, validation: of the whole set) "
+            "and RMSE of E: energy per atom (eV/atom), F: forces (eV/Å), S: strain derivative per atom V·σ/N (eV/atom)")
     else:
-        log("per epoch: mean batch loss (training units) and RMSE of E: energy per structure (eV), "
+        log("per epoch: loss (training units; training: mean over the steps, validation: of the whole set) "
+            "and RMSE of E: energy per structure (eV), "
             "F: forces (eV/Å), S: strain derivative V·σ (eV) (per_structure_targets: [energy])")
     energy_label = "E(eV/atom)" if weights.per_atom else "E(eV)"
 
@@ -1160,7 +1219,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
                 # rank whose shard is empty contributes zero sums
                 if eval_fn is None and val_batches:
                     eval_fn = build_eval(val_batches[0])
-                vsums = _Sums(terms)
+                vsums = _Sums(terms, weights)
                 for batch in val_batches:
                     vsums.add(_floats(eval_fn(state.params, batch)[1]))
                 vsums.values = reduce_metrics(vsums.values)

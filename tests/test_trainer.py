@@ -509,12 +509,24 @@ def test_remat_training_equals_plain(dataset, monkeypatch):
 
 
 def test_batch_plan_shards():
-    # Every rank draws the same permutation and takes a disjoint shard.
-    full = batch_plan(23, 4, epoch=2, seed=5, drop_last=False)
-    shards = [batch_plan(23, 4, epoch=2, seed=5, drop_last=False, rank=r, world_size=2) for r in range(2)]
-    a, b = (np.concatenate(s) for s in shards)
-    assert len(a) == len(b) == 11 and not set(a) & set(b)
-    assert set(a) | set(b) <= set(np.concatenate(full))
+    """Training shards (``batch_size`` per process): step k of W processes is the
+    one-process batch k of W * batch_size, shared with at most one structure of
+    difference, the lone partial batch of a small set included (it was cut to a
+    multiple of W: 3 structures trained as 2)."""
+    for n, size, world, drop_last in ((23, 4, 2, True), (23, 4, 2, False), (3, 2, 2, True), (10, 3, 3, True),
+                                      (7, 8, 2, True), (40, 4, 2, True), (5, 1, 4, False)):
+        full = batch_plan(n, size * world, epoch=2, seed=5, drop_last=drop_last)
+        shards = [batch_plan(n, size, epoch=2, seed=5, drop_last=drop_last, rank=r, world_size=world)
+                  for r in range(world)]
+        expected = [b for b in full if len(b) >= world]  # (5, 1, 4): the last structure alone is left out
+        assert all(len(s) == len(expected) for s in shards), (n, size, world)
+        for k, batch in enumerate(expected):
+            parts = [s[k] for s in shards]
+            assert 1 <= min(map(len, parts)) and max(map(len, parts)) - min(map(len, parts)) <= 1
+            assert sorted(np.concatenate(parts).tolist()) == sorted(batch.tolist()), (n, size, world, k)
+    assert [len(b) for b in batch_plan(3, 2, rank=0, world_size=2)] == [2]
+    # a structure cannot be shared by two processes: no step (fit says so)
+    assert batch_plan(1, 4, rank=0, world_size=2) == []
     # drop_last drops the partial batch; other epochs shuffle differently.
     assert [len(x) for x in batch_plan(23, 4, epoch=2, seed=5)] == [4] * 5
     assert not np.array_equal(np.concatenate(batch_plan(23, 4, epoch=3, seed=5)), np.concatenate(batch_plan(23, 4, epoch=2, seed=5)))
@@ -554,6 +566,121 @@ def test_batch_plan_one_file_per_batch():
                                                       batch_plan(22, 4, epoch=1, seed=3)))
     with pytest.raises(ValueError, match="do not add up"):
         batch_plan(22, 4, groups=[10, 10])
+
+
+def test_energy_scale_of_a_composition_that_fits_exactly():
+    """As many structures as species: the composition reproduces the energies to
+    round-off, and a scale of that round-off (1e-15 eV) made the loss 1e30. The
+    scale is then 1 eV, with a warning; a real residual is kept."""
+    import ase.build
+    from ase.calculators.emt import EMT
+
+    from petfunc import PETConfig
+    from petfunc.data import fit_composition, fit_scale, sample_from_atoms
+
+    config = PETConfig(atomic_types=(13, 29), **TINY_MODEL)
+    frames = []
+    for n_al in (0, 1, 2):
+        atoms = ase.build.bulk("Cu", "fcc", a=3.6, cubic=True)
+        atoms.numbers[:n_al] = 13
+        atoms.rattle(0.05, seed=n_al)
+        atoms.calc = EMT()
+        atoms.get_potential_energy()
+        frames.append(atoms)
+    samples = [sample_from_atoms(a, config) for a in frames]
+    w = fit_composition(samples[:2], config.num_species)
+    with pytest.warns(UserWarning, match="reproduce the 2 training energies to round-off"):
+        assert fit_scale(samples[:2], w) == 1.0
+    w = fit_composition(samples, config.num_species)
+    residual = [(s.energy - w[s.structure.species].sum()) / len(s) for s in samples]
+    assert fit_scale(samples, w) == pytest.approx(np.sqrt(np.mean(np.square(residual))), rel=1e-14)
+    assert 1e-6 < fit_scale(samples, w) < 1.0
+
+
+def test_too_few_structures_for_the_processes(dataset, tmp_path):
+    # 3 structures (2 for training) and 3 processes: an error before any step, not
+    # "0 steps per epoch", a NaN loss and untrained checkpoints
+    import ase.io
+
+    small = tmp_path / "three.xyz"
+    ase.io.write(small, ase.io.read(dataset, ":3"))
+    options = tiny_options(small, batch_size=1)
+    options["validation_set"] = 0.34
+    with pytest.raises(ValueError, match="2 training structure.*cannot be shared by 3 processes"):
+        fit(options, tmp_path / "out", progress=False, log=quiet(), rank=0, world_size=3,
+            reduce_metrics=lambda m: m)
+    assert not (tmp_path / "out" / "last.ckpt").exists()
+
+
+def test_validation_loss_does_not_depend_on_batching(dataset):
+    """The validation loss is that of the whole validation set as one batch, so
+    ``best_model_metric: loss`` picks the same epoch with any batch size or number
+    of processes (the mean of the batch losses did not)."""
+    import ase.io
+
+    from petfunc import PETConfig
+    from petfunc.data import fit_composition, fit_scale, make_batch, sample_from_atoms
+    from petfunc.loss import LossTerm, LossWeights, make_loss
+    from petfunc.trainer import _floats, _Sums
+
+    frames = ase.io.read(dataset, ":7")
+    config = PETConfig(atomic_types=tuple(sorted({int(z) for a in frames for z in a.numbers})), **TINY_MODEL)
+    samples = [sample_from_atoms(a, config) for a in frames]
+    samples[2].forces = None  # unequal label counts per batch
+    w = fit_composition(samples, config.num_species)
+    c = fit_scale(samples, w)
+    params = PET(config).init(seed=0, dtype=torch.float64)
+    params["composition_weights"] = torch.tensor(w)
+    params["energy_scale"] = torch.tensor(c)
+    for weights in (LossWeights.make(1.0, 1.0, 0.5),
+                    LossWeights(LossTerm(1.0, "mae"), LossTerm(2.0, "huber", delta=0.1), LossTerm(0.5, reduction="sum"))):
+        loss_fn = make_loss(PET(config), weights)
+        terms = [t for t in ("energy", "forces", "stress") if getattr(weights, t).weight > 0]
+
+        def epoch_loss(size, pooled=True):
+            sums = _Sums(terms, weights if pooled else None)
+            for start in range(0, len(samples), size):
+                batch = make_batch(samples[start:start + size], config, w, c, torch.float64)
+                sums.add(_floats(loss_fn(params, batch)[1]))
+            return sums.summary(c)["loss"]
+
+        whole = float(loss_fn(params, make_batch(samples, config, w, c, torch.float64))[0])
+        for size in (1, 2, 3, 7):
+            assert epoch_loss(size) == pytest.approx(whole, rel=1e-12), (weights, size)
+        assert abs(epoch_loss(2, pooled=False) / whole - 1) > 1e-3  # the mean of batch losses differs
+
+
+def test_augmentation_does_not_depend_on_the_process(dataset):
+    """A structure is rotated the same way in an epoch whichever process takes it:
+    N processes with batch B see the batches of one process with N * B (the
+    rotations were drawn per rank, and 1 and 2 processes trained models 7 % apart)."""
+    import ase.io
+
+    from petfunc import PETConfig
+    from petfunc.data import sample_from_atoms
+    from petfunc.trainer import iterate_batches
+
+    frames = ase.io.read(dataset, ":10")
+    config = PETConfig(atomic_types=tuple(sorted({int(z) for a in frames for z in a.numbers})), **TINY_MODEL)
+    samples = [sample_from_atoms(a, config) for a in frames]
+    w, c = np.zeros(config.num_species), 1.0
+
+    def rotated(batch_size, rank=0, world_size=1, epoch=1):
+        out = {}
+        for idx, batch in iterate_batches(samples, config, w, c, batch_size, epoch=epoch, seed=7, augment=True,
+                                          dtype=torch.float64, rank=rank, world_size=world_size):
+            offsets = np.cumsum([0] + [len(samples[i]) for i in idx])
+            for k, i in enumerate(idx):
+                out[int(i)] = batch.forces[offsets[k]:offsets[k + 1]].clone()
+        return out
+
+    one = rotated(4)
+    two = {**rotated(2, 0, 2), **rotated(2, 1, 2)}
+    assert sorted(one) == sorted(two) and len(one) == 8
+    for i in one:
+        assert torch.equal(one[i], two[i]), i
+        assert not torch.allclose(one[i], torch.as_tensor(samples[i].forces)), i  # rotated
+    assert not all(torch.equal(one[i], v) for i, v in rotated(4, epoch=2).items() if i in one)
 
 
 def test_uneven_shards_cover_every_structure_once():
