@@ -25,6 +25,7 @@ and 1 are specialised by ``torch.compile`` and would force a recompilation.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, List, NamedTuple, Optional, Sequence
 
@@ -235,16 +236,33 @@ def fit_scale(samples: Sequence[Sample], composition: np.ndarray, config: Option
               per_atom: bool = True) -> float:
     """Energy scale c: the uncentred RMS of the per-atom residual (E - sum w)/N
     (minus the ZBL energy too with a ``config`` whose ``zbl`` is on); of the
-    residual itself without ``per_atom`` (metatrain's ``per_structure_targets``)."""
-    residuals = [
-        (s.energy - composition[s.structure.species].sum() - _baseline_energy(s, config)) / (len(s) if per_atom else 1)
-        for s in samples
-        if s.energy is not None and np.isfinite(s.energy)
-    ]
-    if not residuals:
+    residual itself without ``per_atom`` (metatrain's ``per_structure_targets``).
+
+    When the composition reproduces every energy to round-off (for example no more
+    labelled structures than species), the residual is noise of about 1e-16 of the
+    energies, and dividing the labels by it would make forces and loss explode
+    (a loss of 1e30): the scale is then 1 eV, with a warning."""
+    labelled = [s for s in samples if s.energy is not None and np.isfinite(s.energy)]
+    if not labelled:
         return 1.0
+    divisor = [len(s) if per_atom else 1 for s in labelled]
+    targets = np.array([(s.energy - _baseline_energy(s, config)) / d for s, d in zip(labelled, divisor)])
+    residuals = np.array([
+        (s.energy - composition[s.structure.species].sum() - _baseline_energy(s, config)) / d
+        for s, d in zip(labelled, divisor)
+    ])
     scale = float(np.sqrt(np.mean(np.square(residuals))))
-    return scale if scale > 0 else 1.0
+    size = float(np.sqrt(np.mean(np.square(targets))))
+    if scale <= 1e-10 * size or scale == 0.0:
+        if scale > 0.0:
+            warnings.warn(
+                f"the composition weights reproduce the {len(labelled)} training energies to round-off "
+                f"(residual RMS {scale:.3g} eV against energies of {size:.3g} eV); the energy scale is set "
+                "to 1 eV instead (add structures of other compositions)",
+                stacklevel=2,
+            )
+        return 1.0
+    return scale
 
 
 # ---------------------------------------------------------------------------------------
