@@ -169,6 +169,12 @@ def load_params(
             f"{str(path)!r} is not a readable petfunc parameter file "
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}).{hint}"
         ) from error
+    return params_from_payload(payload, path, dtype, device)
+
+
+def params_from_payload(payload, path: PathLike, dtype: Optional[torch.dtype] = None, device=None):
+    """:func:`load_params` of an already loaded file ``payload`` (read from ``path``,
+    which the errors name)."""
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(
             f"{str(path)!r} is not a petfunc parameter file (no '{FORMAT}' format tag)"
