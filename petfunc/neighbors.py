@@ -111,11 +111,12 @@ def check_structure(positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray, la
     cell = np.asarray(cell, dtype=np.float64)
     if cell.shape != (3, 3):
         raise ValueError(f"{label}: cell must have shape [3, 3], got {cell.shape}")
-    if not np.all(np.isfinite(cell)):
-        raise ValueError(f"{label}: cell contains NaN or infinite values")
     pbc = np.asarray(pbc, dtype=bool).reshape(-1)
     if pbc.shape != (3,):
         raise ValueError(f"{label}: pbc must have 3 entries, got {pbc.shape}")
+    # the rows of non-periodic directions are not used (prepare sets them to zero)
+    if not np.all(np.isfinite(cell[pbc])):
+        raise ValueError(f"{label}: the cell contains NaN or infinite values along its periodic directions")
     if pbc.any():
         periodic_rows = cell[pbc]
         # Gram determinant of the periodic lattice vectors: zero if they are degenerate
@@ -126,6 +127,42 @@ def check_structure(positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray, la
                 f"{label}: the cell is singular along its periodic directions "
                 f"(pbc={pbc.tolist()}, cell={cell.tolist()})"
             )
+
+
+# More neighbours per atom than this cannot be a physical structure (solids hold at
+# most ~0.2 atoms/Å^3: ~1,500 neighbours within 12 Å); it is a cell in the wrong
+# units or an almost singular one, whose neighbour list would exhaust the memory.
+MAX_NEIGHBORS_ESTIMATE = 1e4
+
+
+def check_density(positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray, cutoff: float,
+                  label: str = "structure") -> None:
+    """Raise a ``ValueError`` before building the neighbour list when an atom would
+    have more than :data:`MAX_NEIGHBORS_ESTIMATE` neighbours within ``cutoff`` (Å).
+
+    Two estimates: the periodic images of one atom, ``b_k(cutoff) / m`` with ``m``
+    the periodic length, area or volume and ``b_k`` the k-ball (``2 r``, ``pi r^2``,
+    ``4/3 pi r^3``): large for an almost singular cell, whatever the atoms; and,
+    periodic in 3 directions, ``n_atoms * b_3(cutoff) / V``: large for a cell too
+    small for its atoms (a cell in nm read as Å). Without periodic directions an
+    atom has at most ``n_atoms - 1`` neighbours.
+    """
+    pbc = np.asarray(pbc, dtype=bool).reshape(3)
+    k = int(pbc.sum())
+    if k == 0:
+        return
+    rows = np.asarray(cell, dtype=np.float64)[pbc]
+    measure = max(float(np.sqrt(abs(np.linalg.det(rows @ rows.T)))), 1e-300)  # length, area or volume
+    ball = {1: 2.0 * cutoff, 2: np.pi * cutoff**2, 3: 4.0 / 3.0 * np.pi * cutoff**3}[k]
+    estimate = ball / measure * (len(positions) if k == 3 else 1)
+    if estimate > MAX_NEIGHBORS_ESTIMATE:
+        what = {1: f"a periodic length of {measure:.3g} Å", 2: f"a periodic area of {measure:.3g} Å^2",
+                3: f"a volume of {measure:.3g} Å^3"}[k]
+        raise ValueError(
+            f"{label}: {len(positions)} atom(s) in a cell of {what} would give each atom about "
+            f"{estimate:.3g} neighbours within the {cutoff:g} Å cutoff; the cell is almost singular or "
+            f"not in Å (cell={np.asarray(cell).tolist()})"
+        )
 
 
 # Closer than this, two atoms are taken to be at the same place (round-off of an

@@ -147,6 +147,7 @@ def prepare(
 
         check_periodicity(pbc, label)
     cell[~pbc] = 0.0
+    nbl.check_density(positions, cell, pbc, list_cutoff(config), label)
     centers, neighbors, shifts = nbl.edge_list(positions, cell, pbc, list_cutoff(config))
     nbl.check_coincident(positions, cell, centers, neighbors, shifts, label)
     return Structure(

@@ -182,7 +182,31 @@ def test_coinciding_atoms():
 
 def test_zero_cell_rows_are_fine_when_not_periodic():
     atoms = ase.Atoms("CH", positions=[[0, 0, 0], [1, 0, 0]], cell=[[2, 0, 0], [0, 0, 0], [0, 0, 0]], pbc=[True, False, False])
-    petfunc.from_atoms(atoms, CONFIG)
+    reference = petfunc.prepare([6, 1], atoms.positions, atoms.cell, atoms.pbc, CONFIG)
+    # the unused rows may even be infinite (they were refused); a periodic one may not
+    cell = np.array([[2, 0, 0], [np.inf, 0, 0], [0, np.nan, 0]])
+    structure = petfunc.prepare([6, 1], atoms.positions, cell, [True, False, False], CONFIG)
+    assert np.array_equal(structure.cell, reference.cell) and np.array_equal(structure.shifts, reference.shifts)
+    with pytest.raises(ValueError, match="cell contains NaN or infinite values along its periodic directions"):
+        petfunc.prepare([6, 1], atoms.positions, cell, [True, True, False], CONFIG)
+
+
+@pytest.mark.parametrize("pbc", [[True, True, True], [True, True, False], [True, False, False]])
+def test_almost_singular_cell(pbc):
+    """A cell thin enough to give each atom ~1e5 neighbours passed the singularity
+    check and then failed allocating hundreds of GB; it is an error naming it."""
+    thin = np.diag([3.0, 3.0, 3.0])
+    thin[np.flatnonzero(pbc)[-1]] *= 1e-4
+    with pytest.raises(ValueError, match=r"structure: 2 atom\(s\) in a cell of a (periodic length|periodic area|volume) of "
+                                         r".* would give each atom about .* neighbours within the 4.5 Å cutoff; "
+                                         r"the cell is almost singular or not in Å"):
+        petfunc.prepare([6, 1], [[0, 0, 0], [1, 1, 1]], thin, pbc, CONFIG)
+    # cells smaller than the cutoff are fine: 1 atom in a 1.2 Å cube has ~200 neighbours
+    small = petfunc.prepare([6], [[0, 0, 0]], np.diag([1.2, 1.2, 1.2]), True, CONFIG)
+    assert len(small.centers) > 100
+    # a cell in nm read as Å: 64 atoms in a 0.9 "Å" cube
+    with pytest.raises(ValueError, match=r"64 atom\(s\) in a cell of a volume of 0.729 Å\^3"):
+        petfunc.prepare([6] * 64, np.random.default_rng(0).random((64, 3)) * 0.9, np.diag([0.9] * 3), True, CONFIG)
 
 
 def test_mismatched_shapes():
