@@ -98,6 +98,13 @@ def _charge_and_spin_info(info) -> list:
     return [None if v is None else np.asarray(v).tolist() for v in state_from_info(info)]
 
 
+
+def partly_periodic_stress_warning(named: Optional[str] = None) -> str:
+    """The warning for a stress of structures (``named``, or "the system") that are
+    not periodic in all three directions: metatomic's, whose volume it copies."""
+    return (f"stress requested but likely to be wrong for {named or 'the system'}: not periodic in all "
+            "directions (computed with the ASE cell volume, as metatomic does)")
+
 class PETCalculator(Calculator):
     """ASE calculator evaluating a petfunc PET (see the module docstring).
 
@@ -381,12 +388,7 @@ class PETCalculator(Calculator):
                     f"(pbc={atoms.pbc.tolist()}); stress needs a periodic cell"
                 )
             if not periodic:
-                warnings.warn(
-                    "stress requested but likely to be wrong, since the system is not "
-                    "periodic in all directions (computed with the ASE cell volume, as "
-                    "metatomic does)",
-                    stacklevel=2,
-                )
+                warnings.warn(partly_periodic_stress_warning(), stacklevel=2)
         want_stress = volume > 0.0 and (periodic or "stress" in properties)
 
         inputs = self._inputs(atoms)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import allocator
-from .ase import _voigt
+from .ase import _voigt, partly_periodic_stress_warning
 from .config import PETConfig
 from .data import padding_sample
 from .derivatives import energy_and_forces, energy_forces_strain_derivative
@@ -69,6 +69,7 @@ class BatchEvaluator:
         self._derivatives = energy_forces_strain_derivative if stress else energy_and_forces
         self._model = PET(config)
         self._padding = padding_sample(config).structure
+        self._warned = set()  # the sets of partly periodic structures warned about
         # by long-range mesh layout (long_range.mesh_layout): with P3M, one graph per
         # number of crystals in a batch; otherwise one in all
         self._compiled = {}
@@ -96,14 +97,13 @@ class BatchEvaluator:
                 )
             if self.stress and not np.all(atoms.pbc):
                 partly.append(label)
-        if partly:
-            # one message per set of structures: a relaxation repeats it once
+        if partly and tuple(partly) not in self._warned:
+            # once per evaluator and set of structures: relax.fire and dynamics.run
+            # check before their first step (the warning then names the caller's
+            # line), and every call checks again
+            self._warned.add(tuple(partly))
             named = ", ".join(partly[:3]) + (f" and {len(partly) - 3} more" if len(partly) > 3 else "")
-            warnings.warn(
-                f"stress requested but likely to be wrong for {named}: not periodic in all "
-                "directions (computed with the ASE cell volume, as metatomic does)",
-                stacklevel=3,
-            )
+            warnings.warn(partly_periodic_stress_warning(named), stacklevel=3)
 
     def __call__(self, frames: Sequence, labels: Optional[Sequence[str]] = None) -> List[Dict[str, np.ndarray]]:
         labels = list(labels) if labels is not None else [f"structure {i}" for i in range(len(frames))]

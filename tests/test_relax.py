@@ -123,6 +123,15 @@ def test_partly_periodic_stress_warns(params):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         evaluate([_cells()[0]])
+    # once per evaluator and set of structures (relax.fire checks before its first
+    # step, and every step checks again): one warning, even when all are shown
+    for warned_before in (True, False):
+        evaluate = evaluate if warned_before else BatchEvaluator(CONFIG, params, stress=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            evaluate.check([_cells()[0], slab])
+            evaluate([_cells()[0], slab])
+        assert len(caught) == (0 if warned_before else 1), [str(w.message) for w in caught]
 
 
 def test_fire_compiled_one_graph(params):
