@@ -132,6 +132,11 @@ class PETConfig:
     max_spin_multiplicity: int = 10
 
     def __post_init__(self) -> None:
+        self._check_values()
+        self._check_relations()
+
+    def _check_values(self) -> None:
+        """Check and normalise every hyper on its own."""
         types = self.atomic_types
         if isinstance(types, int) or not hasattr(types, "__iter__"):
             raise ValueError(f"atomic_types must be a sequence of atomic numbers, got {types!r}")
@@ -165,21 +170,11 @@ class PETConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.d_pet % self.num_heads != 0:
-            raise ValueError(
-                f"d_pet must be divisible by num_heads, got d_pet={self.d_pet} "
-                f"and num_heads={self.num_heads}"
-            )
         for name in ("cutoff", "cutoff_width", "cutoff_width_adaptive", "attention_temperature"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
             object.__setattr__(self, name, float(value))
-        if self.cutoff_width >= self.cutoff:
-            raise ValueError(
-                f"cutoff_width must be smaller than cutoff, got cutoff_width="
-                f"{self.cutoff_width} and cutoff={self.cutoff}"
-            )
         if self.num_neighbors_adaptive is not None:
             value = self.num_neighbors_adaptive
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -193,6 +188,47 @@ class PETConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+    def _check_relations(self, given=None) -> None:
+        """The rules between two hypers; with ``given`` (a set of names) only those
+        between given ones."""
+        def both(a, b):
+            return given is None or (a in given and b in given)
+
+        if both("d_pet", "num_heads") and self.d_pet % self.num_heads != 0:
+            raise ValueError(
+                f"d_pet must be divisible by num_heads, got d_pet={self.d_pet} "
+                f"and num_heads={self.num_heads}"
+            )
+        if both("cutoff_width", "cutoff") and self.cutoff_width >= self.cutoff:
+            raise ValueError(
+                f"cutoff_width must be smaller than cutoff, got cutoff_width="
+                f"{self.cutoff_width} and cutoff={self.cutoff}"
+            )
+
+    @classmethod
+    def check_partial(cls, hypers: Mapping[str, Any]) -> None:
+        """Check the hypers of a partial ``model_hypers`` mapping, such as an options
+        file's ``architecture.model`` for fine-tuning, whose missing keys come from a
+        checkpoint rather than the defaults: every given value, and the rules between
+        two hypers only where both are given. Raises as the constructor does."""
+        hypers = dict(hypers)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(hypers) - known)
+        if unknown:
+            raise ValueError(f"unknown PET hyperparameters: {unknown}")
+        values = {"atomic_types": (1,), **hypers}
+        config = object.__new__(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in values:
+                value = values[f.name]
+            elif f.default is not dataclasses.MISSING:
+                value = f.default
+            else:
+                value = f.default_factory()
+            object.__setattr__(config, f.name, value)
+        config._check_values()
+        config._check_relations(set(hypers))
 
     # derived quantities ------------------------------------------------------------
     @property

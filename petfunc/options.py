@@ -460,29 +460,6 @@ def parse_loss(spec) -> tuple:
 _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(PETConfig))
 
 
-def _relation_free(model: Mapping) -> dict:
-    """``model`` with the keys it omits set so that no relation between keys fails.
-
-    A fine-tuning or restart run takes the keys it omits from its checkpoint, not
-    from the defaults: ``{d_pet: 16}`` is valid there with a checkpoint of
-    ``num_heads: 4``, though not with the default 8. So the options check each value,
-    and relations only between the keys given; the full architecture is checked
-    where it is made (:func:`petfunc.trainer.check_model_section`, or a fresh model).
-    """
-    model = dict(model)
-    if "d_pet" not in model:
-        heads = model.get("num_heads")
-        model["d_pet"] = heads if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0 else 1
-    model.setdefault("num_heads", 1)
-    if "cutoff" not in model:
-        width = model.get("cutoff_width")
-        model["cutoff"] = width + 1.0 if isinstance(width, (int, float)) and not isinstance(width, bool) else 1.0
-    if "cutoff_width" not in model:
-        cutoff = model["cutoff"]
-        model["cutoff_width"] = cutoff / 2 if isinstance(cutoff, (int, float)) and not isinstance(cutoff, bool) else 0.5
-    return model
-
-
 def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = None) -> dict:
     """Complete and check an options mapping (metatrain's ``options.yaml`` layout).
 
@@ -512,8 +489,13 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     _check_keys(model, _MODEL_FIELDS, "architecture.model")
     if "atomic_types" in arch:
         model["atomic_types"] = list(arch.pop("atomic_types"))
-    try:  # check the values now (atomic types come from the data later)
-        PETConfig.from_hypers({"atomic_types": (1,), **_relation_free(model)})
+    # check the values now (atomic types come from the data later). A fine-tuning or
+    # restart run takes the keys it omits from its checkpoint, not the defaults:
+    # {d_pet: 16} is valid there with a checkpoint of num_heads 4, though not with the
+    # default 8. So only relations between given keys are checked here; the full
+    # architecture where it is made (trainer.check_model_section, or a fresh model).
+    try:
+        PETConfig.check_partial(model)
     except (ValueError, TypeError, NotImplementedError) as error:
         raise ValueError(f"option 'architecture.model': {error}") from None
     arch["model"] = model
