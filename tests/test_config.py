@@ -136,3 +136,19 @@ def test_conditioning_table_sizes_are_checked():
 def test_model_needs_a_config():
     with pytest.raises(TypeError, match="PET needs a PETConfig, got dict"):
         petfunc.PET({"d_pet": 8})
+
+
+def test_check_partial():
+    """A partial model section (fine-tuning, restart): every given value is checked,
+    rules between two hypers only where both are given."""
+    PETConfig.check_partial({"d_pet": 6})  # num_heads comes from a checkpoint
+    PETConfig.check_partial({"cutoff_width": 9.0})
+    PETConfig.check_partial({})
+    for bad, message in (({"d_pet": 6, "num_heads": 4}, "d_pet must be divisible by num_heads"),
+                         ({"cutoff": 3.0, "cutoff_width": 4.0}, "cutoff_width must be smaller than cutoff"),
+                         ({"num_heads": 0}, "num_heads must be a positive integer"),
+                         ({"cutoff": -1.0}, "cutoff must be a positive number"),
+                         ({"activation": "tanh"}, "activation must be one of"),
+                         ({"d_pett": 8}, r"unknown PET hyperparameters: \['d_pett'\]")):
+        with pytest.raises(ValueError, match=message):
+            PETConfig.check_partial(bad)
