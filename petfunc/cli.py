@@ -53,7 +53,7 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
         #     num_neighbors_adaptive, system_conditioning (charge/spin,
         #     with max_charge and max_spin_multiplicity), ...
       training:
-        batch_size: 16
+        batch_size: 16            # per process (torchrun: N processes train on N*16)
         num_epochs: 1000
         learning_rate: 1.0e-4     # peak of warm-up + cosine decay, stepped per batch
         warmup_fraction: 0.01     # of all optimizer steps
@@ -68,7 +68,7 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
         #      gradients:          # also accepted: forces/stress directly under energy
         #        positions: {type: mse, weight: 10.0}     # forces (alias: forces)
         #        strain: {type: mse, weight: 1.0}         # stress (aliases: stress, virial)
-        best_model_metric: mae_prod   # mae_prod | rmse_prod | loss (on validation)
+        best_model_metric: mae_prod   # mae_prod | rmse_prod | loss (of the whole validation set)
         log_interval: 1           # print a line every N epochs (validation: every epoch)
         checkpoint_interval: 100  # also keep epoch_N.ckpt every N epochs
         scale_targets: true       # fit the energy scale (false: scale 1 eV)
