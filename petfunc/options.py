@@ -78,25 +78,30 @@ TOP_LEVEL_DEFAULTS: Dict[str, Any] = {
     "test_set": None,
 }
 
-#: multiplicative factors to eV and Å (ASE's CODATA values)
-def _units():
-    from ase import units
+# Factors to eV and Å: metatomic's (``metatomic.torch.unit_conversion_factor``), the
+# ones a metatrain model's outputs are converted with, so that labels read here and
+# a metatrain model trained in the same unit agree to round-off (ASE's CODATA 2014
+# values differ from them by up to 8e-9, relative: kcal/mol)
+_HARTREE = 27.211386245981465
+_RYDBERG = 13.605693122990733
 
+
+def _units():
     energy = {
         "ev": 1.0,
         "mev": 1e-3,
-        "hartree": units.Hartree,
-        "ha": units.Hartree,
-        "ry": units.Ry,
-        "rydberg": units.Ry,
-        "kcal/mol": units.kcal / units.mol,
-        "kj/mol": units.kJ / units.mol,
+        "hartree": _HARTREE,
+        "ha": _HARTREE,
+        "ry": _RYDBERG,
+        "rydberg": _RYDBERG,
+        "kcal/mol": 0.043364104241800934,
+        "kj/mol": 0.010364269656262174,
     }
     length = {
         "angstrom": 1.0,
         "a": 1.0,
         "å": 1.0,
-        "bohr": units.Bohr,
+        "bohr": 0.5291772105448199,
         "nm": 10.0,
         "nanometer": 10.0,
     }

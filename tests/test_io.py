@@ -289,6 +289,21 @@ def test_from_metatrain_converts_other_units_to_angstrom_and_ev(tmp_path, length
             petfunc.from_metatrain(grid.get_checkpoint())
 
 
+def test_unit_factors_are_metatomics():
+    """Labels in kcal/mol (Hartree, Bohr...) are converted with metatomic's factors,
+    as a metatrain model's outputs are: ASE's differ by up to 8e-9 (kcal/mol), which
+    moved a fine-tuned kcal/mol model's composition weights by that much."""
+    _metatrain()
+    from metatomic.torch import unit_conversion_factor
+
+    from petfunc.options import energy_unit_factor, length_unit_factor
+
+    for unit in ("eV", "meV", "Hartree", "Ry", "kcal/mol", "kJ/mol"):
+        assert energy_unit_factor(unit) == float(unit_conversion_factor(unit, "eV")), unit
+    for unit in ("angstrom", "bohr", "nm"):
+        assert length_unit_factor(unit) == float(unit_conversion_factor(unit, "angstrom")), unit
+
+
 def test_from_metatrain_zbl_only_on_ev_targets():
     """metatrain adds ZBL only to a target in exactly 'eV': with the default unit ''
     its model has no ZBL term, and petfunc's reading of it has none either."""
