@@ -595,7 +595,13 @@ def _label_options(args) -> None:
         if value != _LABEL_DEFAULTS[name]:
             taken.append(f"{name.replace('_', ' ')} {value!r}")
     if taken:
-        print("labels read as the model was trained: " + ", ".join(taken))
+        # say which keys go with the units taken: a metatrain model stores its units but
+        # not its keys, and a file whose default keys hold labels in other units would
+        # otherwise give wrong errors without a word
+        keys = [f"{name.split('_')[0]} {getattr(args, name)!r}" for name in ("energy_key", "forces_key", "stress_key",
+                                                                              "virial_key") if getattr(args, name)]
+        print("labels read as the model was trained: " + ", ".join(taken) + "; keys " + ", ".join(keys)
+              + " (--energy-unit, --length-unit and the --*-key options override)")
 
 
 def _eval(args) -> int:
