@@ -65,7 +65,11 @@ chunked Hessian loops in Python over chunks: compile its row function
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import sys
+import tempfile
 import types
 from typing import Callable, List, Optional
 
@@ -198,7 +202,7 @@ def _working_memory_and_output(fn: Callable, *args):
         return int(torch.cuda.max_memory_allocated(device) - before), out
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _without_profiler_lines(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn(*args)
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     total = peak = 0
@@ -206,6 +210,41 @@ def _working_memory_and_output(fn: Callable, *args):
         total += nbytes
         peak = max(peak, total)
     return int(peak), out
+
+
+# what torch's profiler (Kineto) prints to the process's stderr at every start and
+# stop, e.g. "USDT:2026-12-06 03:12:48 12752:12752 SyncActivityProfilerHandler.cpp:52]
+# profiler_start": noise to a user who asked for a Hessian
+_PROFILER_LINE = re.compile(r"^USDT:.*\] profiler_(start|stop)\s*$")
+
+
+@contextlib.contextmanager
+def _without_profiler_lines():
+    """Hold back the profiler's start/stop lines from stderr (file descriptor 2, where
+    its C++ writes them); anything else written there meanwhile (warnings, errors)
+    is passed on when the block ends."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no real stderr (some notebooks): nothing to hide
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode(errors="replace")
+            kept = [line for line in text.splitlines(keepends=True) if not _PROFILER_LINE.match(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def chunk_size_for(rows_fn: Callable, params, positions, cell, neighbors, memory_budget: int) -> int:

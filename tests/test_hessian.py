@@ -119,6 +119,24 @@ def test_batch_hessian_is_block_diagonal():
         start = stop
 
 
+def test_working_memory_is_quiet(capfd):
+    """Measuring memory on CPU (torch's profiler) printed Kineto's "USDT: ...
+    profiler_start" / "profiler_stop" lines to stderr at every call; they are held
+    back, and anything else written to stderr meanwhile still shows."""
+    import os
+
+    from petfunc.hessian import working_memory
+
+    def fn():
+        os.write(2, b"a line from inside the measured call\n")
+        return torch.ones(1000, dtype=F64).cumsum(0)
+
+    assert working_memory(fn) >= 8000
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "profiler_stop" not in err, err
+    assert "a line from inside the measured call" in err
+
+
 def test_memory_budget_picks_the_chunk_size(monkeypatch):
     """The budgeted Hessian equals the full one; the chosen chunk grows with the
     budget, its measured memory stays within it, the 4 measured rows are not
