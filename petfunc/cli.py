@@ -610,6 +610,9 @@ def _eval(args) -> int:
     from .trainer import evaluate
 
     dtype = {"float32": torch.float32, "float64": torch.float64, None: None}[args.dtype]
+    # keys given on the command line must be in the file; defaults may be absent
+    named = [getattr(args, name) for name in ("energy_key", "forces_key", "stress_key", "virial_key")
+             if getattr(args, name) is not None]
     _label_options(args)
     metrics, _ = evaluate(
         args.model, args.dataset, batch_size=args.batch_size, dtype=dtype, device=args.device,
@@ -617,7 +620,7 @@ def _eval(args) -> int:
         virial_key=args.virial_key,
         energy_unit=args.energy_unit, length_unit=args.length_unit,
         charge_key=args.charge_key, spin_multiplicity_key=args.spin_key, output=args.output,
-        target=args.target,
+        target=args.target, required_keys=named,
     )
     print(f"{args.dataset}: {metrics['n_structures']} structures, {metrics['n_atoms']} atoms")
     rows = (("energy_per_atom", "energy/atom", "eV/atom"), ("forces", "forces", "eV/Å"),

@@ -291,13 +291,19 @@ def split_datasets(sizes: Sequence[int], fraction: Optional[float], seed: int,
 
 def read_labelled(path, config: PETConfig, energy_key="energy", forces_key="forces", stress_key="stress",
                   virial_key=None, energy_unit="eV", length_unit="angstrom",
-                  charge_key=None, spin_multiplicity_key=None, require_labels: bool = True) -> List[Sample]:
+                  charge_key=None, spin_multiplicity_key=None, require_labels: bool = True,
+                  required_keys: Sequence[str] = ()) -> List[Sample]:
     """Read an extxyz file into samples for ``config`` (missing label keys are skipped;
     ``charge_key``/``spin_multiplicity_key``: see :func:`petfunc.data.sample_from_atoms`).
     A file without any of the labels is an error unless ``require_labels`` is false
-    (its samples then have NaN labels)."""
+    (its samples then have NaN labels). ``required_keys``: label keys the user named,
+    which no structure having is an error (a typo must not drop a row of errors)."""
     frames = read_frames(path, "dataset")
     check_info_keys(frames, {"charge_key": charge_key, "spin_multiplicity_key": spin_multiplicity_key}, path, "")
+    missing = [key for key in required_keys if key and not any(_has_key(a, key) for a in frames)]
+    if missing:
+        raise ValueError(f"{str(path)!r}: no structure has labels under the key(s) {missing} "
+                         f"(keys in the file: {_available_keys(frames)})")
 
     def key_or_none(key):
         return key if key and any(_has_key(a, key) for a in frames) else None

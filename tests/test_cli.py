@@ -196,6 +196,10 @@ def test_eval_errors(demo_run, tmp_path, capsys):
     (tmp_path / "cut.ckpt").write_bytes(data[: len(data) // 2])
     assert main(["eval", str(tmp_path / "cut.ckpt"), str(demo_run / "dataset.xyz")]) == 2
     assert "cut.ckpt' is not a readable petfunc or metatrain model file, damaged or truncated?" in capsys.readouterr().err
+    # a label key given on the command line but in no structure (a typo): an error, not
+    # a table without its energy row
+    assert main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz"), "--energy-key", "E"]) == 2
+    assert "no structure has labels under the key(s) ['E'] (keys in the file:" in capsys.readouterr().err
 
 
 def test_train_errors(tmp_path, capsys):
