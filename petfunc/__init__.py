@@ -28,7 +28,7 @@ from .train import (
     pack_state,
     warmup_cosine,
 )
-from .trainer import fit
+from .trainer import fit, load_model
 from . import dynamics, ensemble, export, hessian_loss, llpr, lora, relax
 from . import hessian  # callable: petfunc.hessian(energy_fn) (see petfunc.hessian)
 from .hessian import hvp

@@ -175,6 +175,11 @@ def load_params(
 def params_from_payload(payload, path: PathLike, dtype: Optional[torch.dtype] = None, device=None):
     """:func:`load_params` of an already loaded file ``payload`` (read from ``path``,
     which the errors name)."""
+    if isinstance(payload, dict) and payload.get("format") == "petfunc.checkpoint":
+        raise ValueError(
+            f"{str(path)!r} is a petfunc training checkpoint, not a parameter file: read it with "
+            "petfunc.load_model(path, which='best' or 'last'), or load the run's best_params.pt"
+        )
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(
             f"{str(path)!r} is not a petfunc parameter file (no '{FORMAT}' format tag)"

@@ -1278,7 +1278,8 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
             + _errors_line(error_metrics(pred)))
         if not files["best"].exists() and best_epoch and restart is not None:
             _carry_best_checkpoint(Path(restart), files["best"], best_epoch, log)
-        log(f"files in {output_dir}: " + ", ".join(sorted(p.name for p in files.values() if p.exists())))
+        written = {p.name for p in files.values() if p.exists()} | {p.name for p in output_dir.glob("epoch_*.ckpt")}
+        log(f"files in {output_dir}: " + ", ".join(sorted(written)))
     graphs = {name: fn.num_graphs for name, fn in (("train", step_fn), ("eval", eval_fn)) if hasattr(fn, "num_graphs")}
     return FitResult(config, best_cpu, last_cpu, best_epoch, best_metric, history, output_dir, files, graphs,
                      test_errors)

@@ -377,3 +377,17 @@ def test_options_read_exponent_numbers_as_metatrain_does(tmp_path):
     args = _parser().parse_args(["train", "--set", "architecture.training.learning_rate=2e-3",
                                       "--set", "seed='7'"])
     assert dict(_overrides(args)) == {"architecture.training.learning_rate": 2e-3, "seed": "7"}
+
+
+def test_training_checkpoint_in_python(demo_run):
+    """``petfunc.load_model`` reads a training checkpoint; ``load_params`` (for
+    parameter files) names it as one and says what to use instead."""
+    import petfunc
+
+    config, best = petfunc.load_model(demo_run / "best.ckpt")
+    again, saved = petfunc.load_params(demo_run / "best_params.pt")
+    assert config == again
+    assert all(torch.equal(a, b) for a, b in zip(petfunc.tree.flatten(best).values(), petfunc.tree.flatten(saved).values()))
+    with pytest.raises(ValueError, match=r"is a petfunc training checkpoint, not a parameter file: read it with "
+                                         r"petfunc.load_model"):
+        petfunc.load_params(demo_run / "best.ckpt")
