@@ -135,8 +135,24 @@ def sample_from_atoms(
     forces = lookup(forces_key)
     stress = lookup(stress_key)
     virial = lookup(virial_key)
+    def values(key, value, shapes, what):
+        """``value`` as float64 of one of ``shapes``, else an error naming the key"""
+        try:
+            array = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ValueError(f"{label}: the {what} under the key {key!r} is not a number or array of numbers: "
+                             f"{value!r}") from None
+        if array.shape not in shapes:
+            raise ValueError(f"{label}: the {what} under the key {key!r} has shape {array.shape}, expected "
+                             + " or ".join(str(s) for s in shapes))
+        return array
+
     if energy is not None:
-        energy = float(np.asarray(energy).reshape(())) * energy_unit
+        energy = float(values(energy_key, energy, [(), (1,)], "energy").reshape(())) * energy_unit
+    if stress is not None:
+        stress = values(stress_key, stress, [(6,), (3, 3), (9,)], "stress")
+    if virial is not None:
+        virial = values(virial_key, virial, [(3, 3), (9,)], "virial")
     if forces is not None:
         forces = np.asarray(forces, dtype=np.float64) * energy_unit / length_unit
         if forces.shape != (len(structure), 3):

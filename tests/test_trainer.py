@@ -755,7 +755,17 @@ def test_label_errors(dataset, tmp_path):
     options["training_set"] = {"systems": str(dataset), "targets": {"energy": {"key": "U0"}}}
     with pytest.raises(ValueError, match="'U0'"):
         fit(options, None, progress=False, log=quiet())
+    # An energy of the wrong shape (a 3-vector under the key): named with the key
+    # (was numpy's "cannot reshape array of size 3 into shape ()")
+    frames = ase.io.read(dataset, ":")
+    frames[2].calc.results["energy"] = np.array([1.0, 2.0, 3.0])
+    bad = tmp_path / "vector.xyz"
+    ase.io.write(bad, frames)
+    with pytest.raises(ValueError, match=r"structure 2: the energy under the key 'energy' has shape \(3,\), "
+                                         r"expected \(\) or \(1,\)"):
+        fit(tiny_options(bad), None, progress=False, log=quiet())
     # Infinite labels.
+    frames = ase.io.read(dataset, ":")
     frames[0].calc.results["energy"] = float("inf")
     bad = tmp_path / "inf.xyz"
     ase.io.write(bad, frames)
