@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import difflib
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -67,6 +68,10 @@ TRAINING_DEFAULTS: Dict[str, Any] = {
 #: metatrain trainer keys that only affect metatrain's logging or data loading:
 #: accepted and ignored.
 IGNORED_METATRAIN_KEYS = ("num_workers", "log_mae", "log_separate_blocks", "distributed_port")
+
+#: metatrain top-level keys about its own logging: accepted and ignored (``wandb``
+#: with a warning, as petfunc has no Weights & Biases logger).
+IGNORED_METATRAIN_TOP_LEVEL_KEYS = ("print_stats", "final_eval", "wandb")
 
 TOP_LEVEL_DEFAULTS: Dict[str, Any] = {
     "seed": 0,
@@ -482,7 +487,12 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
             type or range, or a metatrain option that petfunc does not implement.
     """
     given = dict(given or {})
-    _check_keys(given, tuple(TOP_LEVEL_DEFAULTS), "")
+    _check_keys(given, tuple(TOP_LEVEL_DEFAULTS) + IGNORED_METATRAIN_TOP_LEVEL_KEYS, "")
+    if given.get("wandb"):
+        warnings.warn("option 'wandb': petfunc does not log to Weights & Biases; ignored "
+                      "(the metrics are in the run's metrics.csv)", stacklevel=2)
+    for key in IGNORED_METATRAIN_TOP_LEVEL_KEYS:
+        given.pop(key, None)
     merged = _merge(TOP_LEVEL_DEFAULTS, base or {})
     merged = _merge(merged, given)
 

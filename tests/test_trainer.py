@@ -836,6 +836,11 @@ def test_options_defaults_and_loss_forms():
     assert (training["batch_size"], training["num_epochs"], training["learning_rate"]) == (16, 1000, 1e-4)
     assert training["augmentation"] is True and training["compile"] is False
     assert training["best_model_metric"] == "mae_prod" and "num_workers" not in training
+    # metatrain's top-level logging keys: accepted, ignored (wandb with a warning)
+    logging_keys = resolve_options({"training_set": "data.xyz", "print_stats": True, "final_eval": False})
+    assert "print_stats" not in logging_keys and "final_eval" not in logging_keys
+    with pytest.warns(UserWarning, match="does not log to Weights & Biases"):
+        resolve_options({"training_set": "data.xyz", "wandb": {"project": "x"}})
     assert options["training_set"]["targets"]["energy"]["forces"] == "auto"
     assert options["validation_set"] == 0.1
     # metatrain's deprecated 'distributed': false is fine; true needs several processes
