@@ -858,6 +858,26 @@ def fit(
                     reduce_metrics, rank, world_size)
 
 
+def _log_length_units(options, log) -> None:
+    """Say so when a dataset's lengths are not in Å: petfunc converts them, and its
+    architecture lengths stay in Å, where metatrain trains in the data's unit (its
+    ``cutoff: 4.0`` on data in bohr is 4 bohr, and its forces loss compares E/bohr)."""
+    from .options import length_unit_factor
+
+    units = set()
+    for name in ("training_set", "validation_set", "test_set"):
+        if isinstance(options.get(name), (dict, list)):
+            units |= {str(s["systems"].get("length_unit") or "angstrom") for s in dataset_sections(options[name])}
+    other = sorted(u for u in units if length_unit_factor(u) != 1.0)
+    if other:
+        model = options["architecture"]["model"]
+        log(f"note: lengths in {', '.join(other)} are converted to Å on reading; the model's lengths "
+            f"(cutoff {model.get('cutoff', PETConfig.cutoff):g}, cutoff_width "
+            f"{model.get('cutoff_width', PETConfig.cutoff_width):g}) are in Å and forces are compared in eV/Å. "
+            "metatrain instead trains in the data's length unit (there these cutoffs would be in "
+            f"{other[0]}): the same options give a different model")
+
+
 def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce_metrics,
          rank, world_size) -> FitResult:
     """The body of :func:`fit`, on resolved options (and the loaded restart checkpoint)."""
@@ -880,6 +900,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
 
     # --- data ----------------------------------------------------------------------
     files = read_training_files(options, weights, explicit, seed, ckpt, log)
+    _log_length_units(options, log)
     weights, split_json = files.weights, files.split
     terms = [t for t in TERMS if getattr(weights, t).weight > 0]
     atomic_types = files.atomic_types

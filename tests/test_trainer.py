@@ -1119,3 +1119,28 @@ def test_partial_model_section_is_checked_against_the_checkpoint(dataset):
     options["architecture"]["model"] = {"d_pet": 4}
     with pytest.raises(ValueError, match=r"option 'architecture.model': d_pet must be divisible by num_heads, got d_pet=4 and num_heads=8"):
         fit(options, None, progress=False, log=quiet())
+
+
+def test_lengths_in_other_units_are_announced(dataset, tmp_path):
+    """Data in bohr: converted to Å with the architecture's lengths in Å, which
+    metatrain (training in the data's unit) does not do: the log says so."""
+    import ase.io
+
+    frames = ase.io.read(dataset, ":8")
+    bohr = 0.5291772105448199
+    for atoms in frames:
+        energy, forces = atoms.get_potential_energy(), atoms.get_forces()
+        atoms.calc = None
+        atoms.set_cell(atoms.cell[:] / bohr, scale_atoms=True)
+        atoms.info["E"] = energy
+        atoms.arrays["F"] = forces * bohr
+    ase.io.write(tmp_path / "bohr.xyz", frames)
+    options = tiny_options(dataset, num_epochs=1)
+    options["training_set"] = {"systems": {"read_from": str(tmp_path / "bohr.xyz"), "length_unit": "bohr"},
+                               "targets": {"energy": {"key": "E", "forces": {"key": "F"}, "stress": False}}}
+    lines = []
+    fit(options, None, progress=False, log=quiet(lines))
+    assert any(line.startswith("note: lengths in bohr are converted to Å") and "cutoff 3" in line for line in lines), lines
+    lines.clear()
+    fit(tiny_options(dataset, num_epochs=1), None, progress=False, log=quiet(lines))
+    assert not any("converted to Å" in line for line in lines)
