@@ -100,7 +100,8 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
         read_from: data.xyz       # anything ase.io.read reads (extxyz)
         length_unit: angstrom     # angstrom | bohr | nm
       targets:
-        energy:
+        energy:                   # (or one target of another name, e.g. mtt::U0,
+                                  # whose key is then that name by default)
           key: energy             # info key (or calculator result)
           unit: eV                # eV | meV | Hartree | Ry | kcal/mol | kJ/mol
           forces: auto            # auto: key "forces" if present; {key: K} or

@@ -244,13 +244,17 @@ def resolve_dataset(section, where: str) -> dict:
         targets = {"energy": {}}
     if not isinstance(targets, Mapping):
         raise ValueError(f"option '{where}.targets' must be a mapping")
-    _check_keys(targets, ("energy",), f"{where}.targets")
-    energy = targets.get("energy", {})
+    # one energy target; metatrain names others "mtt::NAME" (key: the name by default)
+    name = "energy"
+    if len(targets) == 1 and "energy" not in targets:
+        (name,) = targets
+    _check_keys(targets, (name,), f"{where}.targets")
+    energy = targets.get(name, {})
     if energy is None:
         energy = {}
     if isinstance(energy, str):
         energy = {"read_from": energy}
-    where_e = f"{where}.targets.energy"
+    where_e = f"{where}.targets.{name}"
     _check_keys(energy, ("key", "unit", "read_from", "reader", "quantity", "forces", "stress", "virial", "description", "per_atom", "type", "num_subtargets"), where_e)
     for key, default in (("quantity", "energy"), ("per_atom", False), ("type", "scalar"), ("num_subtargets", 1)):
         if key in energy and energy[key] != default:
@@ -262,7 +266,7 @@ def resolve_dataset(section, where: str) -> dict:
     unit = energy.get("unit") or "eV"
     energy_unit_factor(unit)
     resolved = {
-        "key": energy.get("key") or "energy",
+        "key": energy.get("key") or name,
         "unit": unit,
         "forces": _gradient(energy.get("forces", "auto"), "forces", f"{where_e}.forces"),
         "stress": _gradient(energy.get("stress", "auto"), "stress", f"{where_e}.stress"),

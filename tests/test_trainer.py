@@ -841,6 +841,12 @@ def test_options_defaults_and_loss_forms():
     assert "print_stats" not in logging_keys and "final_eval" not in logging_keys
     with pytest.warns(UserWarning, match="does not log to Weights & Biases"):
         resolve_options({"training_set": "data.xyz", "wandb": {"project": "x"}})
+    # one energy target of another name (metatrain's mtt::NAME; its key is the name by default)
+    named = resolve_options({"training_set": {"systems": "data.xyz", "targets": {"mtt::U0": {"unit": "kcal/mol"}}}})
+    assert named["training_set"]["targets"]["energy"]["key"] == "mtt::U0"
+    assert named["training_set"]["targets"]["energy"]["unit"] == "kcal/mol"
+    with pytest.raises(ValueError, match=r"unknown option 'training_set.targets.mtt::U0'"):
+        resolve_options({"training_set": {"systems": "data.xyz", "targets": {"energy": {}, "mtt::U0": {}}}})
     assert options["training_set"]["targets"]["energy"]["forces"] == "auto"
     assert options["validation_set"] == 0.1
     # metatrain's deprecated 'distributed': false is fine; true needs several processes
