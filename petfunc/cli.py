@@ -111,7 +111,12 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
       extra_data:                 # system_conditioning only. Without it the info keys
         charge: {key: q}          # "charge" (else 0) and "spin_multiplicity" (else
         spin_multiplicity: {key: mult}  # "spin", else 1) are read; mult = 2S+1
+      # indices: [0, 5, 9]        # only these structures of the file (or the name of
+                                  # a file of indices, one per line)
     validation_set: 0.1           # fraction of training_set, or a dataset like training_set
+                                  # (with its own indices), or {indices: [...]}:
+                                  # structures of the training file (kept in training
+                                  # too, as in metatrain)
     test_set: 0.0                 # the same; evaluated with the best model at the end
 
 ``training_set`` may also be a list of datasets (metatrain's form), each with its own

@@ -212,11 +212,14 @@ def split_indices(n: int, fraction: Optional[float], seed: int) -> Tuple[np.ndar
     return train, val
 
 
-def restart_split(ckpt: Mapping, sizes: Sequence[int], fraction: Optional[float], seed: int):
+def restart_split(ckpt: Mapping, sizes: Sequence[int], fraction: Optional[float], seed: int,
+                  partition: bool = True):
     """The ``(train, validation, test)`` split of the run a checkpoint continues: as
     stored, or for checkpoints written before the split was stored, as those
     versions drew it (a seeded permutation, ``round(fraction * n)`` validation
-    structures, both parts sorted, no test set)."""
+    structures, both parts sorted, no test set). ``partition``: the parts must
+    cover each file exactly (without explicit ``indices``, which may select a
+    subset)."""
     empty = np.zeros(0, dtype=np.int64)
     stored = ckpt.get("split")
     if stored is None:
@@ -232,7 +235,7 @@ def restart_split(ckpt: Mapping, sizes: Sequence[int], fraction: Optional[float]
     train, val = stored["training"], stored["validation"]
     test = stored.get("test") or [[] for _ in train]
     if len(train) != len(sizes) or any(
-        max(list(t) + list(v) + list(s), default=-1) >= n or len(t) + len(v) + len(s) != n
+        max(list(t) + list(v) + list(s), default=-1) >= n or (partition and len(t) + len(v) + len(s) != n)
         for t, v, s, n in zip(train, val, test, sizes)
     ):
         raise ValueError(
@@ -410,6 +413,23 @@ def _check_split_options(options: Mapping, ckpt: Mapping) -> None:
             )
 
 
+def _checked_indices(indices, n: int, where: str) -> np.ndarray:
+    """``indices`` (all of ``range(n)`` when ``None``) as an array, each below ``n``."""
+    if indices is None:
+        return np.arange(n)
+    indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if len(indices) and indices.max() >= n:
+        raise ValueError(f"option '{where}': index {int(indices.max())} is out of range for a file of {n} structures")
+    return indices
+
+
+def _subset(frames, section: Mapping, where: str):
+    """A separate validation or test file's structures at its ``indices`` (all without)."""
+    if section.get("indices") is None:
+        return frames
+    return [frames[j] for j in _checked_indices(section["indices"], len(frames), where + ".indices")]
+
+
 def read_training_files(options: Mapping, weights: LossWeights, explicit: set, seed: int,
                         ckpt: Optional[Mapping] = None, log: Callable[[str], None] = print) -> TrainingFiles:
     """Read and split the ``training_set``, ``validation_set`` and ``test_set`` of
@@ -422,9 +442,18 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
     # one or several datasets (metatrain's list form); each is split on its own
     train_sections = dataset_sections(options["training_set"])
     val_option = options["validation_set"]
-    val_sections = None if isinstance(val_option, (int, float)) else dataset_sections(val_option)
     test_option = options.get("test_set", 0.0)
-    test_sections = None if isinstance(test_option, (int, float)) else dataset_sections(test_option)
+
+    def indices_only(option):
+        """metatrain's ``{indices: [...]}``: structures of the (one) training file"""
+        return isinstance(option, Mapping) and set(option) == {"indices"}
+
+    def separate(option):
+        return None if isinstance(option, (int, float)) or indices_only(option) else dataset_sections(option)
+
+    val_sections, test_sections = separate(val_option), separate(test_option)
+    val_fraction = float(val_option) if isinstance(val_option, (int, float)) else 0.0
+    test_fraction = float(test_option) if isinstance(test_option, (int, float)) else 0.0
     many = len(train_sections) > 1
 
     def where(name, i):
@@ -443,15 +472,38 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
         return [read_file(section, where(name, i)) for i, section in enumerate(sections or [])]
 
     files = read_files(train_sections, "training_set")
-    val_files = read_files(val_sections, "validation_set")
-    test_files = read_files(test_sections, "test_set")
+    val_files = [_subset(f, sec, f"validation_set[{i}]" if many else "validation_set")
+                 for i, (f, sec) in enumerate(zip(read_files(val_sections, "validation_set"), val_sections or []))]
+    test_files = [_subset(f, sec, f"test_set[{i}]" if many else "test_set")
+                  for i, (f, sec) in enumerate(zip(read_files(test_sections, "test_set"), test_sections or []))]
     sizes = [len(f) for f in files]
+    # metatrain's explicit indices: a training file's structures, before any split
+    chosen = [_checked_indices(section.get("indices"), len(f), where("training_set", i) + ".indices")
+              for i, (f, section) in enumerate(zip(files, train_sections))]
+    explicit_indices = any(section.get("indices") is not None for section in train_sections) \
+        or indices_only(val_option) or indices_only(test_option)
     if ckpt is not None:  # a restart trains on the structures of the run it continues
         _check_split_options(options, ckpt)
-        splits = restart_split(ckpt, sizes, None if val_sections else val_option, seed)
+        splits = restart_split(ckpt, sizes, None if val_sections else val_fraction, seed,
+                               partition=not explicit_indices)
     else:
-        splits = split_datasets(sizes, None if val_sections else val_option, seed,
-                                None if test_sections else test_option)
+        # a separate file or indices-only set draws nothing (metatrain shuffles then not)
+        splits = split_datasets([len(c) for c in chosen],
+                                None if val_sections or indices_only(val_option) else val_fraction, seed,
+                                None if test_sections or indices_only(test_option) else test_fraction)
+        # positions in the chosen structures -> indices in the file
+        splits = [tuple(c[part] for part in parts) for c, parts in zip(chosen, splits)]
+        for name, option, k in (("validation_set", val_option, 1), ("test_set", test_option, 2)):
+            if indices_only(option):  # as metatrain: taken from the whole file, training kept as it is
+                idx = _checked_indices(option["indices"], sizes[0], f"{name}.indices")
+                train = splits[0][0]
+                overlap = np.intersect1d(train, idx)
+                if len(overlap):
+                    log(f"warning: {name}.indices and the training structures share {len(overlap)} structure(s) "
+                        f"(for example {overlap[:5].tolist()}); metatrain does not remove them from training either")
+                parts = list(splits[0])
+                parts[k] = idx
+                splits[0] = tuple(parts)
     # (frames, section, file indices, option name) of every training, validation and test part
     train_parts, val_parts, test_parts = [], [], []
     for i, (frames, section, (train_idx, val_idx, test_idx)) in enumerate(zip(files, train_sections, splits)):
@@ -461,12 +513,13 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
             if sections is not None:
                 continue
             use = "validation" if name == "validation_set" else "testing"
-            if option > 0 and not len(idx) and ckpt is None:
-                log(f"warning: {name} {option:g} of the {len(frames)} structures of "
+            fraction = option if isinstance(option, (int, float)) else 0.0
+            if fraction > 0 and not len(idx) and ckpt is None:
+                log(f"warning: {name} {fraction:g} of the {len(frames)} structures of "
                     f"{section['systems']['read_from']} is less than one; none of them is used for {use}")
-            elif option > 0 and not len(idx):
+            elif fraction > 0 and not len(idx):
                 log(f"warning: the split of the restarted run uses none of the structures of "
-                    f"{section['systems']['read_from']} for {use}; {name} {option:g} is ignored")
+                    f"{section['systems']['read_from']} for {use}; {name} {fraction:g} is ignored")
             if len(idx):
                 parts.append(([frames[j] for j in idx], section, idx, where(name, i)))
     for name, sections, separate, parts in (("validation_set", val_sections, val_files, val_parts),

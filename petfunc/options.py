@@ -226,7 +226,7 @@ def resolve_dataset(section, where: str) -> dict:
         section = {"systems": str(section)}
     if not isinstance(section, Mapping):
         raise ValueError(f"option '{where}' must be a file name or a mapping, got {section!r}")
-    _check_keys(section, ("systems", "targets", "extra_data"), where)
+    _check_keys(section, ("systems", "targets", "extra_data", "indices"), where)
     systems = section.get("systems")
     if isinstance(systems, (str, Path)):
         systems = {"read_from": str(systems)}
@@ -282,11 +282,38 @@ def resolve_dataset(section, where: str) -> dict:
         resolved["stress"] = False
     if "description" in energy:
         resolved["description"] = energy["description"]
-    return {
+    out = {
         "systems": {"read_from": read_from, "length_unit": length_unit},
         "targets": {"energy": resolved},
         "extra_data": _extra_data(section.get("extra_data") or {}, f"{where}.extra_data", read_from),
     }
+    if section.get("indices") is not None:
+        out["indices"] = load_indices(section["indices"], f"{where}.indices")
+    return out
+
+
+def load_indices(value, where: str) -> list:
+    """metatrain's ``indices``: a list of structure indices (0-based, in the file), or
+    the name of a text file with one index per line (relative to the working folder)."""
+    if isinstance(value, (str, Path)):
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"option '{where}': no indices file at {str(path)!r}")
+        try:
+            value = np.loadtxt(path, dtype=np.int64, ndmin=1).tolist()
+        except ValueError as error:
+            raise ValueError(f"option '{where}': {str(path)!r} is not a file of integers, one per line "
+                             f"({error})") from None
+    if not isinstance(value, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, (int, np.integer))
+                                                   for i in value):
+        raise ValueError(f"option '{where}' must be a list of structure indices or the name of a file of them, "
+                         f"got {value!r}")
+    value = [int(i) for i in value]
+    if any(i < 0 for i in value):
+        raise ValueError(f"option '{where}': indices must be non-negative, got {min(value)}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"option '{where}': indices must not repeat")
+    return value
 
 
 def _extra_data(section, where: str, read_from: str) -> dict:
@@ -631,6 +658,10 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
         merged["test_set"] = 0.0
     for name in ("validation_set", "test_set"):
         merged[name] = _held_out(merged[name], name, merged["training_set"])
+    both = [merged[n] for n in ("validation_set", "test_set")]
+    if all(isinstance(x, dict) and set(x) == {"indices"} for x in both) and set(both[0]["indices"]) & set(both[1]["indices"]):
+        raise ValueError("options 'validation_set.indices' and 'test_set.indices' share structures "
+                         f"{sorted(set(both[0]['indices']) & set(both[1]['indices']))[:10]}")
     fractions = [merged[n] for n in ("validation_set", "test_set") if isinstance(merged[n], float)]
     if not sum(fractions) < 1.0:
         raise ValueError(f"options 'validation_set' and 'test_set' take all of the data ({sum(fractions):g}); "
@@ -648,6 +679,12 @@ def _held_out(value, where: str, training):
         if not value < 1.0:
             raise ValueError(f"option '{where}' as a fraction must be below 1, got {value!r}")
         return float(value)
+    if isinstance(value, Mapping) and set(value) == {"indices"}:
+        # metatrain's indices-only form: structures of the (one) training file
+        if isinstance(training, list) and len(training) > 1:
+            raise ValueError(f"option '{where}': indices alone need a single training dataset (as in "
+                             "metatrain); give each validation dataset its systems, targets and indices")
+        return {"indices": load_indices(value["indices"], f"{where}.indices")}
     value = _resolve_datasets(value, where)
     n_train, n_held = (len(x) if isinstance(x, list) else 1 for x in (training, value))
     if n_train != n_held:

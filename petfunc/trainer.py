@@ -698,7 +698,7 @@ def _absolute_paths(options: dict) -> dict:
     for name in ("training_set", "validation_set", "test_set"):
         value = options.get(name)
         for section in value if isinstance(value, list) else [value]:
-            if isinstance(section, dict):
+            if isinstance(section, dict) and "systems" in section:  # (not metatrain's indices-only form)
                 section["systems"]["read_from"] = str(Path(section["systems"]["read_from"]).expanduser().resolve())
     training = options["architecture"]["training"]
     finetune = training["finetune"]
@@ -867,7 +867,8 @@ def _log_length_units(options, log) -> None:
     units = set()
     for name in ("training_set", "validation_set", "test_set"):
         if isinstance(options.get(name), (dict, list)):
-            units |= {str(s["systems"].get("length_unit") or "angstrom") for s in dataset_sections(options[name])}
+            units |= {str(s["systems"].get("length_unit") or "angstrom") for s in dataset_sections(options[name])
+                      if "systems" in s}
     other = sorted(u for u in units if length_unit_factor(u) != 1.0)
     if other:
         model = options["architecture"]["model"]

@@ -1150,3 +1150,47 @@ def test_lengths_in_other_units_are_announced(dataset, tmp_path):
     lines.clear()
     fit(tiny_options(dataset, num_epochs=1), None, progress=False, log=quiet(lines))
     assert not any("converted to Å" in line for line in lines)
+
+
+def test_explicit_indices_equal_mtt_train(tmp_path):
+    """metatrain's ``indices``: a training subset split by fractions, and
+    validation/test sets given as indices into the training file. Regression values:
+    indices/{training,validation,test}.txt of ``mtt train`` (metatrain 2026.4.1,
+    seed 7, 21 structures) with the same options."""
+    import yaml
+
+    from petfunc.datafiles import read_training_files
+    from petfunc.options import parse_loss
+
+    data = make_default_dataset(tmp_path / "data.xyz", n_structures=21, seed=1)
+    subset = [20, 3, 5, 7, 9, 11, 13, 15, 2, 0, 1, 18, 17, 16]
+    (tmp_path / "subset.txt").write_text("\n".join(map(str, subset)) + "\n")
+
+    def split(**options):
+        resolved = resolve_options({"seed": 7, "training_set": {"systems": str(data), "indices": subset}, **options})
+        weights, explicit = parse_loss(resolved["architecture"]["training"]["loss"])
+        return read_training_files(resolved, weights, explicit, 7, None, quiet()).split
+
+    assert split(validation_set=0.3, test_set=0.2) == {
+        "training": [[18, 11, 5, 3, 1, 17, 20, 16]], "validation": [[7, 13, 0, 9]], "test": [[2, 15]]}
+    assert split(validation_set={"indices": [4, 6, 8]}, test_set={"indices": str(tmp_path / "subset.txt")})["test"] \
+        == [subset]
+    assert split(validation_set={"indices": [4, 6, 8]}, test_set={"indices": [10, 12, 14, 19]}) == {
+        "training": [subset], "validation": [[4, 6, 8]], "test": [[10, 12, 14, 19]]}
+    with pytest.raises(ValueError, match=r"option 'validation_set.indices': index 21 is out of range for a file of 21"):
+        split(validation_set={"indices": [21]})
+    with pytest.raises(ValueError, match=r"option 'training_set.indices': indices must not repeat"):
+        resolve_options({"training_set": {"systems": str(data), "indices": [1, 1]}})
+    with pytest.raises(ValueError, match=r"indices alone need a single training dataset"):
+        resolve_options({"training_set": [str(data), str(data)], "validation_set": {"indices": [1]}})
+    # a run and its restart keep the split
+    options = tiny_options(data, num_epochs=1)
+    options["training_set"] = {"systems": str(data), "indices": subset}
+    options["validation_set"] = {"indices": [4, 6, 8]}
+    first = fit(options, tmp_path / "run", progress=False, log=quiet())
+    stored = load_checkpoint(tmp_path / "run" / "last.ckpt")["split"]
+    assert stored["validation"] == [[4, 6, 8]] and sorted(stored["training"][0]) == sorted(subset)
+    options["architecture"]["training"]["num_epochs"] = 2
+    again = fit(options, tmp_path / "again", restart=tmp_path / "run" / "last.ckpt", progress=False, log=quiet())
+    assert load_checkpoint(tmp_path / "again" / "last.ckpt")["split"] == stored
+    assert first.history[0]["val_loss"] == again.history[0]["val_loss"]
