@@ -400,10 +400,15 @@ def _check_split_options(options: Mapping, ckpt: Mapping) -> None:
         fraction_old, fraction_new = isinstance(old, (int, float)), isinstance(new, (int, float))
         if (fraction_old, fraction_new) == (True, True) and float(old) == float(new):
             continue
-        if fraction_old or fraction_new:
+        only_old, only_new = (isinstance(v, Mapping) and set(v) == {"indices"} for v in (old, new))
+        if fraction_old or fraction_new or ((only_old or only_new) and old != new):
 
             def show(value):
-                return f"{value:g}" if isinstance(value, (int, float)) else "a separate file"
+                if isinstance(value, (int, float)):
+                    return f"{value:g}"
+                if isinstance(value, Mapping) and set(value) == {"indices"}:
+                    return f"indices {value['indices'][:5]}{'...' if len(value['indices']) > 5 else ''}"
+                return "a separate file"
 
             raise ValueError(
                 f"option '{name}' is {show(new)} here, {show(old)} in the run the restart checkpoint "

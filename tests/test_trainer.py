@@ -1194,3 +1194,6 @@ def test_explicit_indices_equal_mtt_train(tmp_path):
     again = fit(options, tmp_path / "again", restart=tmp_path / "run" / "last.ckpt", progress=False, log=quiet())
     assert load_checkpoint(tmp_path / "again" / "last.ckpt")["split"] == stored
     assert first.history[0]["val_loss"] == again.history[0]["val_loss"]
+    options["validation_set"] = {"indices": [4, 6]}  # a restart cannot change its split
+    with pytest.raises(ValueError, match=r"option 'validation_set' is indices \[4, 6\] here, indices \[4, 6, 8\]"):
+        fit(options, tmp_path / "third", restart=tmp_path / "run" / "last.ckpt", progress=False, log=quiet())
