@@ -453,10 +453,11 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
         """metatrain's ``{indices: [...]}``: structures of the (one) training file"""
         return isinstance(option, Mapping) and set(option) == {"indices"}
 
-    def separate(option):
+    def own_sections(option):
+        """the dataset sections of a validation or test set read from files of its own"""
         return None if isinstance(option, (int, float)) or indices_only(option) else dataset_sections(option)
 
-    val_sections, test_sections = separate(val_option), separate(test_option)
+    val_sections, test_sections = own_sections(val_option), own_sections(test_option)
     val_fraction = float(val_option) if isinstance(val_option, (int, float)) else 0.0
     test_fraction = float(test_option) if isinstance(test_option, (int, float)) else 0.0
     many = len(train_sections) > 1
