@@ -69,7 +69,7 @@ class BatchEvaluator:
         self._derivatives = energy_forces_strain_derivative if stress else energy_and_forces
         self._model = PET(config)
         self._padding = padding_sample(config).structure
-        self._warned = set()  # the sets of partly periodic structures warned about
+        self._warned = set()  # labels of the partly periodic structures warned about
         # by long-range mesh layout (long_range.mesh_layout): with P3M, one graph per
         # number of crystals in a batch; otherwise one in all
         self._compiled = {}
@@ -97,11 +97,12 @@ class BatchEvaluator:
                 )
             if self.stress and not np.all(atoms.pbc):
                 partly.append(label)
-        if partly and tuple(partly) not in self._warned:
-            # once per evaluator and set of structures: relax.fire and dynamics.run
-            # check before their first step (the warning then names the caller's
-            # line), and every call checks again
-            self._warned.add(tuple(partly))
+        partly = [label for label in partly if label not in self._warned]
+        if partly:
+            # once per evaluator and structure: relax.fire and dynamics.run check
+            # before their first step (the warning then names the caller's line),
+            # and every call, on the structures still moving, checks again
+            self._warned.update(partly)
             named = ", ".join(partly[:3]) + (f" and {len(partly) - 3} more" if len(partly) > 3 else "")
             warnings.warn(partly_periodic_stress_warning(named), stacklevel=3)
 

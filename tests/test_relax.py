@@ -123,15 +123,19 @@ def test_partly_periodic_stress_warns(params):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         evaluate([_cells()[0]])
-    # once per evaluator and set of structures (relax.fire checks before its first
-    # step, and every step checks again): one warning, even when all are shown
+    # once per evaluator and structure (relax.fire checks before its first step, and
+    # every step, on the structures still moving, checks again): one warning, even
+    # when all are shown
     for warned_before in (True, False):
         evaluate = evaluate if warned_before else BatchEvaluator(CONFIG, params, stress=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            evaluate.check([_cells()[0], slab])
-            evaluate([_cells()[0], slab])
-        assert len(caught) == (0 if warned_before else 1), [str(w.message) for w in caught]
+            evaluate.check([_cells()[0], slab, slab])
+            evaluate([_cells()[0], slab, slab])
+            evaluate([slab], labels=["structure 2"])  # the others converged
+        assert len(caught) == 1, [str(w.message) for w in caught]
+        assert "for structure 2" in str(caught[0].message) if warned_before else \
+            "for structure 1, structure 2" in str(caught[0].message)
 
 
 def test_fire_compiled_one_graph(params):
