@@ -75,7 +75,7 @@ import numpy as np
 import torch
 
 from . import lora, tree
-from .batching import batch_plan, derived_seed
+from .batching import batch_plan, derived_seed, pack_by_atoms
 from .config import PETConfig
 from .data import Sample, fit_composition, fit_scale, make_batch, random_rotations
 from .datafiles import read_labelled, read_training_files
@@ -989,6 +989,20 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
                 f"max_atoms_per_batch = {max_atoms}, min_atoms_per_batch = {min_atoms}: no training batch is left"
                 + (f" for each of the {world_size} processes" if world_size > 1 else "")
             )
+        if world_size > 1:
+            # each process takes whole packed batches, as many as the others (as
+            # metatrain's sampler): a file's last (count mod N) batches sit out an epoch
+            notes, start = [], 0
+            for k, size in enumerate(train_groups or [len(train_samples)]):
+                packed = len(pack_by_atoms([len(s) for s in train_samples[start:start + size]], max_atoms, min_atoms))
+                start += size
+                if packed % world_size:
+                    notes.append(f"training file {k + 1}: " + (
+                        f"its {packed} packed batch(es) are fewer than the {world_size} processes: not trained on"
+                        if packed < world_size else
+                        f"{packed % world_size} of its {packed} packed batches sit out each epoch (different ones each epoch)"))
+            if notes:
+                log("warning: max_atoms_per_batch with several processes: " + "; ".join(notes))
     elif world_size > 1:
         # a file's global batch is shared by the processes: one with fewer training
         # structures than processes cannot be
@@ -1004,7 +1018,15 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
     if steps_per_epoch == 0:
         raise ValueError(f"no training batch: the training set has {len(train_samples)} structures")
     num_epochs = training["num_epochs"]
-    total_steps = max(1, num_epochs * steps_per_epoch)
+    # a restart with another number of processes (or batch packing) may take another
+    # number of steps per epoch: the schedule then ends with this run's last epoch
+    done_epochs, done_steps = (int(ckpt["epoch"]), int(ckpt["step"])) if ckpt is not None else (0, 0)
+    total_steps = max(1, done_steps + max(0, num_epochs - done_epochs) * steps_per_epoch)
+    if done_steps != done_epochs * steps_per_epoch:
+        log(f"warning: the run this restart continues took {done_steps} steps in {done_epochs} epochs, this one "
+            f"takes {steps_per_epoch} per epoch (another number of processes, or batch packing): the "
+            f"learning-rate schedule is fitted to end with epoch {num_epochs}, so it differs from an "
+            "uninterrupted run's")
     schedule = warmup_cosine(training["learning_rate"], total_steps, training["warmup_fraction"])
     optimizer = make_optimizer(schedule, training["weight_decay"])
     clip = training["grad_clip_norm"]

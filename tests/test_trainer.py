@@ -1197,3 +1197,20 @@ def test_explicit_indices_equal_mtt_train(tmp_path):
     options["validation_set"] = {"indices": [4, 6]}  # a restart cannot change its split
     with pytest.raises(ValueError, match=r"option 'validation_set' is indices \[4, 6\] here, indices \[4, 6, 8\]"):
         fit(options, tmp_path / "third", restart=tmp_path / "run" / "last.ckpt", progress=False, log=quiet())
+
+
+def test_restart_with_other_steps_per_epoch_ends_the_schedule(dataset, tmp_path):
+    """A restart that takes another number of steps per epoch (another number of
+    processes, batch packing or batch size): the learning rate still decays to the
+    end of the run (the schedule's length was recomputed from the new steps per
+    epoch only, so it ran out early, or stopped short of zero), with a warning."""
+    options = tiny_options(dataset, num_epochs=2, batch_size=4, warmup_fraction=0.0)
+    fit(options, tmp_path / "first", progress=False, log=quiet())
+    options["architecture"]["training"].update(num_epochs=4, batch_size=2)
+    lines = []
+    result = fit(options, tmp_path / "second", restart=tmp_path / "first" / "last.ckpt", progress=False,
+                 log=quiet(lines))
+    assert any("fitted to end with epoch 4" in line for line in lines), lines
+    rates = [row["learning_rate"] for row in result.history]
+    peak = options["architecture"]["training"]["learning_rate"]
+    assert rates[2] > 0.1 * peak and 0 < rates[3] < 0.05 * peak, rates
