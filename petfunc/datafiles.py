@@ -22,7 +22,7 @@ import numpy as np
 from .config import PETConfig
 from .data import Sample, sample_from_atoms
 from .loss import LossTerm, LossWeights
-from .options import dataset_sections, energy_unit_factor, length_unit_factor
+from .options import dataset_sections, energy_unit_factor, indices_only, length_unit_factor
 
 
 def read_frames(path, where: str, index=":") -> list:
@@ -400,13 +400,13 @@ def _check_split_options(options: Mapping, ckpt: Mapping) -> None:
         fraction_old, fraction_new = isinstance(old, (int, float)), isinstance(new, (int, float))
         if (fraction_old, fraction_new) == (True, True) and float(old) == float(new):
             continue
-        only_old, only_new = (isinstance(v, Mapping) and set(v) == {"indices"} for v in (old, new))
+        only_old, only_new = indices_only(old), indices_only(new)
         if fraction_old or fraction_new or ((only_old or only_new) and old != new):
 
             def show(value):
                 if isinstance(value, (int, float)):
                     return f"{value:g}"
-                if isinstance(value, Mapping) and set(value) == {"indices"}:
+                if indices_only(value):
                     return f"indices {value['indices'][:5]}{'...' if len(value['indices']) > 5 else ''}"
                 return "a separate file"
 
@@ -448,10 +448,6 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
     train_sections = dataset_sections(options["training_set"])
     val_option = options["validation_set"]
     test_option = options.get("test_set", 0.0)
-
-    def indices_only(option):
-        """metatrain's ``{indices: [...]}``: structures of the (one) training file"""
-        return isinstance(option, Mapping) and set(option) == {"indices"}
 
     def own_sections(option):
         """the dataset sections of a validation or test set read from files of its own"""

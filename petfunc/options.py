@@ -659,7 +659,7 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     for name in ("validation_set", "test_set"):
         merged[name] = _held_out(merged[name], name, merged["training_set"])
     both = [merged[n] for n in ("validation_set", "test_set")]
-    if all(isinstance(x, dict) and set(x) == {"indices"} for x in both) and set(both[0]["indices"]) & set(both[1]["indices"]):
+    if all(indices_only(x) for x in both) and set(both[0]["indices"]) & set(both[1]["indices"]):
         raise ValueError("options 'validation_set.indices' and 'test_set.indices' share structures "
                          f"{sorted(set(both[0]['indices']) & set(both[1]['indices']))[:10]}")
     fractions = [merged[n] for n in ("validation_set", "test_set") if isinstance(merged[n], float)]
@@ -667,6 +667,12 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
         raise ValueError(f"options 'validation_set' and 'test_set' take all of the data ({sum(fractions):g}); "
                          "their fractions must add up to less than 1")
     return merged
+
+
+def indices_only(option) -> bool:
+    """Whether a ``validation_set``/``test_set`` option is metatrain's indices-only form,
+    ``{indices: [...]}``: structures of the (one) training file."""
+    return isinstance(option, Mapping) and set(option) == {"indices"}
 
 
 def _held_out(value, where: str, training):
@@ -679,7 +685,7 @@ def _held_out(value, where: str, training):
         if not value < 1.0:
             raise ValueError(f"option '{where}' as a fraction must be below 1, got {value!r}")
         return float(value)
-    if isinstance(value, Mapping) and set(value) == {"indices"}:
+    if indices_only(value):
         # metatrain's indices-only form: structures of the (one) training file
         if isinstance(training, list) and len(training) > 1:
             raise ValueError(f"option '{where}': indices alone need a single training dataset (as in "
