@@ -262,10 +262,11 @@ def fit_scale(samples: Sequence[Sample], composition: np.ndarray, config: Option
     if not labelled:
         return 1.0
     divisor = [len(s) if per_atom else 1 for s in labelled]
-    targets = np.array([(s.energy - _baseline_energy(s, config)) / d for s, d in zip(labelled, divisor)])
+    baseline = [_baseline_energy(s, config) for s in labelled]
+    targets = np.array([(s.energy - b) / d for s, b, d in zip(labelled, baseline, divisor)])
     residuals = np.array([
-        (s.energy - composition[s.structure.species].sum() - _baseline_energy(s, config)) / d
-        for s, d in zip(labelled, divisor)
+        (s.energy - composition[s.structure.species].sum() - b) / d
+        for s, b, d in zip(labelled, baseline, divisor)
     ])
     scale = float(np.sqrt(np.mean(np.square(residuals))))
     size = float(np.sqrt(np.mean(np.square(targets))))
