@@ -65,3 +65,23 @@ def atomic_write(path: PathLike, write, text: bool = False) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def remove_leftover_temporaries(directory: PathLike, patterns) -> list:
+    """Remove the temporary files that :func:`atomic_write` leaves when its process is
+    killed (SIGKILL, a node lost) between creating one and renaming it, for the target
+    names matching the glob ``patterns`` (``"last.ckpt"``, ``"epoch_*.ckpt"``).
+
+    Call it only where no other process can be writing those names at the same time
+    (the training run that owns ``directory``). Returns the removed paths.
+    """
+    directory = Path(directory)
+    removed = []
+    for pattern in patterns:
+        for leftover in directory.glob(f".{pattern}.*.tmp"):
+            try:
+                leftover.unlink()
+                removed.append(leftover)
+            except FileNotFoundError:
+                pass
+    return removed

@@ -80,6 +80,7 @@ from .config import PETConfig
 from .data import Sample, fit_composition, fit_scale, make_batch, random_rotations
 from .datafiles import read_labelled, read_training_files
 from .derivatives import energy_and_forces, energy_forces_strain_derivative
+from ._files import remove_leftover_temporaries
 from .io import atomic_save, atomic_write, read_metatrain_baseline
 from .loss import LossWeights, make_loss
 from .model import PET
@@ -1123,6 +1124,11 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
             "params": output_dir / "best_params.pt",
             "parity": output_dir / "parity.png",
         }
+        # a run killed while writing (SIGKILL, a lost node) leaves its temporary file
+        leftovers = remove_leftover_temporaries(
+            output_dir, [p.name for p in files.values()] + ["parity_test.png", "epoch_*.ckpt"])
+        if leftovers:
+            log(f"removed {len(leftovers)} temporary file(s) a killed run left in {output_dir}")
     elif not is_main:
         output_dir = None
     options_json = json.dumps(options, sort_keys=True)

@@ -731,6 +731,22 @@ def test_nan_stops_without_corrupting_checkpoints(dataset, tmp_path):
     assert params_equal(params, good.last_params)
 
 
+def test_restart_removes_what_a_killed_run_left(dataset, tmp_path):
+    fit(tiny_options(dataset, num_epochs=1), tmp_path, progress=False, log=quiet())
+    # what atomic_write leaves when SIGKILL comes between creating and renaming
+    leftovers = [tmp_path / ".last.ckpt.k3j_x1.tmp", tmp_path / ".epoch_2.ckpt.a8.tmp",
+                 tmp_path / ".metrics.csv.zz.tmp"]
+    kept = tmp_path / ".notes.txt.tmp"  # not a name the trainer writes
+    for path in leftovers + [kept]:
+        path.write_bytes(b"partial")
+    lines = []
+    fit(tiny_options(dataset, num_epochs=2), tmp_path, restart=tmp_path / "last.ckpt", progress=False,
+        log=lines.append)
+    assert not any(path.exists() for path in leftovers)
+    assert kept.exists()
+    assert any("removed 3 temporary file(s)" in line for line in lines)
+
+
 def test_label_errors(dataset, tmp_path):
     # Forces asked for explicitly, under a key the file does not have.
     options = tiny_options(dataset)
