@@ -108,6 +108,8 @@ def hvp(energy_fn: Callable, mode: str = "reverse") -> Callable:
     _check_mode(mode)
 
     def fn(params, positions, cell, neighbors, v):
+        if all(type(n) is int for n in tuple(v.shape) + tuple(positions.shape)) and v.shape != positions.shape:
+            raise ValueError(f"v must have the shape of positions {list(positions.shape)}, got {list(v.shape)}")
         with symbolic_vmap_rules(decompose_layer_norm=True):
             return _hvp(energy_fn, params, positions, cell, neighbors, v, mode)
 
@@ -185,14 +187,26 @@ def _rows_from(rows_fn: Callable, k: int, first: int, params, positions, cell, n
 
 def working_memory(fn: Callable, *args) -> int:
     """Bytes of tensor memory ``fn(*args)`` allocates beyond what exists before the
-    call, at its peak: CUDA's allocator statistics, or on CPU the profiler's
-    allocation events (independent of allocator caching)."""
+    call, at its peak: CUDA's allocator statistics (their peak is reset), or on CPU
+    the profiler's allocation events (independent of allocator caching; an error
+    inside a running ``torch.profiler`` session, which a nested one would end)."""
     return _working_memory_and_output(fn, *args)[0]
 
 
 def _working_memory_and_output(fn: Callable, *args):
-    """``(working_memory(fn, *args), fn(*args))`` from one call."""
+    """``(working_memory(fn, *args), fn(*args))`` from one call.
+
+    On CUDA this resets the device's peak-memory statistics
+    (``torch.cuda.reset_peak_memory_stats``); on the CPU it runs torch's profiler,
+    which cannot run inside another profiler: it is an error there."""
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    if device.type != "cuda" and torch._C._autograd._profiler_enabled():
+        # a nested profile would end the caller's and measure nothing (0 bytes)
+        raise RuntimeError(
+            "petfunc.hessian: measuring working memory on the CPU (memory_budget=, working_memory, "
+            "chunk_size_for) uses torch's profiler, and a profiler is already running; call it outside "
+            "the profile, or pass chunk_size= instead of memory_budget="
+        )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)

@@ -137,6 +137,21 @@ def test_working_memory_is_quiet(capfd):
     assert "a line from inside the measured call" in err
 
 
+def test_working_memory_inside_a_profile_is_an_error():
+    """A nested profiler ended the caller's profile (its events were lost) and
+    measured 0 bytes; inside a running profile the measurement is refused."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from petfunc.hessian import working_memory
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(100, dtype=F64).cumsum(0)
+        with pytest.raises(RuntimeError, match="a profiler is already running"):
+            working_memory(lambda: torch.ones(1000, dtype=F64).cumsum(0))
+        torch.ones(100, dtype=F64).cumsum(0)
+    assert sum(e.name == "aten::cumsum" for e in prof.events()) == 2
+
+
 def test_memory_budget_picks_the_chunk_size(monkeypatch):
     """The budgeted Hessian equals the full one; the chosen chunk grows with the
     budget, its measured memory stays within it, the 4 measured rows are not
@@ -195,6 +210,9 @@ def test_bad_arguments():
         hessian(toy.energy, mode="sideways")
     with pytest.raises(ValueError, match="chunk_size"):
         hessian(toy.energy, chunk_size=1)
+    energy_fn, params, (x, cell, nbrs) = _setup([_molecule()])
+    with pytest.raises(ValueError, match=r"v must have the shape of positions \[9, 3\], got \[3\]"):
+        hvp(energy_fn)(params, x, cell, nbrs, torch.ones(3, dtype=F64))
 
 
 # ---------------------------------------------------------------------------------------
