@@ -38,6 +38,8 @@ from __future__ import annotations
 import torch
 from torch.func import grad
 
+from .neighbors import check_sizes
+
 
 AUTODIFF = ("func", "autograd")
 
@@ -158,6 +160,7 @@ def _position_and_strain_grad(terms_fn, params, positions, cell, neighbors, auto
     x, cell, neighbors)`` is a tuple whose first item is the energy [n_structures]."""
     if torch.is_inference_mode_enabled():
         return _outside_inference_mode(_position_and_strain_grad, terms_fn, params, positions, cell, neighbors, autodiff)
+    check_sizes(positions, cell, neighbors)  # the strain below would fail first, less clearly
     if autodiff == "autograd":
         _assert_eager("the strain derivative")
         create = _requires_graph(params, positions, cell)

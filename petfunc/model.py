@@ -27,7 +27,7 @@ from . import adaptive, nn, transformer
 from .config import PETConfig
 from .cutoff import switching_function
 from .lookup import lookup_rows
-from .neighbors import Neighbors
+from .neighbors import Neighbors, check_sizes
 from .permute import permute_rows
 from .remat import call as remat_call
 
@@ -266,7 +266,10 @@ def last_layer_features(params, positions, cell, neighbors: Neighbors, config: P
     return torch.cat(out, dim=1)
 
 
-def _check_dtypes(params, positions, cell) -> None:
+def _check_inputs(params, positions, cell, neighbors: Neighbors, config: PETConfig) -> None:
+    """Clear errors for inputs that would otherwise give a cryptic torch error deep in
+    the network, or a silently wrong number (positions with an extra row, a cell per
+    structure too many, parameters made for other species)."""
     # PyTorch would stop at the first product ("mat1 and mat2 must have the same
     # dtype"), which does not say which input is off
     weight = params["edge_embedder"]["weight"]
@@ -277,11 +280,24 @@ def _check_dtypes(params, positions, cell) -> None:
                 f"{weight.device}; give both the same dtype and device (from_atoms(..., dtype=, "
                 "device=) for the inputs)"
             )
+    check_sizes(positions, cell, neighbors)
+    n_species = len(config.atomic_types)
+    if (weight.dim() != 2 or weight.shape[0] != n_species or weight.shape[1] != config.d_pet
+            or params["composition_weights"].shape[-1] != n_species):
+        raise ValueError(
+            f"the parameters are not for this config's {n_species} atomic types {list(config.atomic_types)} "
+            f"and d_pet {config.d_pet} "
+            f"(edge_embedder.weight {list(weight.shape)}, composition_weights "
+            f"{list(params['composition_weights'].shape)}); petfunc.io.check_params names every mismatch"
+        )
+    if len(params["gnn_layers"]) != config.num_gnn_layers:
+        raise ValueError(f"the parameters have {len(params['gnn_layers'])} GNN layers, the config "
+                         f"{config.num_gnn_layers}; petfunc.io.check_params names every mismatch")
 
 
 def _readout_inputs(params, positions, cell, neighbors: Neighbors, config: PETConfig):
     """``([(nodes, edge tokens)] per readout layer, token cutoff factors, token centres)``."""
-    _check_dtypes(params, positions, cell)
+    _check_inputs(params, positions, cell, neighbors, config)
     vectors = edge_vectors(positions, cell, neighbors)
     distances = torch.linalg.vector_norm(vectors, dim=-1) + 1e-15
     factors = cutoff_factors(config, distances, neighbors)

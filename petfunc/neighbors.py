@@ -88,6 +88,28 @@ class Neighbors(NamedTuple):
 # flat edge lists
 
 
+def check_sizes(positions, cell, neighbors: "Neighbors") -> None:
+    """Raise ``ValueError`` when ``positions [n_atoms, 3]`` or ``cell [n_structures, 3,
+    3]`` do not fit ``neighbors``: torch would fail deep inside the network, or not
+    at all (an extra row of positions gave forces with a zero row, an extra cell a
+    phantom structure). Sizes of traced tensors are symbolic and are not compared
+    (that would add guards to the trace); the real tensors are checked before."""
+    if positions.dim() != 2:
+        raise ValueError(f"positions must be [n_atoms, 3], got {list(positions.shape)}")
+    if cell.dim() != 3:
+        raise ValueError(f"cell must be [n_structures, 3, 3] (one cell per structure), got {list(cell.shape)}")
+    sizes = (positions.shape[0], neighbors.species.shape[0], cell.shape[0], neighbors.charge.shape[0])
+    if all(type(size) is int for size in sizes + tuple(positions.shape) + tuple(cell.shape)):
+        if positions.shape[1] != 3:
+            raise ValueError(f"positions must be [n_atoms, 3], got {list(positions.shape)}")
+        if tuple(cell.shape[1:]) != (3, 3):
+            raise ValueError(f"cell must be [n_structures, 3, 3] (one cell per structure), got {list(cell.shape)}")
+        if sizes[0] != sizes[1]:
+            raise ValueError(f"positions has {sizes[0]} rows, but the neighbour list is for {sizes[1]} atoms")
+        if sizes[2] != sizes[3]:
+            raise ValueError(f"cell has {sizes[2]} cells, but the neighbour list is for {sizes[3]} structures")
+
+
 def species_index(numbers, atomic_types: Sequence[int]) -> np.ndarray:
     """Map atomic numbers to species indices; unknown species raise ``ValueError``."""
     numbers = np.asarray(numbers, dtype=np.int64)

@@ -4,6 +4,7 @@ Finite differences, invariances, batching, locality, edge cases, fixed regressio
 numbers, and the initialisation. All float64 with small architectures unless noted.
 """
 
+import dataclasses
 import math
 
 import ase
@@ -373,3 +374,29 @@ def test_float32_smoke():
         fn(params64, positions, cell, graph)
     with pytest.raises(TypeError, match=r"cell: torch.float32 on cpu, but the parameters: torch.float64"):
         petfunc.PET(CONFIG).energy(params64, positions.double(), cell, graph)
+
+
+def test_inputs_that_do_not_fit_are_named():
+    """Positions with an extra row gave forces with a zero row and no error, and a
+    cell too many a phantom structure; parameters of other species looked the
+    wrong species up. Each is now an error that names the mismatch."""
+    frames = [_ethanol(), _cubic_cell()]
+    params = _params(CONFIG, dtype=torch.float64)
+    positions, cell, graph = petfunc.from_atoms(frames, CONFIG, dtype=torch.float64)
+    model = petfunc.PET(CONFIG)
+    fn = petfunc.energy_forces_stress(model.energy)
+    extra = torch.cat([positions, positions[:1]])
+    with pytest.raises(ValueError, match=rf"positions has {len(extra)} rows, but the neighbour list is for {len(positions)} atoms"):
+        fn(params, extra, cell, graph)
+    with pytest.raises(ValueError, match="cell has 3 cells, but the neighbour list is for 2 structures"):
+        model.energy(params, positions, torch.cat([cell, cell[:1]]), graph)
+    with pytest.raises(ValueError, match=r"cell must be \[n_structures, 3, 3\]"):
+        model.energy(params, positions, cell[0], graph)
+    with pytest.raises(ValueError, match=r"positions must be \[n_atoms, 3\]"):
+        model.energy(params, positions[:, :2], cell, graph)
+    fewer = dataclasses.replace(CONFIG, atomic_types=tuple(CONFIG.atomic_types[:-1]))
+    with pytest.raises(ValueError, match="not for this config's"):
+        petfunc.PET(fewer).energy(params, positions, cell, graph)
+    with pytest.raises(ValueError, match="GNN layers"):
+        petfunc.PET(dataclasses.replace(CONFIG, num_gnn_layers=CONFIG.num_gnn_layers + 1)).energy(
+            params, positions, cell, graph)
