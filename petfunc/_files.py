@@ -85,3 +85,12 @@ def remove_leftover_temporaries(directory: PathLike, patterns) -> list:
             except FileNotFoundError:
                 pass
     return removed
+
+
+def not_a_file(path: PathLike, what: str) -> str:
+    """The message for a ``path`` that is not a readable file: "no WHAT at PATH", or
+    that it is a folder (a run's output folder given for its checkpoint, say)."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{str(path)!r} is a folder, not {what}"
+    return f"no {what} at {str(path)!r}"

@@ -195,6 +195,9 @@ class PETCalculator(Calculator):
         if exported is not None:
             if params is not None or ensemble_params is not None or compile:
                 raise ValueError("an exported model carries its own weights and code: give it without params, ensemble_params or compile")
+            if dtype is not None and dtype != exported.dtype:
+                raise ValueError(f"the exported model computes in {exported.dtype}, not {dtype}: its dtype is fixed "
+                                 "when it is written (petfunc export --dtype)")
             device, dtype = exported.device, exported.dtype
             params = {}  # stands for the weights inside the artifact
         if params is None and ensemble_params is None:

@@ -79,6 +79,7 @@ import torch
 
 from .config import PETConfig
 from .derivatives import energy_terms_forces_strain_derivative
+from ._files import not_a_file
 from .io import cast_params
 from .neighbors import Neighbors
 
@@ -448,13 +449,16 @@ def load(path, aoti: Optional[bool] = None) -> ExportedPET:
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"exported model not found: {str(path)!r}")
+        raise FileNotFoundError(not_a_file(path, "exported model"))
     if not zipfile.is_zipfile(path):
         raise ValueError(f"{str(path)!r} is not a PT2 archive written by petfunc export")
-    with zipfile.ZipFile(path) as archive:
-        names = [n for n in archive.namelist() if n.endswith("extra/" + METADATA)]
-        models = {n.split("/")[-2] for n in archive.namelist() if "/data/aotinductor/" in n and n.count("/") >= 4}
-        raw = archive.read(names[0]).decode() if names else None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = [n for n in archive.namelist() if n.endswith("extra/" + METADATA)]
+            models = {n.split("/")[-2] for n in archive.namelist() if "/data/aotinductor/" in n and n.count("/") >= 4}
+            raw = archive.read(names[0]).decode() if names else None
+    except (zipfile.BadZipFile, OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{str(path)!r} is not a readable PT2 archive (damaged or truncated?): {error}") from None
     if raw is None:
         raise ValueError(f"{str(path)!r} has no {METADATA}: not an archive written by petfunc export")
     metadata = json.loads(raw)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from . import tree
-from ._files import PathLike, atomic_write  # noqa: F401 - atomic_write: also petfunc.io's API
+from ._files import PathLike, atomic_write, not_a_file  # noqa: F401 - atomic_write: also petfunc.io's API
 from .config import PETConfig
 from .model import BLOCK, TARGET, init
 
@@ -155,7 +155,10 @@ def load_params(
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no petfunc parameter file at {str(path)!r}")
+        raise FileNotFoundError(not_a_file(path, "petfunc parameter file"))
+    if is_petfunc_export(path):
+        raise ValueError(f"{str(path)!r} is a model written by petfunc export, not a parameter file: "
+                         "load it with petfunc.ase.PETCalculator.from_exported(path)")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # corrupt archives and pickles raise many types
@@ -226,7 +229,10 @@ def _require_metatrain():
 
 def _read_bytes(path: Path) -> bytes:
     if not path.is_file():
-        raise FileNotFoundError(f"no metatrain checkpoint at {str(path)!r}")
+        raise FileNotFoundError(not_a_file(path, "metatrain checkpoint"))
+    if is_petfunc_export(path):
+        raise ValueError(f"{str(path)!r} is a model written by petfunc export, not a metatrain checkpoint: "
+                         "load it with petfunc.ase.PETCalculator.from_exported(path)")
     data = path.read_bytes()
     if data[:2] == b"\x1f\x8b":  # gzip magic, whatever the extension
         try:
@@ -305,6 +311,18 @@ def _unsafe_globals(data: bytes):
             return []
 
 
+def is_petfunc_export(path: PathLike) -> bool:
+    """Whether ``path`` is a PT2 archive written by ``petfunc export`` (it holds
+    ``petfunc.json``; see :mod:`petfunc.export`)."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return False
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("extra/petfunc.json") for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
 def _is_torchscript(source) -> bool:
     """Whether ``source`` (the bytes or the path of a file) is a TorchScript archive,
     such as an exported metatomic model."""
@@ -312,8 +330,13 @@ def _is_torchscript(source) -> bool:
         source = io.BytesIO(source)
     if not zipfile.is_zipfile(source):
         return False
-    with zipfile.ZipFile(source) as archive:
-        return any("/code/" in name for name in archive.namelist())
+    try:
+        with zipfile.ZipFile(source) as archive:
+            return any("/code/" in name for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        # found an end record, but a damaged directory: the loader that reads it
+        # next says which file is unreadable
+        return False
 
 
 def _copy_checkpoint(checkpoint: Mapping) -> dict:
@@ -692,6 +715,9 @@ def _read_metatrain(source, dtype=None, target=None, llpr: Optional[str] = None,
         checkpoint = _llpr_wrapped_checkpoint(checkpoint, label)
         name = checkpoint.get("architecture_name")
     if name != "pet":
+        if str(checkpoint.get("format", "")).startswith("petfunc."):
+            raise ValueError(f"{label} is a petfunc file ({checkpoint['format']}), not a metatrain checkpoint: "
+                             "read it with petfunc.load_model(path) or PETCalculator.from_checkpoint(path)")
         raise ValueError(f"{label} is not a PET checkpoint (architecture_name={name!r})")
     version = checkpoint.get("model_ckpt_version") or 1
     latest = metatrain_pet.__checkpoint_version__

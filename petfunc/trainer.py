@@ -80,7 +80,7 @@ from .config import PETConfig
 from .data import Sample, fit_composition, fit_scale, make_batch, random_rotations
 from .datafiles import read_labelled, read_training_files
 from .derivatives import energy_and_forces, energy_forces_strain_derivative
-from ._files import remove_leftover_temporaries
+from ._files import not_a_file, remove_leftover_temporaries
 from .io import atomic_save, atomic_write, read_metatrain_baseline
 from .loss import LossWeights, make_loss
 from .model import PET
@@ -211,7 +211,7 @@ def load_checkpoint(path) -> dict:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint file at {str(path)!r}")
+        raise FileNotFoundError(not_a_file(path, "checkpoint file"))
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
@@ -264,12 +264,18 @@ def _load_model(path, dtype, which, device, target, keep_lora: bool):
     """:func:`load_model`, plus ``lora``: with ``keep_lora``, a source's LoRA
     adapters stay in ``params["lora"]`` and ``lora`` is their ``{rank, alpha,
     targets}`` (else ``None``)."""
-    from .io import UnreadableCheckpointError, _read_metatrain, params_from_payload
+    from .io import UnreadableCheckpointError, _read_metatrain, is_petfunc_export, params_from_payload
 
     source_lora = None
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"model file not found: {str(path)!r}")
+        raise FileNotFoundError(not_a_file(path, "model file"))
+    if is_petfunc_export(path):
+        raise ValueError(
+            f"{str(path)!r} is a model written by petfunc export, which runs as it is: load it with "
+            "petfunc.ase.PETCalculator.from_exported(path); petfunc eval, load_model and fine-tuning take the "
+            "checkpoint or parameter file it was exported from"
+        )
     payload, load_error = _torch_payload(path)
     is_petfunc = isinstance(payload, dict) and payload.get("format") in (CHECKPOINT_FORMAT, "petfunc.params")
     if is_petfunc and target not in (None, "energy"):
@@ -466,6 +472,8 @@ def _evaluate_structures(config: PETConfig, params, samples: Sequence[Sample], b
     """Yield ``(sample, energy, forces, strain_derivative)`` for every sample (eV, eV/Å,
     eV; the strain derivative ``None`` without ``stress`` and for structures that are
     not periodic in all three directions, whose stress is undefined), in batches."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     model = PET(config)
     leaves = tree.flatten(params)
     dtype = next(v.dtype for k, v in leaves.items() if k not in ("composition_weights", "energy_scale"))

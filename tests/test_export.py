@@ -113,6 +113,21 @@ def test_export_errors(exported, tmp_path):
         calc.calculate(ase.build.molecule("NH3"), ["energy"])
     with pytest.raises(ValueError, match="own weights"):
         PETCalculator(CONFIG, params, exported=model)
+    with pytest.raises(ValueError, match="computes in torch.float64, not torch.float32"):
+        PETCalculator(CONFIG, exported=model, dtype=torch.float32)  # it was ignored
+    # an export given to the loaders of other files: they named torch's "corrupted
+    # checkpoint" error or metatrain, not from_exported
+    from petfunc.trainer import load_model
+
+    for load in (petfunc.load_params, petfunc.from_metatrain, load_model, PETCalculator.from_checkpoint):
+        with pytest.raises(ValueError, match=r"is a model written by petfunc export.*from_exported"):
+            load(path)
+    # a petfunc file given to from_metatrain; a folder given for a file
+    with pytest.raises(ValueError, match=r"is a petfunc file \(petfunc.params\), not a metatrain checkpoint"):
+        petfunc.from_metatrain(path.parent.parent / "params.pt")
+    for load in (petfunc.load_params, petfunc.from_metatrain, load_model, pexport.load):
+        with pytest.raises(FileNotFoundError, match="is a folder, not"):
+            load(path.parent)
 
 
 def test_check_dynamic_finds_bounds():

@@ -114,6 +114,20 @@ def test_load_corrupt_and_truncated_files(tmp_path):
     (tmp_path / "cut").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="not a readable petfunc parameter file"):
         petfunc.load_params(tmp_path / "cut")
+    # a damaged central directory behind an intact end record: zipfile.is_zipfile says
+    # yes, and opening it raised zipfile.BadZipFile (not a ValueError) from the loaders
+    import zipfile
+
+    broken = bytearray(data)
+    start = zipfile.ZipFile(tmp_path / "good").start_dir
+    broken[start + 3] ^= 0xFF
+    (tmp_path / "directory").write_bytes(bytes(broken))
+    assert zipfile.is_zipfile(tmp_path / "directory")
+    from petfunc.trainer import load_model
+
+    for load in (petfunc.load_params, petfunc.from_metatrain, load_model, petfunc.ase.PETCalculator.from_exported):
+        with pytest.raises(ValueError, match="not a readable"):
+            load(tmp_path / "directory")
 
 
 class _Evil:
