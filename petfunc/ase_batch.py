@@ -31,6 +31,18 @@ from .structures import collate, prepare_atoms
 __all__ = ["BatchEvaluator"]
 
 
+def _check_frames(frames) -> None:
+    """The batched APIs take a list of structures: one ``Atoms`` (a sequence of
+    ``Atom``) failed with "object of type 'Atom' has no len()"."""
+    import ase
+
+    if isinstance(frames, ase.Atoms):
+        raise TypeError("expected a list of ase.Atoms, got one Atoms; for one structure pass [atoms]")
+    for i, atoms in enumerate(frames):
+        if not isinstance(atoms, ase.Atoms):
+            raise TypeError(f"expected a list of ase.Atoms, but item {i} is a {type(atoms).__name__}")
+
+
 class BatchEvaluator:
     """``evaluator(atoms_list) -> [{"energy", "free_energy", "forces"[, "stress"]}, ...]``.
 
@@ -85,6 +97,7 @@ class BatchEvaluator:
         stress) one whose cell has zero volume; with stress, warn (as
         :class:`~petfunc.ase.PETCalculator` does) for cells not periodic in all
         three directions."""
+        _check_frames(frames)
         partly = []
         for i, atoms in enumerate(frames):
             label = labels[i] if labels is not None else f"structure {i}"
@@ -107,6 +120,7 @@ class BatchEvaluator:
             warnings.warn(partly_periodic_stress_warning(named), stacklevel=3)
 
     def __call__(self, frames: Sequence, labels: Optional[Sequence[str]] = None) -> List[Dict[str, np.ndarray]]:
+        _check_frames(frames)
         labels = list(labels) if labels is not None else [f"structure {i}" for i in range(len(frames))]
         self.check(frames, labels)
         results: List[Optional[Dict[str, np.ndarray]]] = [None] * len(frames)

@@ -240,6 +240,17 @@ def make_default_dataset(path, n_structures: int = DEMO_STRUCTURES, seed: int = 
 # argument parsing
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (a batch size of -3 read no structure)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="petfunc",
@@ -258,8 +269,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("-o", "--output", help="output folder (default: outputs/DATE/TIME; "
                        "with --restart: the checkpoint's folder)")
     train.add_argument("--restart", metavar="CKPT", help="continue from last.ckpt/best.ckpt")
-    train.add_argument("--epochs", type=int, help="architecture.training.num_epochs")
-    train.add_argument("--batch-size", type=int, help="architecture.training.batch_size")
+    train.add_argument("--epochs", type=_positive_int, help="architecture.training.num_epochs")
+    train.add_argument("--batch-size", type=_positive_int, help="architecture.training.batch_size")
     train.add_argument("--lr", type=float, help="architecture.training.learning_rate")
     train.add_argument("--seed", type=int, help="seed")
     train.add_argument("--dtype", choices=("float32", "float64"), help="base_precision 32 or 64")
@@ -283,7 +294,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="architecture.training.finetune.read_from")
     train.add_argument("--finetune-method", choices=("full", "heads", "lora"),
                        help="architecture.training.finetune.method (with metatrain's default config)")
-    train.add_argument("--structures", type=int, default=DEMO_STRUCTURES,
+    train.add_argument("--structures", type=_positive_int, default=DEMO_STRUCTURES,
                        help=f"size of the built-in demo dataset (default {DEMO_STRUCTURES}; "
                        "only without an options file)")
     train.add_argument("-s", "--set", action="append", default=[], metavar="KEY=VALUE",
@@ -291,13 +302,13 @@ def _parser() -> argparse.ArgumentParser:
                        "(VALUE is YAML); repeatable")
     train.add_argument("--no-progress", dest="progress", action="store_false", default=None,
                        help="no progress bar")
-    train.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    train.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
 
     ev = sub.add_parser("eval", help="errors of a model on a dataset",
                         description="RMSE and MAE of energies per atom, forces and stress.")
     ev.add_argument("model", help="a petfunc checkpoint (.ckpt), a best_params.pt file, or a metatrain checkpoint")
     ev.add_argument("dataset", help="extxyz file with reference labels")
-    ev.add_argument("--batch-size", type=int, default=16)
+    ev.add_argument("--batch-size", type=_positive_int, default=16)
     ev.add_argument("--dtype", choices=("float32", "float64"), help="default: the model's")
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--which", choices=("best", "last"), default="best",
@@ -320,7 +331,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", metavar="FILE", help="also write the metrics as JSON")
     ev.add_argument("--output", "-o", metavar="FILE",
                     help="also write the predictions as extxyz (energy, forces, stress of each structure)")
-    ev.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    ev.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
 
     ex = sub.add_parser(
         "export", help="write a deployment artifact (.pt2)",
@@ -344,7 +355,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--long-range", choices=("p3m", "ewald"), default=None,
                     help="reciprocal-space method of a long-range model: p3m (default; only the "
                          "first structure of a call may be periodic) or ewald (batches of crystals)")
-    ex.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    ex.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
     return parser
 
 

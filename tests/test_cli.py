@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from petfunc.cli import main, make_default_dataset
+from petfunc.trainer import evaluate
 
 
 TINY = [
@@ -200,6 +201,13 @@ def test_eval_errors(demo_run, tmp_path, capsys):
     # a table without its energy row
     assert main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz"), "--energy-key", "E"]) == 2
     assert "no structure has labels under the key(s) ['E'] (keys in the file:" in capsys.readouterr().err
+    # a negative batch size read no structure and exited 0 ("no labels in the file")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz"), "--batch-size", "-3"])
+    assert exit_info.value.code == 2
+    assert "argument --batch-size: expected a positive integer, got -3" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
+        evaluate(demo_run / "best.ckpt", demo_run / "dataset.xyz", batch_size=0)
 
 
 def test_train_errors(tmp_path, capsys):

@@ -167,3 +167,13 @@ def test_fire_stops_at_steps_and_checks_arguments(params):
             fire(CONFIG, params, frames, **bad)
     with pytest.raises(ValueError, match=r"structure 0: atomic number\(s\) \[7\] are not among"):
         fire(CONFIG, params, [ase.build.molecule("NH3")])
+    # one Atoms instead of a list failed with "object of type 'Atom' has no len()"
+    from petfunc.ase_batch import BatchEvaluator
+    from petfunc.dynamics import run
+
+    for call in (lambda f: fire(CONFIG, params, f), lambda f: BatchEvaluator(CONFIG, params)(f),
+                 lambda f: run(CONFIG, params, f, steps=1, timestep=0.5)):
+        with pytest.raises(TypeError, match=r"got one Atoms; for one structure pass \[atoms\]"):
+            call(frames[0])
+        with pytest.raises(TypeError, match="item 1 is a str"):
+            call([frames[0], "H2O"])
