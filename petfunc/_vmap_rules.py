@@ -191,8 +191,21 @@ def _register_autograd_decompositions():
         warnings.simplefilter("ignore", UserWarning)
         for name in _AUTOGRAD_DECOMPOSED:
             op = getattr(aten, name).default
-            library.impl(op, decomposition_table[op], "Autograd")
+            library.impl(op, _without_empty_warning(decomposition_table[op]), "Autograd")
     return library
+
+
+def _without_empty_warning(decomposition):
+    """``decomposition`` without the "var_mean(): degrees of freedom is <= 0" warning
+    it gives for an empty input (a structure without edges: no tokens to normalise;
+    the result, empty, is right)."""
+
+    def quiet(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"var_mean\(\): degrees of freedom")
+            return decomposition(*args, **kwargs)
+
+    return quiet
 
 
 def _destroy(library):
