@@ -214,27 +214,49 @@ class PETCalculator(Calculator):
         self.compile = bool(compile)
         # GPUs on torch < 2.13: aot_eager for long-range models (long_range.calculator_backend)
         self.backend = calculator_backend(config, backend, self.device) if compile else backend
-        # energy, per-atom energies, forces, strain derivative: one forward pass;
-        # traced (torch.func) when compiled, by autograd when eager (faster there)
-        self._efs = energy_terms_forces_strain_derivative(self.model.energy_terms)
-        terms = remat_fn(self.model.energy_terms) if remat else self.model.energy_terms
-        self._efs_eager = energy_terms_forces_strain_derivative(terms, "autograd")
-        # compiled functions by long-range mesh layout (long_range.mesh_layout): a
-        # crystal and a molecule need one graph each with P3M, otherwise one in all
-        self._compiled = {}
+        self._remat = bool(remat)
         self._padding = padding_sample(config).structure
         self.llpr = None
         if llpr is not None:
             if params is None or ensemble_params is not None or exported is not None:
                 raise ValueError("llpr needs params, and excludes ensemble_params and exported models")
+            self.llpr = {k: v.to(dtype=self.dtype, device=self.device) for k, v in llpr.items()}
+        self._build_functions()
+
+    def _build_functions(self) -> None:
+        """The derivative functions (closures, rebuilt after unpickling) and empty
+        caches of their compiled versions."""
+        # energy, per-atom energies, forces, strain derivative: one forward pass;
+        # traced (torch.func) when compiled, by autograd when eager (faster there)
+        self._efs = energy_terms_forces_strain_derivative(self.model.energy_terms)
+        terms = remat_fn(self.model.energy_terms) if self._remat else self.model.energy_terms
+        self._efs_eager = energy_terms_forces_strain_derivative(terms, "autograd")
+        # compiled functions by long-range mesh layout (long_range.mesh_layout): a
+        # crystal and a molecule need one graph each with P3M, otherwise one in all
+        self._compiled = {}
+        if self.llpr is not None:
             from . import llpr as llpr_module
 
-            self.llpr = {k: v.to(dtype=self.dtype, device=self.device) for k, v in llpr.items()}
             self._llpr_fns = {
-                "offsets": llpr_module.ensemble_offsets(config, stress=True),
-                "features": llpr_module.structure_features(config),
+                "offsets": llpr_module.ensemble_offsets(self.config, stress=True),
+                "features": llpr_module.structure_features(self.config),
             }
             self._llpr_compiled = {}
+
+    _FUNCTIONS = ("_efs", "_efs_eager", "_compiled", "_llpr_fns", "_llpr_compiled")
+
+    def __getstate__(self):
+        """Picklable (a ``multiprocessing`` pool of relaxations, say): the tensors and
+        settings travel; the derivative functions are rebuilt, and a compiled
+        calculator compiles again where it is unpickled (from the trace cache)."""
+        if self.exported is not None:
+            raise TypeError("a PETCalculator of an exported model cannot be pickled: load the .pt2 file "
+                            "in each process (PETCalculator.from_exported)")
+        return {k: v for k, v in self.__dict__.items() if k not in self._FUNCTIONS}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._build_functions()
 
     # -- constructors ----------------------------------------------------------------
     @classmethod

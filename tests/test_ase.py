@@ -463,3 +463,19 @@ def test_md_example_smoke(tmp_path):
     assert "RANDOM parameters" in result.stdout
     frames = ase.io.read(output, index=":")
     assert len(frames) == 5 and "forces" in frames[-1].calc.results
+
+
+def test_calculator_pickles(params):
+    """A calculator travels to other processes (a multiprocessing pool): pickling
+    failed on its derivative closures. The copy gives the same numbers, a committee
+    included."""
+    import pickle
+
+    atoms = ase.build.molecule("CH3CH2OH")
+    for calc in (PETCalculator(CONFIG, params),
+                 PETCalculator(CONFIG, params, ensemble_params=[params, petfunc.PET(CONFIG).init(seed=5, dtype=torch.float64)])):
+        copy = pickle.loads(pickle.dumps(calc))
+        for key in ("energy", "forces"):
+            a, b = atoms.copy(), atoms.copy()
+            a.calc, b.calc = calc, copy
+            np.testing.assert_array_equal(a.calc.get_property(key, a), b.calc.get_property(key, b))
