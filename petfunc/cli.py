@@ -630,6 +630,10 @@ def _eval(args) -> int:
     # keys given on the command line must be in the file; defaults may be absent
     named = [getattr(args, name) for name in ("energy_key", "forces_key", "stress_key", "virial_key")
              if getattr(args, name) is not None]
+    if args.stress_key is not None and args.virial_key is not None:
+        # two labels of one quantity (metatrain's options refuse them too); the
+        # stress was used and the virial ignored without a word
+        raise ValueError("give --stress-key or --virial-key, not both: they label the same quantity")
     _label_options(args)
     metrics, _ = evaluate(
         args.model, args.dataset, batch_size=args.batch_size, dtype=dtype, device=args.device,

@@ -201,6 +201,9 @@ def test_eval_errors(demo_run, tmp_path, capsys):
     # a table without its energy row
     assert main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz"), "--energy-key", "E"]) == 2
     assert "no structure has labels under the key(s) ['E'] (keys in the file:" in capsys.readouterr().err
+    assert main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz"), "--stress-key", "stress",
+                 "--virial-key", "virial"]) == 2
+    assert "give --stress-key or --virial-key, not both" in capsys.readouterr().err
     # a negative batch size read no structure and exited 0 ("no labels in the file")
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz"), "--batch-size", "-3"])
