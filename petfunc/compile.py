@@ -964,7 +964,11 @@ class Compiled:
         cache = None
         if cache_key is not None:
             signature = (
-                [(t.dtype, str(t.device), tuple(t.shape) if s else t.dim()) for t, s in zip(inputs, self._static)],
+                # a data size of 0 or 1 is fixed in the trace (the shape environment
+                # specialises them): an example of one structure traces another graph
+                # than a batch (loading it for a batch failed its size guards)
+                [(t.dtype, str(t.device), tuple(t.shape) if s else tuple(n if n < 2 else -1 for n in t.shape))
+                 for t, s in zip(inputs, self._static)],
                 # which leaves are tensors: pytree flattens None to a leaf, so the spec
                 # alone does not tell (mesh, None, mesh) from (mesh, mesh, None)
                 self._in_layout.key(), repr(self._spec), self._is_tensor, repr(self._constants),

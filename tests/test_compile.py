@@ -143,6 +143,23 @@ def test_trace_cache(tmp_path, monkeypatch):
     assert not petfunc.compile(scatter_energy, params, *x, backend="aot_eager", cache_key="toy").from_cache
 
 
+def test_trace_cache_keeps_sizes_one_apart(tmp_path, monkeypatch):
+    """A trace of an example with one atom (or one structure) has that size fixed:
+    loaded from the cache for a larger example, its first call failed its size
+    guards. Such examples now have traces of their own."""
+    monkeypatch.setenv("PETFUNC_TRACE_CACHE_DIR", str(tmp_path))
+    params = {"w": torch.randn(3, 5, dtype=torch.float64)}
+    one = petfunc.compile(scatter_energy, params, *example(1, 2), backend="aot_eager", cache_key="toy")
+    assert not one.from_cache
+    many = petfunc.compile(scatter_energy, params, *example(4, 7), backend="aot_eager", cache_key="toy")
+    assert not many.from_cache
+    y = example(9, 30, seed=9)
+    torch.testing.assert_close(many(params, *y), scatter_energy(params, *y), rtol=1e-12, atol=1e-12)
+    again = petfunc.compile(scatter_energy, params, *example(1, 2, seed=3), backend="aot_eager", cache_key="toy")
+    assert again.from_cache
+    assert petfunc.compile(scatter_energy, params, *example(5, 9), backend="aot_eager", cache_key="toy").from_cache
+
+
 def test_trace_cache_reloads_graphs_with_symbolic_size_lists(tmp_path, monkeypatch):
     """A reloaded graph whose ops take lists with symbolic sizes, slices and tensor
     constants loads without a warning and gives the traced results. The trace cache
