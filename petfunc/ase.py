@@ -400,6 +400,14 @@ class PETCalculator(Calculator):
                 changes.append("info")
         return changes
 
+    def export_properties(self):
+        """ASE's ``Properties`` of the results it knows (``atoms.get_properties``,
+        socket I/O): the committee's and LLPR's results, such as
+        ``energy_ensemble``, stay in ``results`` only (ASE refused the whole set)."""
+        from ase.outputs import Properties, all_outputs
+
+        return Properties({k: v for k, v in self.results.items() if k in all_outputs})
+
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
         super().calculate(atoms, properties, system_changes)
         atoms = self.atoms

@@ -145,7 +145,8 @@ def run(
             ASE ``Langevin(..., rng=...)`` would get to reproduce it). Default:
             ``np.random.default_rng([seed, i])`` for structure i.
         max_atoms: most atoms in one model call (``None``: all at once).
-        compile: evaluate through :func:`petfunc.compile` (one graph for every batch).
+        compile: evaluate through :func:`petfunc.compile` (one graph for every batch;
+            long-range models: one per number of crystals in a batch).
         backend, dtype, device: as for :class:`petfunc.ase.PETCalculator`.
         observer: called as ``observer(step, atoms_list)`` after the initial
             evaluation (step 0) and after every step; each structure's calculator

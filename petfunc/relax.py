@@ -146,7 +146,8 @@ def fire(
         steps: most FIRE steps per structure.
         max_atoms: most atoms evaluated in one model call (``None``: every moving
             structure at once); bounds the memory of large sets.
-        compile: evaluate through :func:`petfunc.compile` (one graph for every batch).
+        compile: evaluate through :func:`petfunc.compile` (one graph for every batch;
+            long-range models: one per number of crystals in a batch).
         backend, dtype, device: as for :class:`petfunc.ase.PETCalculator`.
         parameters: the :class:`FIRE` parameters.
         cell_filter: relax the cells too, through this ASE filter (e.g.

@@ -55,6 +55,8 @@ def tree_map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     """Apply ``fn`` to every leaf, keeping the structure."""
     if isinstance(tree, dict):
         return {k: tree_map(fn, v) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a NamedTuple (TrainState, Neighbors)
+        return type(tree)(*(tree_map(fn, v) for v in tree))
     if isinstance(tree, (list, tuple)):
         return type(tree)(tree_map(fn, v) for v in tree)
     return fn(tree)

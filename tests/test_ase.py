@@ -465,7 +465,7 @@ def test_md_example_smoke(tmp_path):
     assert len(frames) == 5 and "forces" in frames[-1].calc.results
 
 
-def test_calculator_pickles(params):
+def test_calculator_pickles_and_exports_properties(params):
     """A calculator travels to other processes (a multiprocessing pool): pickling
     failed on its derivative closures. The copy gives the same numbers, a committee
     included."""
@@ -474,6 +474,10 @@ def test_calculator_pickles(params):
     atoms = ase.build.molecule("CH3CH2OH")
     for calc in (PETCalculator(CONFIG, params),
                  PETCalculator(CONFIG, params, ensemble_params=[params, petfunc.PET(CONFIG).init(seed=5, dtype=torch.float64)])):
+        if calc.ensemble_params is not None:  # ASE's Properties refused energy_ensemble
+            a = atoms.copy()
+            a.calc = calc
+            assert a.get_properties(["energy"])["energy"] == a.get_potential_energy()
         copy = pickle.loads(pickle.dumps(calc))
         for key in ("energy", "forces"):
             a, b = atoms.copy(), atoms.copy()

@@ -160,6 +160,11 @@ def test_init_stack_unstack():
     assert not torch.equal(w[0], w[1]), "members must be initialised differently"
     with pytest.raises(ValueError, match="at least 2 members"):
         ensemble.init(model, seeds=[0])
+    # tree_map keeps NamedTuples (it called TrainState(generator): a TypeError)
+    state = petfunc.TrainState(params, (torch.zeros(2),))
+    doubled = petfunc.tree.tree_map(lambda t: 2 * t, state)
+    assert type(doubled) is petfunc.TrainState and isinstance(doubled.opt_state, tuple)
+    assert torch.equal(petfunc.tree.flatten(doubled.params)["energy_scale"], 2 * petfunc.tree.flatten(params)["energy_scale"])
 
 
 # ---------------------------------------------------------------------------------------
