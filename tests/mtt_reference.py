@@ -35,8 +35,11 @@ def make_model(config: petfunc.PETConfig, length_unit: str = "angstrom", energy_
             hypers["long_range"].update(value)
             continue
         hypers[key] = value
-    if hypers["num_neighbors_adaptive"] is not None:
-        hypers["num_neighbors_adaptive"] = int(hypers["num_neighbors_adaptive"])
+    nu = hypers["num_neighbors_adaptive"]
+    if nu is not None:
+        # metatrain's options type it as an int; its model computes with any number,
+        # so a fractional one is passed on as it is (int() would compare with another nu)
+        hypers["num_neighbors_adaptive"] = int(nu) if float(nu).is_integer() else float(nu)
     targets = {"energy": get_energy_target_info("energy", {"quantity": "energy", "unit": energy_unit})}
     info = DatasetInfo(length_unit=length_unit, atomic_types=list(config.atomic_types), targets=targets)
     model = MttPET(hypers, info)
