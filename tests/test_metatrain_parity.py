@@ -306,6 +306,21 @@ def test_atoms_without_neighbours():
         compare_energies_forces_strain(config, params, mtt, batch)
 
 
+def test_fractional_adaptive_neighbour_count():
+    """petfunc takes any positive num_neighbors_adaptive; metatrain's model computes
+    with it as it is (its options type it as an int)."""
+    import dataclasses
+
+    base = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), **SMALL)
+    for nu, method in ((2.5, "solver"), (0.7, "grid"), (7.3, "solver")):
+        config = dataclasses.replace(base, cutoff=5.0, num_neighbors_adaptive=nu, adaptive_cutoff_method=method)
+        params = random_params(config, seed=11)
+        mtt = ref.make_model(config)
+        assert mtt.hypers["num_neighbors_adaptive"] == nu
+        ref.load_params(mtt, params)
+        compare_energies_forces_strain(config, params, mtt, [_small_cell(), _molecules()[0]], what=f"nu {nu}: ")
+
+
 # ---------------------------------------------------------------------------------------
 # random architectures on random structures
 
