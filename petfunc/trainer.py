@@ -750,6 +750,33 @@ def check_model_section(model_hypers: Mapping, config: PETConfig, what: str) -> 
                          + "; ".join(diff) + "); remove these keys or make them match")
 
 
+def _finetune_baseline(options, dtype, device, params):
+    """``(composition weights, energy scale)`` a fine-tuning run keeps from its
+    checkpoint, or ``None`` (no fine-tuning, or a target the checkpoint lacks).
+
+    metatrain fits the composition and the scale only for targets that are new to
+    the model; the energy target of a fine-tuning run is the checkpoint's energy
+    target, whose fitted weights are kept. With ``inherit_heads {energy: SOURCE}``
+    the heads come from SOURCE, and the weights from the checkpoint's own ``energy``
+    target when it has one (else ``energy`` is new and they are fitted)."""
+    finetune = options["architecture"]["training"]["finetune"]
+    path = finetune.get("read_from")
+    if not path:
+        return None
+    source = (finetune.get("inherit_heads") or {}).get("energy")
+    if source is not None and source != "energy":
+        try:
+            _, weights_of = _load_model(path, dtype, "best", device, "energy", False)[:2]
+        except ValueError as error:
+            if "no target" in str(error):
+                return None
+            raise
+    else:
+        weights_of = params
+    return (weights_of["composition_weights"].detach().to("cpu", torch.float64).numpy().copy(),
+            float(weights_of["energy_scale"]))
+
+
 def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log):
     finetune_options = options["architecture"]["training"]["finetune"]
     finetune = finetune_options.get("read_from")
@@ -929,9 +956,35 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
     test_samples = files.test_samples(config)
 
     # --- composition and scale -----------------------------------------------------------
+    finetune_baseline = None if ckpt is not None else _finetune_baseline(options, dtype, device, params)
     if ckpt is not None:
         composition = np.asarray(ckpt["composition"]["weights"], dtype=np.float64)
         scale = float(ckpt["energy_scale"])
+    elif finetune_baseline is not None:
+        # metatrain's composition model and scaler keep the weights of a target the
+        # checkpoint already has (restart: only new targets are fitted); a composition
+        # or scaler checkpoint file given in the options replaces them
+        composition, scale = finetune_baseline
+        baseline, scaler = training["atomic_baseline"], training["fixed_scaling_weights"]
+        if "file" in baseline or "file" in scaler:
+            units = {section["targets"]["energy"]["unit"] for section in dataset_sections(options["training_set"])}
+            if len(units) > 1:
+                raise ValueError(f"the training files have energies in several units ({sorted(units)}); "
+                                 "a composition or scaler checkpoint needs one")
+            (unit,) = units
+        if "file" in baseline:
+            composition = _baseline_file(baseline["file"], "composition", config.atomic_types, unit)
+        if "file" in scaler:
+            additive = ("CompositionModel",) + (("ZBL",) if config.zbl else ())
+            scale = float(_baseline_file(scaler["file"], "scaler", config.atomic_types, unit, additive))
+        ignored = [name for name, value in (("atomic_baseline", baseline), ("fixed_scaling_weights", scaler))
+                   if value and "file" not in value]
+        log("composition weights " + (f"from {baseline['file']}" if "file" in baseline else "of the fine-tuning checkpoint")
+            + ", energy scale " + (f"from {scaler['file']}" if "file" in scaler else "of the fine-tuning checkpoint")
+            + " (metatrain keeps a fitted target's)"
+            + (f"; {' and '.join(ignored)} given as weights are not used, as in metatrain" if ignored else ""))
+        params["composition_weights"] = torch.as_tensor(composition, dtype=torch.float64, device=device)
+        params["energy_scale"] = torch.tensor(scale, dtype=torch.float64, device=device)
     else:
         baseline, scaler = training["atomic_baseline"], training["fixed_scaling_weights"]
         if "file" in baseline or "file" in scaler:

@@ -306,6 +306,25 @@ def test_heads_finetuning_trains_only_the_heads_and_resumes(base, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_finetuning_keeps_the_composition_and_scale(base, tmp_path):
+    """metatrain fits the composition weights and energy scale only for a target new
+    to the model: fine-tuning keeps the checkpoint's (petfunc refitted them, so a
+    fine-tuned model did not start from the pretrained one: 0.4-0.9 eV per cell
+    apart on the helpers' data). A weights dict in the options is not used then,
+    as in metatrain."""
+    data, checkpoint = base
+    _, start = load_model(checkpoint, dtype=torch.float64)
+    for method in ("heads", "full"):
+        options = _heads_options(data, checkpoint, method=method)
+        options["architecture"]["training"].update(num_epochs=1, atomic_baseline={"energy": 0.5})
+        lines = []
+        result = fit(options, tmp_path / method, progress=False, log=lines.append)
+        for key in ("composition_weights", "energy_scale"):
+            assert torch.equal(result.last_params[key], start[key]), key
+        assert any("composition weights of the fine-tuning checkpoint, energy scale of the fine-tuning checkpoint"
+                   in line and "atomic_baseline given as weights are not used" in line for line in lines), lines
+
+
 def test_heads_selection_from_options(base, tmp_path):
     data, checkpoint = base
     custom = {"config": {"head_modules": ["backend.node_heads"], "last_layer_modules": ["node_last_layers"]}}
