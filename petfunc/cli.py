@@ -61,13 +61,13 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
         grad_clip_norm: 1.0       # global norm; null: no clipping
         loss: mse                 # mse | mae | huber for every term, or per term:
         #  loss:
-        #    energy:
+        #    energy:               # (or the energy target's own name, mtt::U0)
         #      type: mse
         #      weight: 1.0
         #      reduction: mean       # mean | sum over the batch's labels (per term)
-        #      gradients:          # also accepted: forces/stress directly under energy
-        #        positions: {type: mse, weight: 10.0}     # forces (alias: forces)
-        #        strain: {type: mse, weight: 1.0}         # stress (aliases: stress, virial)
+        #      gradients:          # or forces/stress/virial directly under energy
+        #        positions: {type: mse, weight: 10.0}     # forces
+        #        strain: {type: mse, weight: 1.0}         # stress or virial
         best_model_metric: mae_prod   # mae_prod | rmse_prod | loss (of the whole validation set)
         log_interval: 1           # print a line every N epochs (validation: every epoch)
         checkpoint_interval: 100  # also keep epoch_N.ckpt every N epochs
@@ -101,7 +101,9 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
         length_unit: angstrom     # angstrom | bohr | nm
       targets:
         energy:                   # (or one target of another name, e.g. mtt::U0,
-                                  # whose key is then that name by default)
+                                  # whose key is then that name by default; as in
+                                  # metatrain, its forces and stress default to false
+                                  # unless it says quantity: energy)
           key: energy             # info key (or calculator result)
           unit: eV                # eV | meV | Hartree | Ry | kcal/mol | kJ/mol
           forces: auto            # auto: key "forces" if present; {key: K} or

@@ -265,11 +265,14 @@ def resolve_dataset(section, where: str) -> dict:
         raise ValueError(f"option '{where_e}.reader': only the 'ase' reader is supported")
     unit = energy.get("unit") or "eV"
     energy_unit_factor(unit)
+    gradient_default = "auto" if name == "energy" or energy.get("quantity") == "energy" else False
     resolved = {
         "key": energy.get("key") or name,
         "unit": unit,
-        "forces": _gradient(energy.get("forces", "auto"), "forces", f"{where_e}.forces"),
-        "stress": _gradient(energy.get("stress", "auto"), "stress", f"{where_e}.stress"),
+        # metatrain reads forces and stress by default for a target named 'energy' or
+        # with an explicit 'quantity: energy' only (mtt::E: {key: E} has none)
+        "forces": _gradient(energy.get("forces", gradient_default), "forces", f"{where_e}.forces"),
+        "stress": _gradient(energy.get("stress", gradient_default), "stress", f"{where_e}.stress"),
         "virial": _gradient(energy.get("virial", False), "virial", f"{where_e}.virial"),
     }
     for name in _GRADIENTS:
@@ -423,6 +426,10 @@ def _loss_term(spec, where: str, default_type: str) -> LossTerm:
     if not isinstance(spec, Mapping):
         raise ValueError(f"option '{where}' must be a loss type, a weight or a mapping, got {spec!r}")
     _check_keys(spec, ("type", "weight", "reduction", "delta"), where)
+    if "delta" in spec and spec.get("type", default_type) != "huber":
+        # metatrain's mse and mae losses take no delta (they fail on it)
+        raise ValueError(f"option '{where}.delta' is the threshold of the 'huber' loss; this term is "
+                         f"{spec.get('type', default_type)!r}")
     if spec.get("reduction", "mean") not in ("mean", "sum"):
         raise ValueError(f"option '{where}.reduction' must be 'mean' or 'sum', got {spec['reduction']!r}")
     try:
@@ -436,13 +443,24 @@ def _loss_term(spec, where: str, default_type: str) -> LossTerm:
         raise ValueError(f"option '{where}': {error}") from None
 
 
+def _energy_target_name(training_set) -> str:
+    """The name of the energy target in a (raw) ``training_set`` option: ``energy``,
+    or metatrain's ``mtt::NAME`` of a dataset whose one target is named so."""
+    sections = training_set if isinstance(training_set, list) else [training_set]
+    for section in sections:
+        targets = section.get("targets") if isinstance(section, Mapping) else None
+        if isinstance(targets, Mapping) and len(targets) == 1:
+            return str(next(iter(targets)))
+    return "energy"
+
+
 def parse_loss(spec) -> tuple:
     """``(LossWeights, explicit)`` from the ``loss`` option.
 
     Accepted forms: a type (``"mse"``, ``"mae"``, ``"huber"``) for every term, or
-    ``{energy: {type, weight, delta, gradients: {positions|forces: {...}, strain|stress|virial: {...}}}}``
-    (metatrain's layout; ``forces``/``stress`` may also sit directly under
-    ``energy``; a term may be a type, a weight or a mapping). As in metatrain's
+    ``{energy: {type, weight, delta, gradients: {positions: {...}, strain: {...}}}}``
+    (metatrain's layout; ``forces``/``stress``/``virial`` may also sit directly under
+    ``energy``; the energy target may be keyed by its own name, ``mtt::NAME``; a term may be a type, a weight or a mapping). As in metatrain's
     ``expand_loss_config``, only the global string form sets the type of every term:
     the energy term's type does not carry over to the force and stress terms, which
     are ``mse`` with weight 1 unless configured. ``delta`` is the Huber threshold
@@ -459,7 +477,8 @@ def parse_loss(spec) -> tuple:
         if key in _TERM_ALIASES:  # a natural guess; metatrain keeps them under the energy target
             raise ValueError(
                 f"unknown option '{where}.{key}': the {_TERM_ALIASES[key]} loss is set under the energy target, "
-                f"as '{where}.energy.gradients.{key}' (or '{where}.energy.{key}')"
+                f"as '{where}.energy.gradients.{'positions' if _TERM_ALIASES[key] == 'forces' else 'strain'}' "
+                f"(or '{where}.energy.{key if key in ('forces', 'stress', 'virial') else _TERM_ALIASES[key]}')"
             )
     _check_keys(spec, ("energy",), where)
     energy = spec.get("energy", {})
@@ -475,7 +494,15 @@ def parse_loss(spec) -> tuple:
     gradients = dict(energy.get("gradients") or {})
     if not isinstance(gradients, Mapping):
         raise ValueError(f"option '{where_e}.gradients' must be a mapping")
-    _check_keys(gradients, tuple(_TERM_ALIASES), f"{where_e}.gradients")
+    for key in gradients:
+        if key in ("forces", "stress", "virial"):
+            # metatrain reads only these two names there, and ignores others silently
+            raise ValueError(
+                f"option '{where_e}.gradients.{key}': metatrain names gradients 'positions' (forces) and "
+                f"'strain' (stress, virial); write '{where_e}.gradients.{'positions' if key == 'forces' else 'strain'}'"
+                f" or the shorthand '{where_e}.{key}'"
+            )
+    _check_keys(gradients, ("positions", "strain"), f"{where_e}.gradients")
     entries = [(f"{where_e}.gradients.{k}", k, v) for k, v in gradients.items()]
     entries += [(f"{where_e}.{k}", k, energy[k]) for k in _TERM_ALIASES if k in energy]
     # metatrain (expand_loss_config): gradient terms default to mse with weight 1,
@@ -641,6 +668,13 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
         for key, value in heads_config.items():
             _module_names(value, f"{t}.finetune.config.{key}")
         finetune["config"] = heads_config
+    target = _energy_target_name(merged.get("training_set"))
+    if target != "energy" and isinstance(training["loss"], Mapping) and target in training["loss"]:
+        # metatrain keys a target's loss by the target's name
+        if "energy" in training["loss"]:
+            raise ValueError(f"options '{t}.loss.energy' and '{t}.loss.{target}' both set the loss of the "
+                             f"energy target {target!r}")
+        training["loss"] = {("energy" if k == target else k): v for k, v in training["loss"].items()}
     parse_loss(training["loss"])  # validate now
     arch["training"] = training
 

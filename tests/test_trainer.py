@@ -829,7 +829,11 @@ def test_unknown_species_when_finetuning(dataset, tmp_path):
         (lambda o: o["architecture"]["training"].update(loss={"energy": {"wieght": 2}}), "'architecture.training.loss.energy.wieght'"),
         (lambda o: o["architecture"]["training"].update(loss={"forces": {"weight": 2}}),
          r"'architecture.training.loss.forces': the forces loss is set under the energy target, as "
-         r"'architecture.training.loss.energy.gradients.forces'"),
+         r"'architecture.training.loss.energy.gradients.positions' \(or 'architecture.training.loss.energy.forces'\)"),
+        (lambda o: o["architecture"]["training"].update(loss={"energy": {"gradients": {"forces": 10}}}),
+         r"metatrain names gradients 'positions' \(forces\) and 'strain'"),
+        (lambda o: o["architecture"]["training"].update(loss={"energy": {"type": "mse", "delta": 0.3}}),
+         r"'architecture.training.loss.energy.delta' is the threshold of the 'huber' loss; this term is 'mse'"),
         (lambda o: o["architecture"]["training"].update(batch_size=0), "batch_size' must be positive"),
         (lambda o: o.update(base_precision=16), "base_precision"),
         (lambda o: o.update(validation_set=1.0), "validation_set"),
@@ -861,6 +865,14 @@ def test_options_defaults_and_loss_forms():
     named = resolve_options({"training_set": {"systems": "data.xyz", "targets": {"mtt::U0": {"unit": "kcal/mol"}}}})
     assert named["training_set"]["targets"]["energy"]["key"] == "mtt::U0"
     assert named["training_set"]["targets"]["energy"]["unit"] == "kcal/mol"
+    # as in metatrain: no forces or stress by default for such a target without an
+    # explicit 'quantity: energy', and its loss keyed by its name
+    assert named["training_set"]["targets"]["energy"]["forces"] is False
+    assert named["training_set"]["targets"]["energy"]["stress"] is False
+    explicit = resolve_options({"training_set": {"systems": "data.xyz", "targets": {"mtt::U0": {"quantity": "energy"}}},
+                                "architecture": {"training": {"loss": {"mtt::U0": "mae"}}}})
+    assert explicit["training_set"]["targets"]["energy"]["forces"] == "auto"
+    assert explicit["architecture"]["training"]["loss"] == {"energy": "mae"}
     with pytest.raises(ValueError, match=r"unknown option 'training_set.targets.mtt::U0'"):
         resolve_options({"training_set": {"systems": "data.xyz", "targets": {"energy": {}, "mtt::U0": {}}}})
     assert options["training_set"]["targets"]["energy"]["forces"] == "auto"
