@@ -736,6 +736,11 @@ def check_model_section(model_hypers: Mapping, config: PETConfig, what: str) -> 
     keys given are compared (a nested section such as ``long_range`` is filled with
     its defaults first); the architecture itself comes from the checkpoint.
     """
+    if model_hypers.get("atomic_types") is not None:
+        added = sorted(set(int(z) for z in model_hypers["atomic_types"]) - set(config.atomic_types))
+        if added:  # they were ignored; metatrain refuses new types
+            raise ValueError(f"option 'architecture.atomic_types' has type(s) {added} that the model of {what} "
+                             f"lacks (it has {list(config.atomic_types)}); a PET model cannot add atomic types")
     given = {k: v for k, v in model_hypers.items() if k != "atomic_types"}
     if not given:
         return
@@ -884,6 +889,9 @@ def fit(
             f"{options['architecture']['training']['num_epochs']}: nothing is left to train; ask for "
             "more epochs (--epochs N, or architecture.training.num_epochs)"
         )
+    if ckpt is not None:
+        _check_restart_finetune(json.loads(ckpt["options"])["architecture"]["training"]["finetune"],
+                                options["architecture"]["training"]["finetune"], restart, log)
     # fixed-order scatter-adds, so that the same seed gives the same run (determinism.py);
     # by default on CPU only, where it was measured to cost nothing
     deterministic = options["architecture"]["training"]["deterministic"]
@@ -913,6 +921,36 @@ def _log_length_units(options, log) -> None:
             f"{model.get('cutoff_width', PETConfig.cutoff_width):g}) are in Å and forces are compared in eV/Å. "
             "metatrain instead trains in the data's length unit (there these cutoffs would be in "
             f"{other[0]}): the same options give a different model")
+
+
+def _check_restart_finetune(stored: Mapping, given: dict, restart, log) -> None:
+    """A restart continues the same fine-tuning. Another method is an error (it
+    failed on the optimizer state: "opt_state.mu: keys differ"); LoRA adapters keep
+    the checkpoint's rank, alpha and layers, with a note when ``given`` asked for
+    others (the adapters stayed, and their scaling alpha / rank took the new numbers,
+    which changed the model)."""
+    def method_of(finetune):
+        if not finetune.get("read_from") and finetune.get("method", "full") == "full":
+            return "no fine-tuning"
+        return f"fine-tuning method {finetune.get('method', 'full')!r}"
+
+    def heads_of(finetune):
+        return dict(finetune.get("config") or {}) if finetune.get("method") == "heads" else None
+
+    if method_of(stored) != method_of(given) or heads_of(stored) != heads_of(given):
+        raise ValueError(
+            f"the restart checkpoint {str(restart)!r} is of a run with {method_of(stored)}"
+            + (f" (config {heads_of(stored)})" if heads_of(stored) is not None else "")
+            + f", the options ask for {method_of(given)}"
+            + (f" (config {heads_of(given)})" if heads_of(given) is not None else "")
+            + ": a restart continues the same run. Give that run's options, or fine-tune anew from its "
+            "model with 'architecture.training.finetune.read_from'"
+        )
+    kept, asked = lora.config_of(stored), lora.config_of(given)
+    if kept is not None and kept != asked:
+        log(f"the restart checkpoint has LoRA adapters of rank {kept['rank']} (alpha {kept['alpha']:g}, layers "
+            f"{list(kept['targets'])}): training them on, instead of finetune.config {dict(given.get('config') or {})}")
+        given["config"] = {"rank": kept["rank"], "alpha": kept["alpha"], "target_modules": list(kept["targets"])}
 
 
 def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce_metrics,

@@ -323,6 +323,11 @@ def test_finetuning_keeps_the_composition_and_scale(base, tmp_path):
             assert torch.equal(result.last_params[key], start[key]), key
         assert any("composition weights of the fine-tuning checkpoint, energy scale of the fine-tuning checkpoint"
                    in line and "atomic_baseline given as weights are not used" in line for line in lines), lines
+    # atomic types the options add to the checkpoint's were ignored; metatrain refuses them
+    options = _heads_options(data, checkpoint)
+    options["architecture"]["atomic_types"] = [1, 6, 7, 8, 29, 79]
+    with pytest.raises(ValueError, match=r"'architecture.atomic_types' has type\(s\) \[.*79\] that the model of"):
+        fit(options, None, progress=False, log=lambda m: None)
 
 
 def test_heads_selection_from_options(base, tmp_path):
@@ -356,6 +361,20 @@ def test_lora_finetuning_writes_plain_models_and_resumes(base, tmp_path):
                   log=lambda m: None)
     a, b = tree.flatten(result.last_params), tree.flatten(resumed.last_params)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # options with another rank and alpha: the checkpoint's adapters and scaling go on
+    # (the adapters stayed rank 2 and were scaled by the new alpha over the old rank)
+    lines = []
+    other = _heads_options(data, checkpoint, method="lora", config={"rank": 3, "alpha": 5})
+    resumed = fit(other, tmp_path / "resumed_other", restart=tmp_path / "run" / "epoch_1.ckpt", progress=False,
+                  log=lines.append)
+    b = tree.flatten(resumed.last_params)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any("has LoRA adapters of rank 2 (alpha 4" in line for line in lines), lines
+    # another method: a clear error (it failed on the optimizer state's keys)
+    with pytest.raises(ValueError, match=r"is of a run with fine-tuning method 'lora', the options ask for "
+                                         r"fine-tuning method 'heads'"):
+        fit(_heads_options(data, checkpoint), tmp_path / "resumed_heads", restart=tmp_path / "run" / "epoch_1.ckpt",
+            progress=False, log=lambda m: None)
 
 
 @pytest.mark.parametrize("finetune, match", [

@@ -1003,10 +1003,12 @@ def test_finetune_from_metatrain_checkpoint(tmp_path):
     result = fit(options, None, progress=False, log=quiet())
     config, start = from_metatrain(checkpoint)
     assert result.config == config
-    # Trained from the checkpoint's weights; composition refitted on the new data.
+    # Trained from the checkpoint's weights; its composition and scale kept, as
+    # metatrain keeps those of a target the model has.
     moved = [k for k, v in tree.flatten(trainable(start)).items() if not torch.equal(v, tree.flatten(result.last_params)[k])]
     assert moved, "no parameter changed"
-    assert not torch.equal(result.params["composition_weights"], start["composition_weights"])
+    assert torch.equal(result.params["composition_weights"], start["composition_weights"])
+    assert torch.equal(result.params["energy_scale"], start["energy_scale"])
     # Options may not redefine the architecture when fine-tuning; as in metatrain, the
     # keys they give must match the checkpoint's (an unchanged options file works).
     from petfunc.trainer import check_model_section
