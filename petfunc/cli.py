@@ -68,7 +68,8 @@ key). Unknown keys raise an error naming them. Defaults are metatrain's.
         #      gradients:          # or forces/stress/virial directly under energy
         #        positions: {type: mse, weight: 10.0}     # forces
         #        strain: {type: mse, weight: 1.0}         # stress or virial
-        best_model_metric: mae_prod   # mae_prod | rmse_prod | loss (of the whole validation set)
+        best_model_metric: mae_prod   # mae_prod | rmse_prod (validation errors of every labelled
+                                      # quantity, weight 0 too) | loss (of the whole validation set)
         log_interval: 1           # print a line every N epochs (validation: every epoch)
         checkpoint_interval: 100  # also keep epoch_N.ckpt every N epochs
         scale_targets: true       # fit the energy scale (false: scale 1 eV)

@@ -21,7 +21,7 @@ instead, as torch's and metatrain's ``reduction``). Derivatives come from
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Sequence
 
 import torch
 
@@ -119,7 +119,8 @@ def atoms_per_structure(weights: LossWeights, energies: torch.Tensor, batch: Bat
     )
 
 
-def make_loss(energy_fn: Callable, weights: LossWeights = LossWeights(), autodiff: str = "func"):
+def make_loss(energy_fn: Callable, weights: LossWeights = LossWeights(), autodiff: str = "func",
+              metric_terms: Sequence[str] = ()):
     """``loss_fn(params, batch) -> (loss, metrics)`` for an energy function.
 
     ``autodiff`` chooses how forces and stress are differentiated (``"func"`` or the
@@ -132,13 +133,16 @@ def make_loss(energy_fn: Callable, weights: LossWeights = LossWeights(), autodif
     ``metrics`` holds tensors: ``loss``, per-term losses, and for each term the sums
     of squared and absolute errors and the count of labels, in training units
     (multiply by the energy scale for eV), so batches can be aggregated exactly.
+    ``metric_terms`` (``"forces"``, ``"stress"``) get these metrics even with weight 0
+    (metatrain reports, and its best-model metric multiplies, every labelled
+    quantity's errors, whatever its loss weight); they add nothing to the loss.
     """
     from .model import PET
 
     if isinstance(energy_fn, PET):
         energy_fn = energy_fn.raw_energy
-    use_forces = weights.forces.weight > 0
-    use_stress = weights.stress.weight > 0
+    use_forces = weights.forces.weight > 0 or "forces" in metric_terms
+    use_stress = weights.stress.weight > 0 or "stress" in metric_terms
     if use_stress:
         derivatives = energy_forces_strain_derivative(energy_fn, autodiff)
     elif use_forces:
@@ -162,13 +166,15 @@ def make_loss(energy_fn: Callable, weights: LossWeights = LossWeights(), autodif
         metrics.update(energy_loss=mean, energy_sse=sse, energy_sae=sae, energy_count=count)
         if use_forces:
             mean, sse, sae, count = _term(weights.forces, forces, batch.forces)
-            loss = loss + weights.forces.weight * mean
+            if weights.forces.weight > 0:
+                loss = loss + weights.forces.weight * mean
             metrics.update(forces_loss=mean, forces_sse=sse, forces_sae=sae, forces_count=count)
         if use_stress:
             per_atom = out[2] / n_atoms[:, None, None]
             target = batch.strain_derivative / n_atoms[:, None, None]
             mean, sse, sae, count = _term(weights.stress, per_atom, target)
-            loss = loss + weights.stress.weight * mean
+            if weights.stress.weight > 0:
+                loss = loss + weights.stress.weight * mean
             metrics.update(stress_loss=mean, stress_sse=sse, stress_sae=sae, stress_count=count)
         metrics["loss"] = loss
         return loss, metrics

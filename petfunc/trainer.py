@@ -1161,8 +1161,15 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
     # gradient 20-30 % faster (petfunc.derivatives)
     autodiff = "func" if compile_on else "autograd"
     loss_fn = make_loss(model, weights, autodiff)
+    # validation reports (and the best-model metric multiplies) every labelled
+    # quantity, as metatrain does, also those whose loss weight is 0
+    labelled = {"energy"} | {"forces" for lab in files.train_labels if lab.forces} | {
+        "stress" for lab in files.train_labels if lab.stress or lab.virial}
+    val_terms = [t for t in TERMS if t in terms or t in labelled]
+    eval_loss_fn = loss_fn if val_terms == terms else make_loss(model, weights, autodiff, metric_terms=val_terms)
     if training["remat"]:  # eager only (options.py); the layers of validation recomputed too
         loss_fn = remat(loss_fn)
+        eval_loss_fn = remat(eval_loss_fn)
         if weights.forces.weight or weights.stress.weight:
             log("remat: the force and stress terms differentiate the recomputed layers again, "
                 "which keeps their activations: expect little memory saved (it helps energy-only losses)")
@@ -1206,10 +1213,11 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
 
     def build_eval(example):
         if not compile_on:
-            return loss_fn
+            return eval_loss_fn
         from .compile import compile as compile_fn
 
-        return compile_fn(loss_fn, state.params, example, backend=backend, cache_key=f"fit loss {trace_key}")
+        return compile_fn(eval_loss_fn, state.params, example, backend=backend,
+                          cache_key=f"fit loss {trace_key} {val_terms}")
 
     # --- files --------------------------------------------------------------------------
     files: Dict[str, Path] = {}
@@ -1368,7 +1376,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
                 # rank whose shard is empty contributes zero sums
                 if eval_fn is None and val_batches:
                     eval_fn = build_eval(val_batches[0])
-                vsums = _Sums(terms, weights)
+                vsums = _Sums(val_terms, weights)
                 for batch in val_batches:
                     vsums.add(_floats(eval_fn(state.params, batch)[1]))
                 vsums.values = reduce_metrics(vsums.values)
@@ -1379,7 +1387,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
                         "lower the learning rate or check the validation labels"
                     )
                 row.update({f"val_{k}": v for k, v in val_summary.items()})
-                metric = selected_metric(val_summary, training["best_model_metric"], terms)
+                metric = selected_metric(val_summary, training["best_model_metric"], val_terms)
             else:
                 metric = selected_metric(train_summary, training["best_model_metric"], terms)
             row["best_metric"] = metric
@@ -1397,7 +1405,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
                     checkpoint(output_dir / f"epoch_{epoch + 1}.ckpt", state, epoch + 1)
                 write_csv()
             if epoch == start_epoch or (epoch + 1) % training["log_interval"] == 0 or epoch + 1 == num_epochs:
-                log(_epoch_line(row, num_epochs, terms, improved))
+                log(_epoch_line(row, num_epochs, val_terms, improved))
     finally:
         bar.close()
 

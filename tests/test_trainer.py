@@ -1244,3 +1244,22 @@ def test_restart_with_other_steps_per_epoch_ends_the_schedule(dataset, tmp_path)
     rates = [row["learning_rate"] for row in result.history]
     peak = options["architecture"]["training"]["learning_rate"]
     assert rates[2] > 0.1 * peak and 0 < rates[3] < 0.05 * peak, rates
+
+
+@pytest.mark.parametrize("compile_on", [False, True], ids=["eager", "aot_eager"])
+def test_best_model_metric_counts_terms_of_weight_zero(dataset, compile_on):
+    """metatrain's mae_prod multiplies the errors of every labelled quantity, whatever
+    its loss weight: a forces term of weight 0 was left out of petfunc's product (and
+    of its validation columns), so another best epoch could be picked."""
+    options = tiny_options(dataset, num_epochs=1, loss={"energy": {"forces": {"weight": 0}}},
+                           compile=compile_on, compile_backend="aot_eager")
+    result = fit(options, None, progress=False, log=quiet())
+    row = result.history[-1]
+    assert "train_forces_mae" not in row  # no forces are computed in the training step
+    product = row["val_energy_mae"] * row["val_forces_mae"] * row["val_stress_mae"]
+    assert row["best_metric"] == pytest.approx(product, rel=1e-12)
+    # the loss itself has no forces term: that of the same run with the term dropped
+    without = {**options, "training_set": {"systems": str(dataset), "targets": {"energy": {"forces": False}}}}
+    dropped = fit(without, None, progress=False, log=quiet())
+    assert "val_forces_mae" not in dropped.history[-1]
+    assert dropped.history[-1]["val_loss"] == pytest.approx(row["val_loss"], rel=1e-12)
