@@ -852,6 +852,11 @@ def _from_exported(data: bytes, dtype, target, label):
     try:
         backend = pet.backend
     except AttributeError:
+        if hasattr(pet, "model") and hasattr(getattr(pet, "model"), "backend"):
+            # metatrain's LLPR wraps the PET; its exported form keeps no checkpoint data
+            raise ValueError(f"{label} is an exported LLPR model (a PET inside metatrain's uncertainty "
+                             "wrapper): petfunc reads those from the LLPR checkpoint (.ckpt), "
+                             "petfunc.llpr.from_metatrain") from None
         raise ValueError(f"{label} is a TorchScript file but not an exported PET") from None
     names = (
         "cutoff", "cutoff_function", "cutoff_width", "num_neighbors_adaptive",
