@@ -460,8 +460,9 @@ def parse_loss(spec) -> tuple:
     Accepted forms: a type (``"mse"``, ``"mae"``, ``"huber"``) for every term, or
     ``{energy: {type, weight, delta, gradients: {positions: {...}, strain: {...}}}}``
     (metatrain's layout; ``forces``/``stress``/``virial`` may also sit directly under
-    ``energy``; the energy target may be keyed by its own name, ``mtt::NAME``; a term may be a type, a weight or a mapping). As in metatrain's
-    ``expand_loss_config``, only the global string form sets the type of every term:
+    ``energy``; :func:`resolve_options` renames the energy target's own name,
+    ``mtt::NAME``, to ``energy``; a term may be a type, a weight or a mapping). As in
+    metatrain's ``expand_loss_config``, only the global string form sets the type of every term:
     the energy term's type does not carry over to the force and stress terms, which
     are ``mse`` with weight 1 unless configured. ``delta`` is the Huber threshold
     (default 1). ``explicit`` is the set of gradient terms the user configured with a
