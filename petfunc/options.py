@@ -633,13 +633,16 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
     if training["compile_backend"] not in ("inductor", "aot_eager", "eager"):
         raise ValueError(f"option '{t}.compile_backend' must be 'inductor', 'aot_eager' or 'eager', got {training['compile_backend']!r}")
     finetune = training["finetune"]
-    _check_keys(finetune, ("read_from", "method", "config", "inherit_heads"), f"{t}.finetune")
+    _check_keys(finetune, ("read_from", "method", "config", "inherit_heads", "target_name"), f"{t}.finetune")
     finetune.setdefault("method", "full")
     if finetune["method"] not in ("full", "heads", "lora"):
         raise ValueError(f"option '{t}.finetune.method' must be 'full', 'heads' or 'lora', got {finetune['method']!r}")
     inherit = finetune.get("inherit_heads") or {}
     if not isinstance(inherit, Mapping):
         raise ValueError(f"option '{t}.finetune.inherit_heads' must be a mapping {{energy: SOURCE_TARGET}}")
+    target = _energy_target_name(merged.get("training_set"))
+    if target != "energy" and target in inherit:  # metatrain keys it by the trained target's name
+        inherit = {("energy" if k == target else k): v for k, v in inherit.items()}
     _check_keys(inherit, ("energy",), f"{t}.finetune.inherit_heads")
     if inherit and not isinstance(inherit["energy"], str):
         raise ValueError(f"option '{t}.finetune.inherit_heads.energy' must be the name of a target of the "
@@ -669,7 +672,13 @@ def resolve_options(given: Optional[Mapping] = None, base: Optional[Mapping] = N
         for key, value in heads_config.items():
             _module_names(value, f"{t}.finetune.config.{key}")
         finetune["config"] = heads_config
-    target = _energy_target_name(merged.get("training_set"))
+    if finetune.get("read_from") and target != "energy":
+        # the name of the trained target decides, as in metatrain, whether the
+        # checkpoint already has it (kept heads and weights) or it is new; the
+        # resolved datasets call it 'energy', so it is kept here
+        finetune["target_name"] = target
+    if "target_name" in finetune and not isinstance(finetune["target_name"], str):
+        raise ValueError(f"option '{t}.finetune.target_name' must be a target name")
     if target != "energy" and isinstance(training["loss"], Mapping) and target in training["loss"]:
         # metatrain keys a target's loss by the target's name
         if "energy" in training["loss"]:

@@ -760,26 +760,34 @@ def _finetune_baseline(options, dtype, device, params):
     checkpoint, or ``None`` (no fine-tuning, or a target the checkpoint lacks).
 
     metatrain fits the composition and the scale only for targets that are new to
-    the model; the energy target of a fine-tuning run is the checkpoint's energy
-    target, whose fitted weights are kept. With ``inherit_heads {energy: SOURCE}``
-    the heads come from SOURCE, and the weights from the checkpoint's own ``energy``
-    target when it has one (else ``energy`` is new and they are fitted)."""
+    the model: those of the trained target (``energy``, or the dataset's
+    ``mtt::NAME``) are kept when the checkpoint has that target, whichever target
+    ``inherit_heads`` takes the heads from; otherwise they are fitted."""
     finetune = options["architecture"]["training"]["finetune"]
     path = finetune.get("read_from")
     if not path:
         return None
+    name = finetune.get("target_name", "energy")
     source = (finetune.get("inherit_heads") or {}).get("energy")
-    if source is not None and source != "energy":
-        try:
-            _, weights_of = _load_model(path, dtype, "best", device, "energy", False)[:2]
-        except ValueError as error:
-            if "no target" in str(error):
-                return None
-            raise
+    if source is None or source == name:
+        weights_of = params  # read from the trained target itself (see _initial_model)
     else:
-        weights_of = params
+        weights_of = _target_params(path, name, dtype, device)
+        if weights_of is None:
+            return None
     return (weights_of["composition_weights"].detach().to("cpu", torch.float64).numpy().copy(),
             float(weights_of["energy_scale"]))
+
+
+def _target_params(path, name: str, dtype, device):
+    """The parameters of target ``name`` of a model file, or ``None`` if it has no
+    such target."""
+    try:
+        return _load_model(path, dtype, "best", device, name, False)[1]
+    except ValueError as error:
+        if "no target" in str(error) or "only target is" in str(error):
+            return None
+        raise
 
 
 def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log):
@@ -789,6 +797,16 @@ def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log
         # metatrain's inherit_heads {energy: SOURCE}: the energy heads start from the
         # source target's heads
         source = (finetune_options.get("inherit_heads") or {}).get("energy")
+        name = finetune_options.get("target_name", "energy")
+        if source is None and name != "energy":
+            # metatrain fine-tunes the checkpoint's target of that name, or starts
+            # new heads for a target it lacks
+            if _target_params(finetune, name, dtype, device) is None:
+                raise ValueError(
+                    f"the fine-tuning checkpoint {finetune!r} has no target {name!r}: metatrain would start new "
+                    f"heads for it, petfunc starts from one of the checkpoint's: name it with "
+                    f"'architecture.training.finetune.inherit_heads: {{energy: SOURCE}}'")
+            source = name
         # method 'lora' on a model fine-tuned with LoRA trains its adapters on, as
         # metatrain does (it injects no new ones); other methods merge them
         continue_lora = finetune_options.get("method") == "lora"

@@ -438,6 +438,27 @@ def test_inherit_heads_picks_the_source_target(base, tmp_path):
     with pytest.raises(ValueError, match=r"only target is 'energy', not 'mtt::b'"):
         fit(_heads_options(data, checkpoint, inherit_heads={"energy": "mtt::b"}), None, progress=False,
             log=lambda m: None)
+    # a dataset target named like one of the checkpoint's: that target is fine-tuned,
+    # its heads and its composition and scale kept, as metatrain does
+    named = _heads_options(data, path)
+    named["training_set"] = {"systems": str(data), "targets": {"mtt::b": {"key": "energy", "quantity": "energy"}}}
+    _, params = _initial_model(resolve_options(named), {}, [], torch.float64, "cpu", 0, lambda m: None)
+    assert torch.equal(tree.flatten(params)["node_heads.energy.0.0.weight"],
+                       state["backend.node_heads.mtt::b.0.0.weight"].double())
+    result = fit(named, None, progress=False, log=lambda m: None)
+    _, source = load_model(path, dtype=torch.float64, target="mtt::b")
+    assert torch.equal(result.params["composition_weights"], source["composition_weights"])
+    # a name the checkpoint lacks: metatrain starts new heads; petfunc asks which to start from
+    named["training_set"]["targets"] = {"mtt::c": {"key": "energy", "quantity": "energy"}}
+    with pytest.raises(ValueError, match=r"has no target 'mtt::c': metatrain would start new heads"):
+        fit(named, None, progress=False, log=lambda m: None)
+    # metatrain's inherit_heads is keyed by the trained target's name: the composition
+    # of that new target is fitted on the new data
+    named["architecture"]["training"]["finetune"]["inherit_heads"] = {"mtt::c": "mtt::a"}
+    lines = []
+    result = fit(named, None, progress=False, log=lines.append)
+    assert not torch.equal(result.params["composition_weights"], source["composition_weights"])
+    assert not any("of the fine-tuning checkpoint" in line for line in lines)
 
 
 def test_heads_that_match_nothing(base, tmp_path):
