@@ -755,6 +755,29 @@ def check_model_section(model_hypers: Mapping, config: PETConfig, what: str) -> 
                          + "; ".join(diff) + "); remove these keys or make them match")
 
 
+def _baseline_from_files(options, config: PETConfig):
+    """``(composition weights, energy scale)`` read from metatrain's composition and
+    scaler checkpoints named by ``atomic_baseline: {file}`` and
+    ``fixed_scaling_weights: {file}``; each ``None`` when not given. Such files were
+    fitted on data in one energy unit, so the training files must share it."""
+    training = options["architecture"]["training"]
+    baseline, scaler = training["atomic_baseline"], training["fixed_scaling_weights"]
+    if "file" not in baseline and "file" not in scaler:
+        return None, None
+    units = {section["targets"]["energy"]["unit"] for section in dataset_sections(options["training_set"])}
+    if len(units) > 1:
+        raise ValueError(f"the training files have energies in several units ({sorted(units)}); "
+                         "a composition or scaler checkpoint needs one")
+    (unit,) = units
+    composition = scale = None
+    if "file" in baseline:
+        composition = _baseline_file(baseline["file"], "composition", config.atomic_types, unit)
+    if "file" in scaler:
+        additive = ("CompositionModel",) + (("ZBL",) if config.zbl else ())
+        scale = float(_baseline_file(scaler["file"], "scaler", config.atomic_types, unit, additive))
+    return composition, scale
+
+
 def _finetune_baseline(options, dtype, device, params):
     """``(composition weights, energy scale)`` a fine-tuning run keeps from its
     checkpoint, or ``None`` (no fine-tuning, or a target the checkpoint lacks).
@@ -785,9 +808,15 @@ def _target_params(path, name: str, dtype, device):
     try:
         return _load_model(path, dtype, "best", device, name, False)[1]
     except ValueError as error:
-        if "no target" in str(error) or "only target is" in str(error):
+        if _lacks_target(error):
             return None
         raise
+
+
+def _lacks_target(error: ValueError) -> bool:
+    """Whether ``error`` of :func:`_load_model` says the file has no such target (a
+    metatrain checkpoint without it, or a petfunc file, whose only target is energy)."""
+    return "no target" in str(error) or "only target is" in str(error)
 
 
 def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log):
@@ -798,14 +827,10 @@ def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log
         # source target's heads
         source = (finetune_options.get("inherit_heads") or {}).get("energy")
         name = finetune_options.get("target_name", "energy")
-        if source is None and name != "energy":
-            # metatrain fine-tunes the checkpoint's target of that name, or starts
-            # new heads for a target it lacks
-            if _target_params(finetune, name, dtype, device) is None:
-                raise ValueError(
-                    f"the fine-tuning checkpoint {finetune!r} has no target {name!r}: metatrain would start new "
-                    f"heads for it, petfunc starts from one of the checkpoint's: name it with "
-                    f"'architecture.training.finetune.inherit_heads: {{energy: SOURCE}}'")
+        # metatrain fine-tunes the checkpoint's target of the dataset's name, or
+        # starts new heads for a target it lacks
+        by_name = source is None and name != "energy"
+        if by_name:
             source = name
         # method 'lora' on a model fine-tuned with LoRA trains its adapters on, as
         # metatrain does (it injects no new ones); other methods merge them
@@ -813,6 +838,11 @@ def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log
         try:
             config, params, source_lora = _load_model(finetune, dtype, "best", device, source, continue_lora)
         except ValueError as error:
+            if by_name and _lacks_target(error):
+                raise ValueError(
+                    f"the fine-tuning checkpoint {finetune!r} has no target {name!r}: metatrain would start new "
+                    f"heads for it, petfunc starts from one of the checkpoint's: name it with "
+                    f"'architecture.training.finetune.inherit_heads: {{energy: SOURCE}}'") from None
             if source is None and "pass target=" in str(error):
                 raise ValueError(str(error).replace(
                     "pass target=...", "choose one with 'architecture.training.finetune.inherit_heads: "
@@ -1020,38 +1050,20 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
         # metatrain's composition model and scaler keep the weights of a target the
         # checkpoint already has (restart: only new targets are fitted); a composition
         # or scaler checkpoint file given in the options replaces them
-        composition, scale = finetune_baseline
         baseline, scaler = training["atomic_baseline"], training["fixed_scaling_weights"]
-        if "file" in baseline or "file" in scaler:
-            units = {section["targets"]["energy"]["unit"] for section in dataset_sections(options["training_set"])}
-            if len(units) > 1:
-                raise ValueError(f"the training files have energies in several units ({sorted(units)}); "
-                                 "a composition or scaler checkpoint needs one")
-            (unit,) = units
-        if "file" in baseline:
-            composition = _baseline_file(baseline["file"], "composition", config.atomic_types, unit)
-        if "file" in scaler:
-            additive = ("CompositionModel",) + (("ZBL",) if config.zbl else ())
-            scale = float(_baseline_file(scaler["file"], "scaler", config.atomic_types, unit, additive))
+        from_file, scale_from_file = _baseline_from_files(options, config)
+        composition = finetune_baseline[0] if from_file is None else from_file
+        scale = finetune_baseline[1] if scale_from_file is None else scale_from_file
         ignored = [name for name, value in (("atomic_baseline", baseline), ("fixed_scaling_weights", scaler))
                    if value and "file" not in value]
         log("composition weights " + (f"from {baseline['file']}" if "file" in baseline else "of the fine-tuning checkpoint")
             + ", energy scale " + (f"from {scaler['file']}" if "file" in scaler else "of the fine-tuning checkpoint")
             + " (metatrain keeps a fitted target's)"
             + (f"; {' and '.join(ignored)} given as weights are not used, as in metatrain" if ignored else ""))
-        params["composition_weights"] = torch.as_tensor(composition, dtype=torch.float64, device=device)
-        params["energy_scale"] = torch.tensor(scale, dtype=torch.float64, device=device)
     else:
         baseline, scaler = training["atomic_baseline"], training["fixed_scaling_weights"]
-        if "file" in baseline or "file" in scaler:
-            # metatrain's composition and scaler checkpoints: fitted on data in one unit
-            units = {section["targets"]["energy"]["unit"] for section in dataset_sections(options["training_set"])}
-            if len(units) > 1:
-                raise ValueError(f"the training files have energies in several units ({sorted(units)}); "
-                                 "a composition or scaler checkpoint needs one")
-            (unit,) = units
-        if "file" in baseline:
-            fixed = _baseline_file(baseline["file"], "composition", config.atomic_types, unit)
+        fixed, scale_from_file = _baseline_from_files(options, config)
+        if fixed is not None:
             log(f"composition weights from {baseline['file']}")
         else:
             fixed = fixed_composition(baseline, config.atomic_types)
@@ -1062,14 +1074,14 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
             scale = fit_scale(train_samples, composition, config, per_atom=weights.per_atom)
         else:
             composition, scale = fixed, fit_scale(train_samples, fixed, config, per_atom=weights.per_atom)
-        if "file" in scaler:
-            additive = ("CompositionModel",) + (("ZBL",) if config.zbl else ())
-            scale = float(_baseline_file(scaler["file"], "scaler", config.atomic_types, unit, additive))
+        if scale_from_file is not None:
+            scale = scale_from_file
             log(f"energy scale from {scaler['file']}")
         elif "energy" in scaler:
             scale = scaler["energy"]
         if not training["scale_targets"]:  # as in metatrain, this wins over a fixed scale
             scale = 1.0
+    if ckpt is None:  # a restart's parameters hold them already
         params["composition_weights"] = torch.as_tensor(composition, dtype=torch.float64, device=device)
         params["energy_scale"] = torch.tensor(scale, dtype=torch.float64, device=device)
     # finetune method 'lora': adapters params["lora"] (a restart brings its own), a
