@@ -141,10 +141,16 @@ def check_structure(positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray, la
         raise ValueError(f"{label}: the cell contains NaN or infinite values along its periodic directions")
     if pbc.any():
         periodic_rows = cell[pbc]
-        # Gram determinant of the periodic lattice vectors: zero if they are degenerate
-        gram = periodic_rows @ periodic_rows.T
-        scale = max(float(np.abs(periodic_rows).max()), 1e-300) ** (2 * pbc.sum())
-        if abs(np.linalg.det(gram)) <= 1e-12 * scale:
+        # volume (length, area) of the periodic lattice vectors over the product of
+        # their lengths, the sine of their angles: round-off (1e-16) when they are
+        # degenerate. QR gives it to that accuracy; a Gram determinant would lose half
+        # the digits and refuse very skewed but valid cells.
+        lengths = np.linalg.norm(periodic_rows, axis=1)
+        sine = 0.0
+        if np.all(lengths > 0.0):
+            r = np.linalg.qr(periodic_rows.T, mode="r")
+            sine = float(np.abs(np.prod(np.diag(r))) / np.prod(lengths))
+        if not sine > 1e-10:
             raise ValueError(
                 f"{label}: the cell is singular along its periodic directions "
                 f"(pbc={pbc.tolist()}, cell={cell.tolist()})"

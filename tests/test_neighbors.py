@@ -166,6 +166,32 @@ def test_singular_periodic_cell(cell):
         petfunc.from_atoms(atoms, CONFIG)
 
 
+def test_very_skewed_cell_is_the_same_lattice():
+    """A unimodular change of basis gives the same crystal in a cell with vectors of
+    ~1000 Å at angles of ~1e-5 rad: the same edges, up to the shifts (the volume was
+    compared with the largest vector cubed, and this cell was called singular)."""
+    atoms = ase.build.bulk("C", "diamond", a=3.6)
+    atoms.rattle(0.05, seed=1)
+    change = np.array([[1, 20, 0], [0, 1, 0], [0, -20, 1]]) @ np.array([[1, 0, 0], [20, 1, 0], [0, 0, 1]])
+    skewed = atoms.copy()
+    skewed.set_cell(change @ atoms.cell, scale_atoms=False)
+    assert skewed.cell.volume / np.abs(skewed.cell).max() ** 3 < 1e-6
+    plain = petfunc.prepare(atoms.numbers, atoms.positions, atoms.cell, True, CONFIG)
+    other = petfunc.prepare(skewed.numbers, skewed.positions, skewed.cell, True, CONFIG)
+
+    def vectors(s):
+        d = s.positions[s.neighbors] - s.positions[s.centers] + s.shifts @ s.cell
+        return np.sort(np.round(np.column_stack([s.centers, s.neighbors, d]), 8), axis=0)
+
+    assert len(plain.centers) == len(other.centers) > 50
+    np.testing.assert_allclose(vectors(other), vectors(plain), atol=1e-8)
+    # degenerate up to round-off is still singular
+    rows = np.array([[2.0, 0.3, 0.1], [0.0, 3.0, 0.2], [0.0, 0.0, 0.0]])
+    rows[2] = rows[0] / 3 + rows[1] * 0.7
+    with pytest.raises(ValueError, match="cell is singular along its periodic directions"):
+        petfunc.prepare([6], [[0, 0, 0]], rows, True, CONFIG)
+
+
 def test_coinciding_atoms():
     """Atoms at one place (or on a periodic image of another) have no PET energy
     (and an infinite ZBL one); metatrain returns a meaningless finite number, or
