@@ -30,7 +30,11 @@ for the same model:
   :class:`~ase.calculators.calculator.PropertyNotImplementedError` (metatomic
   returns ``inf`` there); a partly periodic structure whose ASE cell has a volume
   gets metatomic's number, with the same warning;
-* ``energies`` are per-atom energies, summing to ``energy``;
+* ``energies`` are per-atom energies, summing to ``energy`` (every calculation
+  stores them);
+* a float32 model gets the atoms wrapped into the cell along its periodic
+  directions, in float64 (the results are those of the same structure; atoms that
+  diffused far from the origin would cost the float32 edge vectors digits);
 * a model with ``system_conditioning`` reads the total charge from
   ``atoms.info["charge"]`` and the spin multiplicity 2S+1 from
   ``atoms.info["spin_multiplicity"]`` (or ``atoms.info["spin"]``, OMol25's name),
@@ -148,18 +152,9 @@ class PETCalculator(Calculator):
         **kwargs: passed to :class:`ase.calculators.calculator.Calculator`.
     """
 
-    implemented_properties = [
-        "energy",
-        "free_energy",
-        "energies",
-        "forces",
-        "stress",
-        "energy_uncertainty",
-        "forces_uncertainty",
-        "stress_uncertainty",
-        "energy_ensemble",
-        "forces_ensemble",
-    ]
+    # what any calculator gives; an instance's own list adds the committee's or LLPR's
+    # outputs when it has one (see ``__init__``)
+    implemented_properties = ["energy", "free_energy", "energies", "forces", "stress"]
 
     def __init__(
         self,
@@ -221,6 +216,8 @@ class PETCalculator(Calculator):
             if params is None or ensemble_params is not None or exported is not None:
                 raise ValueError("llpr needs params, and excludes ensemble_params and exported models")
             self.llpr = {k: v.to(dtype=self.dtype, device=self.device) for k, v in llpr.items()}
+        self.implemented_properties = type(self).implemented_properties + _uncertainty_outputs(
+            ensemble_params is not None, self.llpr)
         self._build_functions()
 
     def _build_functions(self) -> None:
@@ -355,7 +352,9 @@ class PETCalculator(Calculator):
 
     def _inputs(self, atoms):
         self._check_species(atoms)
-        structure = prepare_atoms(atoms, self.config, label="atoms")
+        # a float32 model gets the atoms wrapped into the cell in float64: the same
+        # result, without the digits an MD run's diffusion would cost it
+        structure = prepare_atoms(atoms, self.config, label="atoms", wrap=self.dtype != torch.float64)
         # an exported long-range model may use Ewald sums instead of P3M
         method = getattr(self.exported, "long_range", None) or "p3m"
         # the dummy molecule keeps every size >= 2 (no 0/1 specialisation)
@@ -447,8 +446,7 @@ class PETCalculator(Calculator):
                 forces = ensemble[1].mean(axis=0)
                 strain = ensemble[2].mean(axis=0)
                 per_atom = ensemble[3].mean(axis=0)
-            if "energies" in properties:
-                results["energies"] = per_atom
+            results["energies"] = per_atom  # computed anyway: a later get_potential_energies costs nothing
 
             if self.llpr is not None:
                 ensemble = self._llpr_results(inputs, n_atoms, results, energy, forces, strain, properties)
@@ -516,6 +514,13 @@ class PETCalculator(Calculator):
 
 
 _LLPR_MEMBER_GRADIENTS = {"forces_ensemble", "forces_uncertainty", "stress_uncertainty"}
+
+
+def _uncertainty_outputs(committee: bool, llpr) -> list:
+    """The uncertainty outputs of a calculator with a committee or LLPR weights."""
+    if committee or (llpr is not None and "ensemble_weights" in llpr):
+        return ["energy_uncertainty", "forces_uncertainty", "stress_uncertainty", "energy_ensemble", "forces_ensemble"]
+    return ["energy_uncertainty"] if llpr is not None else []
 
 
 def _training_checkpoint(path):

@@ -129,7 +129,9 @@ class BatchEvaluator:
                 # crystals first: a P3M graph is fixed to which structures have a
                 # mesh, so k crystals and any molecules then share one graph
                 group = sorted(group, key=lambda i: not frames[i].pbc.any())
-            structures = [prepare_atoms(frames[i], self.config, label=labels[i]) for i in group]
+            # float32 models: atoms wrapped into the cell in float64 (as PETCalculator)
+            wrap = self.dtype != torch.float64
+            structures = [prepare_atoms(frames[i], self.config, label=labels[i], wrap=wrap) for i in group]
             # the dummy molecule keeps every size >= 2: one compiled graph for all
             positions, cell, neighbors = collate(structures + [self._padding], self.config, dtype=self.dtype,
                                                  device=self.device)

@@ -157,6 +157,18 @@ def check_structure(positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray, la
             )
 
 
+def wrapped(positions: np.ndarray, cell: np.ndarray, pbc: np.ndarray) -> np.ndarray:
+    """``positions [n, 3]`` moved by whole vectors of the periodic rows of ``cell``
+    into the cell (fractional coordinates in [0, 1) along ``pbc``, up to round-off);
+    the other coordinates are kept. The rows of non-periodic directions are ignored."""
+    positions = np.asarray(positions, dtype=np.float64)
+    periodic = np.asarray(cell, dtype=np.float64)[pbc]
+    # fractional coordinates along the periodic rows: least squares solves them in
+    # the rows' span, whatever the non-periodic components are
+    frac = np.linalg.lstsq(periodic.T, positions.T, rcond=None)[0].T
+    return positions - np.floor(frac) @ periodic
+
+
 # More neighbours per atom than this cannot be a physical structure (solids hold at
 # most ~0.2 atoms/Å^3: ~1,500 neighbours within 12 Å); it is a cell in the wrong
 # units or an almost singular one, whose neighbour list would exhaust the memory.

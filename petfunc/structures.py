@@ -114,11 +114,16 @@ def prepare(
     label: str = "structure",
     charge=None,
     spin_multiplicity=None,
+    wrap: bool = False,
 ) -> Structure:
     """Validate one structure and compute its neighbour list.
 
     ``charge`` and ``spin_multiplicity`` (2S+1) are the structure's total charge and
     spin state, read only by models with ``system_conditioning`` (defaults 0, 1).
+    ``wrap`` moves the atoms into the cell along its periodic directions (in float64,
+    by whole lattice vectors): the same structure, whose coordinates stay of the
+    cell's size however far the atoms have diffused, so that a float32 model does
+    not lose digits to them (the calculators ask for it with float32 models).
 
     Raises:
         ValueError: unknown species, NaN/inf positions, wrong shapes, a singular cell
@@ -147,6 +152,8 @@ def prepare(
 
         check_periodicity(pbc, label)
     cell[~pbc] = 0.0
+    if wrap and pbc.any():
+        positions = nbl.wrapped(positions, cell, pbc)
     nbl.check_density(positions, cell, pbc, list_cutoff(config), label)
     centers, neighbors, shifts = nbl.edge_list(positions, cell, pbc, list_cutoff(config))
     nbl.check_coincident(positions, cell, centers, neighbors, shifts, label)
@@ -155,7 +162,8 @@ def prepare(
     )
 
 
-def prepare_atoms(atoms, config: PETConfig, label: str = "structure", charge_key=None, spin_key=None) -> Structure:
+def prepare_atoms(atoms, config: PETConfig, label: str = "structure", charge_key=None, spin_key=None,
+                  wrap: bool = False) -> Structure:
     """:func:`prepare` for one ``ase.Atoms``; the charge and spin multiplicity of a
     conditioned model come from ``atoms.info`` (see :func:`state_from_info`)."""
     charge, spin = state_from_info(atoms.info, charge_key, spin_key)
@@ -168,6 +176,7 @@ def prepare_atoms(atoms, config: PETConfig, label: str = "structure", charge_key
         label,
         charge=charge,
         spin_multiplicity=spin,
+        wrap=wrap,
     )
 
 

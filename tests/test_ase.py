@@ -219,6 +219,68 @@ def test_energies_sum_to_energy(params):
         )
 
 
+def test_one_model_call_gives_every_result(params, monkeypatch):
+    """Per-atom energies come with every calculation: asking for them after the
+    forces and stress does not evaluate the model again."""
+    atoms = carbon_cell()
+    atoms.calc = PETCalculator(CONFIG, params)
+    calls = []
+    evaluate = atoms.calc._evaluate
+    monkeypatch.setattr(atoms.calc, "_evaluate", lambda *a: calls.append(1) or evaluate(*a))
+    atoms.get_forces(), atoms.get_stress(), atoms.get_potential_energy()
+    energies = atoms.get_potential_energies()
+    assert len(calls) == 1 and energies.sum() == pytest.approx(atoms.get_potential_energy(), rel=1e-13)
+
+
+def test_implemented_properties_follow_the_model(params):
+    """A plain calculator does not offer uncertainties (asking for one computed
+    everything, then raised); a committee offers them all, LLPR without ensemble
+    weights only the energy's."""
+    plain = PETCalculator(CONFIG, params)
+    assert "energy_uncertainty" not in plain.implemented_properties and "energies" in plain.implemented_properties
+    atoms = carbon_cell()
+    atoms.calc = plain
+    with pytest.raises(PropertyNotImplementedError):
+        atoms.calc.get_property("energy_uncertainty", atoms)
+    committee_calc = PETCalculator(CONFIG, params, ensemble_params=committee())
+    assert {"energy_uncertainty", "forces_uncertainty", "stress_uncertainty", "energy_ensemble",
+            "forces_ensemble"} <= set(committee_calc.implemented_properties)
+    llpr = PETCalculator(CONFIG, params, llpr={"covariance": torch.eye(3, dtype=torch.float64)})
+    assert llpr.implemented_properties[-1] == "energy_uncertainty" and "forces_uncertainty" not in llpr.implemented_properties
+    assert PETCalculator.implemented_properties == ["energy", "free_energy", "energies", "forces", "stress"]
+
+
+def test_float32_atoms_far_from_the_cell(params):
+    """A float32 model sees the atoms wrapped into the cell (in float64): atoms that
+    diffused 100 cells away give the forces of the wrapped structure. Unwrapped,
+    the float32 edge vectors lost ~1e-4 eV/Å at 700 Å from the origin."""
+    params32 = petfunc.tree.tree_map(lambda x: x.float(), params)
+    atoms = carbon_cell()
+    reference = atoms.copy()
+    reference.calc = PETCalculator(CONFIG, params)
+    f64, s64 = reference.get_forces(), reference.get_stress()
+    far = atoms.copy()
+    far.positions += np.array([100, -70, 30]) @ atoms.cell.array + atoms.cell.array[0] * 0.5
+    far.calc = PETCalculator(CONFIG, params32)
+    assert np.abs(far.get_forces() - f64).max() < 2e-5
+    assert np.abs(far.get_stress() - s64).max() < 1e-6
+    assert np.allclose(far.positions, atoms.positions + np.array([100.5, -70, 30]) @ atoms.cell.array)
+    from petfunc.ase_batch import BatchEvaluator
+
+    (batched,) = BatchEvaluator(CONFIG, params32, stress=True)([far])
+    assert np.abs(batched["forces"] - f64).max() < 2e-5 and np.abs(batched["stress"] - s64).max() < 1e-6
+    # a slab moves only along its periodic directions
+    structure = prepare_atoms(far, CONFIG, wrap=True)
+    frac = np.linalg.solve(atoms.cell.array.T, structure.positions.T).T
+    assert frac.min() > -1e-9 and frac.max() < 1 + 1e-9
+    flat = far.copy()
+    flat.pbc = [True, True, False]
+    structure = prepare_atoms(flat, CONFIG, wrap=True)
+    frac = np.linalg.solve(atoms.cell.array.T, structure.positions.T).T
+    assert frac[:, :2].min() > -1e-9 and frac[:, :2].max() < 1 + 1e-9
+    np.testing.assert_allclose(frac[:, 2], np.linalg.solve(atoms.cell.array.T, far.positions.T).T[:, 2], atol=1e-9)
+
+
 def test_unknown_species(params):
     atoms = ase.build.bulk("Si", "diamond", a=5.43)
     atoms.calc = PETCalculator(CONFIG, params)
