@@ -147,7 +147,8 @@ Labels: a loss term is trained only if the training set has its labels. With
 ``forces: auto`` (the default) a dataset without forces trains on energies only;
 asking for forces explicitly (``forces: {key: ...}``, ``forces: true`` or a
 forces weight in ``loss``) makes missing forces an error that lists the keys found
-in the file. Partially labelled datasets are fine (missing labels are skipped).
+in the file. Every structure needs the labels its file's terms train on (a frame
+without them is an error naming it); a NaN label is skipped, as in metatrain.
 
 Metrics: the progress bar, the log and ``metrics.csv`` report the loss (in training
 units) and the RMSE/MAE of energies per atom (eV/atom), forces (eV/Å) and the
@@ -460,6 +461,9 @@ def _train(args) -> int:
         set_option(options, key, value)
     if demo and options.get("training_set") is not None:
         demo = False  # --set training_set=...: the demo's defaults on the user's data
+    if not demo and args.structures != DEMO_STRUCTURES:
+        print(f"petfunc: warning: --structures {args.structures} is not used: it sizes the built-in demo "
+              "dataset, and this run reads its own", file=sys.stderr)
 
     # >>> petfunc.distributed: under torchrun (WORLD_SIZE > 1) every process joins the
     # process group and trains on its shard of each batch; rank 0 alone writes files

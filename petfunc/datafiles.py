@@ -352,9 +352,14 @@ class TrainingFiles:
 
     @property
     def atomic_types(self) -> List[int]:
-        """Every atomic number in the training, validation and test structures, sorted."""
-        return sorted({int(z) for part in self.train_parts + self.val_parts + self.test_parts
-                       for a in part[0] for z in a.numbers})
+        """Every atomic number in the training and validation structures, sorted: the
+        model's types, as in metatrain (the test set must not change the model)."""
+        return _types_of(self.train_parts + self.val_parts)
+
+    @property
+    def validation_only_types(self) -> List[int]:
+        """Atomic numbers found in the validation structures and in no training one."""
+        return sorted(set(_types_of(self.val_parts)) - set(_types_of(self.train_parts)))
 
     @property
     def train_sizes(self) -> List[int]:
@@ -373,8 +378,19 @@ class TrainingFiles:
                 _samples(self.val_parts, self.val_labels, config))
 
     def test_samples(self, config: PETConfig) -> List[Sample]:
-        """The test set's samples for ``config`` (empty without ``test_set``)."""
+        """The test set's samples for ``config`` (empty without ``test_set``); a type
+        the model lacks is an error before training (metatrain fails after it)."""
+        unknown = sorted(set(_types_of(self.test_parts)) - set(config.atomic_types))
+        if unknown:
+            raise ValueError(
+                f"the test set has atomic type(s) {unknown} that the model lacks (it has "
+                f"{list(config.atomic_types)}, from the training and validation sets): it cannot predict "
+                "their structures; move some to the training set, or leave them out of the test set")
         return _samples(self.test_parts, self.test_labels, config)
+
+
+def _types_of(parts) -> List[int]:
+    return sorted({int(z) for part in parts for a in part[0] for z in a.numbers})
 
 
 def _samples(parts, labels, config: PETConfig) -> List[Sample]:

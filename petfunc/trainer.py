@@ -215,6 +215,15 @@ def load_checkpoint(path) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:  # not a torch archive at all
+            names = []
+        if any(name.startswith("metatrain.") for name in names):
+            raise ValueError(
+                f"{str(path)!r} is a metatrain checkpoint, not a petfunc training checkpoint: a run "
+                "continues from its own last.ckpt; to train on from a metatrain model, fine-tune it "
+                "(--finetune, or architecture.training.finetune.read_from)") from None
         raise ValueError(f"{str(path)!r} is not a readable petfunc checkpoint ({type(error).__name__})") from error
     return _checked_checkpoint(payload, path)
 
@@ -931,15 +940,25 @@ def fit(
             "trains on several when started by torchrun (torchrun --nproc-per-node N -m petfunc train "
             "...; see the README's Multi-process section)"
         )
-    if ckpt is not None and options["architecture"]["training"]["num_epochs"] <= int(ckpt["epoch"]):
+    if ckpt is not None and options["architecture"]["training"]["num_epochs"] < int(ckpt["epoch"]):
         raise ValueError(
             f"the restart checkpoint is at epoch {int(ckpt['epoch'])} and num_epochs is "
-            f"{options['architecture']['training']['num_epochs']}: nothing is left to train; ask for "
-            "more epochs (--epochs N, or architecture.training.num_epochs)"
+            f"{options['architecture']['training']['num_epochs']}: ask for at least as many epochs "
+            "(--epochs N, or architecture.training.num_epochs)"
         )
+    if ckpt is not None and options["architecture"]["training"]["num_epochs"] == int(ckpt["epoch"]):
+        # a run killed after its last epoch's checkpoint: finish it (the best
+        # parameters file, the plots, the test set); nothing is trained
+        log(f"the restart checkpoint is at the last epoch ({int(ckpt['epoch'])}): nothing to train, writing "
+            "the end-of-run files (ask for more epochs with --epochs N)")
     if ckpt is not None:
         _check_restart_finetune(json.loads(ckpt["options"])["architecture"]["training"]["finetune"],
                                 options["architecture"]["training"]["finetune"], restart, log)
+        changed = _changed_options(json.loads(ckpt["options"]), options)
+        if changed:
+            log("options changed since the checkpoint, this run takes the new values: " + "; ".join(changed)
+                + (" (the learning-rate schedule is fitted to end with the new last epoch)"
+                   if any(c.startswith("architecture.training.num_epochs") for c in changed) else ""))
     # fixed-order scatter-adds, so that the same seed gives the same run (determinism.py);
     # by default on CPU only, where it was measured to cost nothing
     deterministic = options["architecture"]["training"]["deterministic"]
@@ -969,6 +988,20 @@ def _log_length_units(options, log) -> None:
             f"{model.get('cutoff_width', PETConfig.cutoff_width):g}) are in Å and forces are compared in eV/Å. "
             "metatrain instead trains in the data's length unit (there these cutoffs would be in "
             f"{other[0]}): the same options give a different model")
+
+
+def _changed_options(before: Mapping, after: Mapping, prefix: str = "") -> List[str]:
+    """``"path: old -> new"`` for each option whose value differs between two resolved
+    option trees (a restart's checkpoint and the options it runs with)."""
+    changed = []
+    for key in sorted(set(before) | set(after), key=str):
+        path = f"{prefix}{key}"
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, Mapping) and isinstance(new, Mapping):
+            changed += _changed_options(old, new, path + ".")
+        elif old != new:
+            changed.append(f"{path}: {json.dumps(old)} -> {json.dumps(new)}")
+    return changed
 
 
 def _check_restart_finetune(stored: Mapping, given: dict, restart, log) -> None:
@@ -1040,6 +1073,9 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
 
     train_samples, val_samples = files.samples(config)
     test_samples = files.test_samples(config)
+    if ckpt is None and not training["finetune"].get("read_from") and files.validation_only_types:
+        log(f"warning: atomic type(s) {files.validation_only_types} appear in the validation set only: the model "
+            "never trains on them (their composition weight is fitted to 0)")
 
     # --- composition and scale -----------------------------------------------------------
     finetune_baseline = None if ckpt is not None else _finetune_baseline(options, dtype, device, params)
@@ -1067,6 +1103,9 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
             log(f"composition weights from {baseline['file']}")
         else:
             fixed = fixed_composition(baseline, config.atomic_types)
+        if not any(s.energy is not None and np.isfinite(s.energy) for s in train_samples):
+            log("warning: no training structure has a finite energy label: the composition weights are 0 and the "
+                "energy scale 1 (nothing to fit them to)")
         if fixed is None:
             # accumulated per batch of each file in turn, as metatrain's loaders do
             composition = fit_composition(train_samples, config.num_species, training["batch_size"], config,
@@ -1147,6 +1186,11 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
             )
     if steps_per_epoch == 0:
         raise ValueError(f"no training batch: the training set has {len(train_samples)} structures")
+    if batch_size * world_size > len(train_samples):
+        # metatrain refuses this; one smaller batch per epoch is what it would mean
+        log(f"warning: batch_size {batch_size}" + (f" x {world_size} processes" if world_size > 1 else "")
+            + f" is more than the {len(train_samples)} training structures: the batches are smaller "
+            f"({steps_per_epoch} step(s) per epoch)")
     num_epochs = training["num_epochs"]
     # a restart with another number of processes (or batch packing) may take another
     # number of steps per epoch: the schedule then ends with this run's last epoch
@@ -1154,7 +1198,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
     total_steps = max(1, done_steps + max(0, num_epochs - done_epochs) * steps_per_epoch)
     if done_steps != done_epochs * steps_per_epoch:
         log(f"warning: the run this restart continues took {done_steps} steps in {done_epochs} epochs, this one "
-            f"takes {steps_per_epoch} per epoch (another number of processes, or batch packing): the "
+            f"takes {steps_per_epoch} per epoch (another batch size, number of processes or batch packing): the "
             f"learning-rate schedule is fitted to end with epoch {num_epochs}, so it differs from an "
             "uninterrupted run's")
     schedule = warmup_cosine(training["learning_rate"], total_steps, training["warmup_fraction"])
@@ -1266,6 +1310,13 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
             output_dir, [p.name for p in files.values()] + ["parity_test.png", "epoch_*.ckpt"])
         if leftovers:
             log(f"removed {len(leftovers)} temporary file(s) a killed run left in {output_dir}")
+        if restart is not None:
+            _restart_files(Path(restart), ckpt, output_dir, training["checkpoint_interval"], log)
+        others = _other_runs_epochs(output_dir, int(ckpt["epoch"]) if ckpt is not None else 0)
+        if others:
+            log(f"warning: {output_dir} holds {', '.join(others)} of another run (this one "
+                + ("continues from epoch " + str(int(ckpt['epoch'])) if ckpt is not None else "starts afresh")
+                + "): they stay until this run writes those epochs")
     elif not is_main:
         output_dir = None
     options_json = json.dumps(options, sort_keys=True)
@@ -1330,8 +1381,9 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
     log(
         f"model: {n_params} trainable parameters"
         + (f" (fine-tuning {', '.join(train)} only)" if train else "")
-        + f" ({dtype_name}, {device}); "
-        f"{steps_per_epoch} steps per epoch, epochs {start_epoch + 1}..{num_epochs}"
+        + f" ({dtype_name}, {device}); seed {seed}; "
+        + (f"{steps_per_epoch} steps per epoch, epochs {start_epoch + 1}..{num_epochs}" if start_epoch < num_epochs
+           else "no epoch left to train")
         + (f", compile {backend}" if compile_on else "")
     )
     if weights.per_atom:
@@ -1352,6 +1404,8 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
         unit="step", dynamic_ncols=True, file=sys.stderr, leave=False,
     )
     val_batches = None
+    # epoch checkpoints of this run (and of the run it continues, up to its epoch)
+    written_epochs = set() if output_dir is None else set(_this_runs_epochs(output_dir, start_epoch if ckpt is not None else 0))
     try:
         for epoch in range(start_epoch, num_epochs):
             t0 = time.perf_counter()
@@ -1433,6 +1487,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
                     checkpoint(files["best"], state, epoch + 1)
                 if (epoch + 1) % training["checkpoint_interval"] == 0:
                     checkpoint(output_dir / f"epoch_{epoch + 1}.ckpt", state, epoch + 1)
+                    written_epochs.add(f"epoch_{epoch + 1}.ckpt")
                 write_csv()
             if epoch == start_epoch or (epoch + 1) % training["log_interval"] == 0 or epoch + 1 == num_epochs:
                 log(_epoch_line(row, num_epochs, val_terms, improved))
@@ -1463,30 +1518,77 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
             parity_plot(test_pred, files["parity_test"], title=f"test set, best epoch {best_epoch}")
         log(f"best epoch {best_epoch} ({training['best_model_metric']} {best_metric:.4g}); {what} set RMSE/MAE: "
             + _errors_line(error_metrics(pred)))
-        if not files["best"].exists() and best_epoch and restart is not None:
-            _carry_best_checkpoint(Path(restart), files["best"], best_epoch, log)
-        written = {p.name for p in files.values() if p.exists()} | {p.name for p in output_dir.glob("epoch_*.ckpt")}
-        log(f"files in {output_dir}: " + ", ".join(sorted(written)))
+        write_csv()  # complete after a restart that trained nothing, too
+        written = {p.name for p in files.values() if p.exists()} | written_epochs
+        log(f"files of this run in {output_dir}: " + ", ".join(sorted(written)))
     graphs = {name: fn.num_graphs for name, fn in (("train", step_fn), ("eval", eval_fn)) if hasattr(fn, "num_graphs")}
     return FitResult(config, best_cpu, last_cpu, best_epoch, best_metric, history, output_dir, files, graphs,
                      test_errors)
 
 
-def _carry_best_checkpoint(restart: Path, best: Path, best_epoch: int, log) -> None:
-    """A restart into a new folder whose epochs never beat the best epoch before it:
-    copy that epoch's ``best.ckpt`` from the restart checkpoint's folder, so that the
-    new folder has one too; or say where the best parameters are."""
-    source = restart.resolve().parent / "best.ckpt"
-    try:
-        found = source.is_file() and int(load_checkpoint(source).get("epoch", -1)) == best_epoch
-    except (OSError, ValueError):
-        found = False
-    if found:
-        atomic_write(best, lambda handle: handle.write(source.read_bytes()))
-        log(f"best.ckpt: epoch {best_epoch}, before this run, copied from {source}")
-    else:
-        log(f"no best.ckpt: the best epoch ({best_epoch}) came before this run, and {source} is not "
-            "its checkpoint; '--which best' reads its parameters from last.ckpt")
+def _restart_files(restart: Path, ckpt: Mapping, output_dir: Path, interval: int, log) -> None:
+    """Make the output folder of a restart agree with its checkpoint before training.
+
+    ``best.ckpt`` must hold the checkpoint's best epoch. It may not: a kill between
+    writing ``last.ckpt`` and ``best.ckpt`` of an improving epoch, a restart from an
+    older checkpoint into the folder of a run that went further, or a new folder.
+    It is then copied from the restart checkpoint (when that is the best epoch), the
+    restart folder's ``best.ckpt`` or its ``epoch_N.ckpt``, or else removed (with a
+    log line: ``--which best`` then reads the best parameters from ``last.ckpt``).
+    The restart epoch's ``epoch_N.ckpt`` that a kill left unwritten is copied too."""
+    epoch, best_epoch = int(ckpt["epoch"]), int(ckpt.get("best_epoch") or 0)
+    best_flat = ckpt.get("best_params") or ckpt["params"]
+
+    def holds_best(path: Path) -> bool:
+        if path.resolve() == restart.resolve():
+            return epoch == best_epoch
+        try:
+            other = load_checkpoint(path)
+        except (OSError, ValueError):
+            return False
+        flat = other["params"]
+        return (int(other.get("epoch", -1)) == best_epoch and flat.keys() == best_flat.keys()
+                and all(torch.equal(flat[k], best_flat[k]) for k in flat))
+
+    def copy(source: Path, target: Path) -> None:
+        data = source.read_bytes()
+        atomic_write(target, lambda handle: handle.write(data))
+
+    best = output_dir / "best.ckpt"
+    if best_epoch and not (best.is_file() and holds_best(best)):
+        candidates = [restart, restart.resolve().parent / "best.ckpt", restart.resolve().parent / f"epoch_{best_epoch}.ckpt"]
+        source = next((c for c in candidates if c.is_file() and c.resolve() != best.resolve() and holds_best(c)), None)
+        if source is not None:
+            copy(source, best)
+            log(f"best.ckpt: epoch {best_epoch}, the best before this run, copied from {source}")
+        else:
+            if best.is_file():
+                best.unlink()
+            log(f"no best.ckpt: the best epoch ({best_epoch}) came before this run and its checkpoint is not "
+                f"at hand; '--which best' reads its parameters from {restart.name}")
+    numbered = output_dir / f"epoch_{epoch}.ckpt"
+    if epoch % interval == 0 and not numbered.exists() and restart.resolve() != numbered.resolve():
+        copy(restart, numbered)
+
+
+def _epoch_files(output_dir: Path) -> Dict[int, str]:
+    found = {}
+    for path in output_dir.glob("epoch_*.ckpt"):
+        number = path.name[len("epoch_"):-len(".ckpt")]
+        if number.isdigit():
+            found[int(number)] = path.name
+    return found
+
+
+def _this_runs_epochs(output_dir: Path, start_epoch: int) -> List[str]:
+    """``epoch_N.ckpt`` files of the run a restart continues (N <= its epoch)."""
+    return [name for n, name in sorted(_epoch_files(output_dir).items()) if n <= start_epoch]
+
+
+def _other_runs_epochs(output_dir: Path, start_epoch: int) -> List[str]:
+    """``epoch_N.ckpt`` files past the start epoch: another run's (a fresh run into a
+    used folder, or a restart from an earlier checkpoint than the folder's last)."""
+    return [name for n, name in sorted(_epoch_files(output_dir).items()) if n > start_epoch]
 
 
 def _errors_line(errors: Mapping[str, float]) -> str:
@@ -1507,9 +1609,9 @@ def _version() -> str:
 def _check_loss(value: float, epoch: int, step: int) -> None:
     if not math.isfinite(value):
         raise TrainingError(
-            f"the training loss is {value} at epoch {epoch + 1}, step {step + 1}: training stopped "
-            "(the checkpoints written so far are intact). Lower the learning rate, check the "
-            "labels for outliers, or train in float64 (base_precision: 64)."
+            f"the training loss is {value} at epoch {epoch + 1}, step {step + 1}"
+            + (" (the checkpoints of the epochs before are intact)" if epoch else "")
+            + ". Lower the learning rate, check the labels for outliers, or train in float64 (base_precision: 64)."
         )
 
 

@@ -56,8 +56,8 @@ def test_restart_continues(demo_run, tmp_path, capsys):
     assert torch.load(out / "last.ckpt", weights_only=True)["epoch"] == 2
     # fewer epochs than the checkpoint has done: an error, and the folder as it was
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    assert main(["train", "--restart", str(out / "last.ckpt"), "--epochs", "2", "--no-progress"]) == 2
-    assert "at epoch 2 and num_epochs is 2: nothing is left to train" in capsys.readouterr().err
+    assert main(["train", "--restart", str(out / "last.ckpt"), "--epochs", "1", "--no-progress"]) == 2
+    assert "at epoch 2 and num_epochs is 1: ask for at least as many epochs" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 

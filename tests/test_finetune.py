@@ -423,6 +423,9 @@ def test_inherit_heads_picks_the_source_target(base, tmp_path):
     assert torch.equal(flat["node_heads.energy.0.0.weight"], state["backend.node_heads.mtt::b.0.0.weight"].double())
     assert not torch.equal(flat["node_heads.energy.0.0.weight"], state["backend.node_heads.mtt::a.0.0.weight"].double())
     assert "heads of its target 'mtt::b'" in lines[-1]
+    # a metatrain checkpoint is fine-tuned, not restarted
+    with pytest.raises(ValueError, match="is a metatrain checkpoint, not a petfunc training checkpoint.*--finetune"):
+        fit(None, tmp_path / "restart", restart=path, progress=False, log=lambda m: None)
     result = fit(_heads_options(data, path, inherit_heads={"energy": "mtt::b"}), None, progress=False,
                  log=lambda m: None)
     assert np.isfinite(result.history[-1]["val_loss"])

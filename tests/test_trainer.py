@@ -339,21 +339,63 @@ def test_restart_keeps_the_split(dataset, tmp_path):
         fit(options, tmp_path / "changed", restart=tmp_path / "edited.ckpt", progress=False, log=quiet())
 
 
-def test_restart_into_a_new_folder_carries_the_best_checkpoint(dataset, tmp_path):
-    """When no epoch after a restart beats the best epoch before it, the new folder
-    gets that epoch's best.ckpt from the old one (the final log lists only the files
-    that exist)."""
-    from petfunc.trainer import _carry_best_checkpoint
+def test_restart_makes_the_folder_agree_with_the_checkpoint(dataset, tmp_path):
+    """A restart leaves best.ckpt holding the checkpoint's best epoch: after a kill
+    between last.ckpt and best.ckpt (best.ckpt stayed an older epoch), after a
+    restart from an earlier checkpoint into a folder that went further, and in a new
+    folder; without a source it removes a stale best.ckpt and says so. A run killed
+    after its last epoch's checkpoint is finished by a restart at that epoch."""
+    options = tiny_options(dataset, num_epochs=3, checkpoint_interval=1, learning_rate=3e-3)
+    result = fit(options, tmp_path / "run", progress=False, log=quiet())
+    run = tmp_path / "run"
+    best_bytes = (run / "best.ckpt").read_bytes()
+    best_epoch = result.best_epoch
+    older = 1 if best_epoch != 1 else 2
+    assert load_checkpoint(run / "best.ckpt")["epoch"] == best_epoch
 
-    result = fit(tiny_options(dataset, num_epochs=2), tmp_path / "run", progress=False, log=quiet())
-    (tmp_path / "new").mkdir()
+    # the kill: best.ckpt of an older epoch, no best_params.pt, plots or last CSV row
+    (run / "best.ckpt").write_bytes((run / f"epoch_{older}.ckpt").read_bytes())
+    (run / "best_params.pt").unlink()
+    (run / "parity.png").unlink()
+    rows = (run / "metrics.csv").read_text().splitlines()
+    (run / "metrics.csv").write_text("\n".join(rows[:-1]) + "\n")
     lines = []
-    _carry_best_checkpoint(tmp_path / "run" / "last.ckpt", tmp_path / "new" / "best.ckpt", result.best_epoch,
-                           quiet(lines))
-    assert (tmp_path / "new" / "best.ckpt").read_bytes() == (tmp_path / "run" / "best.ckpt").read_bytes()
-    assert "copied from" in lines[0]
-    _carry_best_checkpoint(tmp_path / "run" / "last.ckpt", tmp_path / "new" / "other.ckpt", 7, quiet(lines))
-    assert not (tmp_path / "new" / "other.ckpt").exists() and "no best.ckpt" in lines[1]
+    finished = fit(None, restart=run / "last.ckpt", progress=False, log=quiet(lines))
+    assert any("nothing to train, writing the end-of-run files" in line for line in lines)
+    assert (run / "best.ckpt").read_bytes() == best_bytes
+    assert (run / "best_params.pt").exists() and (run / "parity.png").exists()
+    assert len((run / "metrics.csv").read_text().splitlines()) == len(rows)
+    assert finished.best_epoch == best_epoch and params_equal(finished.params, result.params)
+
+    # a restart from epoch 1 into the same folder, with another learning rate
+    lines = []
+    changed = json.loads(load_checkpoint(run / "epoch_1.ckpt")["options"])
+    changed["architecture"]["training"].update(num_epochs=2, learning_rate=0.3)
+    fit(changed, run, restart=run / "epoch_1.ckpt", progress=False, log=quiet(lines))
+    assert any("epoch_2.ckpt, epoch_3.ckpt of another run" in line for line in lines)
+    final = next(line for line in lines if line.startswith("files of this run"))
+    assert "epoch_1.ckpt" in final and "epoch_2.ckpt" in final and "epoch_3.ckpt" not in final
+    best = load_checkpoint(run / "best.ckpt")
+    assert best["epoch"] == load_checkpoint(run / "last.ckpt")["best_epoch"]
+
+    # a new folder: the best epoch's checkpoint is copied from the old one
+    fit(options, tmp_path / "again", progress=False, log=quiet())
+    lines = []
+    fit(None, tmp_path / "new", restart=tmp_path / "again" / "last.ckpt", progress=False, log=quiet(lines))
+    best_bytes = (tmp_path / "again" / "best.ckpt").read_bytes()
+    assert (tmp_path / "new" / "best.ckpt").read_bytes() == best_bytes
+    assert any(line.startswith(f"best.ckpt: epoch {best_epoch}") for line in lines)
+    # no source of the best epoch: a stale best.ckpt is removed, and that is said
+    (tmp_path / "lone").mkdir()
+    ckpt = load_checkpoint(tmp_path / "again" / "last.ckpt")
+    ckpt["best_epoch"] = 7
+    torch.save(ckpt, tmp_path / "lone" / "last.ckpt")
+    (tmp_path / "lone" / "best.ckpt").write_bytes(best_bytes)
+    lines = []
+    options["architecture"]["training"]["num_epochs"] = 3
+    fit(None, restart=tmp_path / "lone" / "last.ckpt", progress=False, log=quiet(lines))
+    assert not (tmp_path / "lone" / "best.ckpt").exists()
+    assert any(line.startswith("no best.ckpt: the best epoch (7)") for line in lines)
 
 
 def test_test_set(dataset, tmp_path):
@@ -408,6 +450,28 @@ def test_test_set(dataset, tmp_path):
     options["test_set"] = [str(tmp_path / "test.xyz")] * 2
     with pytest.raises(ValueError, match="option 'test_set' lists 2 dataset"):
         fit(options, None, progress=False, log=quiet())
+
+    # the test set does not add atomic types to the model (as in metatrain): a type
+    # only it has is an error before training; one only the validation set has is
+    # a type of the model, with a warning
+    from ase.calculators.emt import EMT
+    from ase.calculators.singlepoint import SinglePointCalculator
+
+    odd = frames[0].copy()
+    odd.numbers[0] = 47
+    odd.calc = EMT()
+    odd.calc = SinglePointCalculator(odd, energy=odd.get_potential_energy(), forces=odd.get_forces(),
+                                     stress=odd.get_stress())
+    ase.io.write(tmp_path / "silver.xyz", [odd])
+    options["test_set"] = str(tmp_path / "silver.xyz")
+    with pytest.raises(ValueError, match=r"the test set has atomic type\(s\) \[47\] that the model lacks"):
+        fit(options, tmp_path / "silver", progress=False, log=quiet())
+    assert not (tmp_path / "silver" / "last.ckpt").exists()
+    options["test_set"], options["validation_set"] = None, str(tmp_path / "silver.xyz")
+    lines = []
+    result = fit(options, None, progress=False, log=quiet(lines))
+    assert 47 in result.config.atomic_types
+    assert any("atomic type(s) [47] appear in the validation set only" in line for line in lines)
 
 
 def test_per_structure_targets(dataset, tmp_path):
