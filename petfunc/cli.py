@@ -334,7 +334,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="energy target of a metatrain checkpoint with several (default: 'energy')")
     ev.add_argument("--json", metavar="FILE", help="also write the metrics as JSON")
     ev.add_argument("--output", "-o", metavar="FILE",
-                    help="also write the predictions as extxyz (energy, forces, stress of each structure)")
+                    help="also write the predictions as extxyz (energy, forces, stress of each structure), in the "
+                    "units the file was read in (--energy-unit, --length-unit)")
     ev.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's choice)")
 
     ex = sub.add_parser(

@@ -540,17 +540,21 @@ def _error_arrays(evaluated) -> dict:
     return result
 
 
-def write_predictions(config: PETConfig, params, samples: Sequence[Sample], path, batch_size: int = 16) -> Path:
+def write_predictions(config: PETConfig, params, samples: Sequence[Sample], path, batch_size: int = 16,
+                      energy_unit: str = "eV", length_unit: str = "angstrom") -> Path:
     """Write the model's predictions for ``samples`` to the extxyz file ``path``: one
     frame per structure (its atoms, positions, cell and pbc) whose results are the
-    predicted ``energy`` (eV), ``forces`` (eV/Å) and, for periodic cells,
-    ``stress`` (eV/Å^3, ASE's Voigt order, symmetrised as
-    :class:`petfunc.ase.PETCalculator` does), so ``ase.io.read`` gives them back as
-    ``atoms.get_potential_energy()`` etc. Written atomically."""
-    return _write_results(_evaluate_structures(config, params, samples, batch_size, stress=True), path)
+    predicted ``energy``, ``forces`` and, for periodic cells, ``stress`` (ASE's Voigt
+    order, symmetrised as :class:`petfunc.ase.PETCalculator` does), so
+    ``ase.io.read`` gives them back as ``atoms.get_potential_energy()`` etc. Lengths
+    and energies are in ``length_unit`` and ``energy_unit``: those the samples were
+    read in give a file in the units of its input (as ``mtt eval`` writes a model's
+    data units). Written atomically."""
+    return _write_results(_evaluate_structures(config, params, samples, batch_size, stress=True), path,
+                          energy_unit, length_unit)
 
 
-def _write_results(evaluated, path) -> Path:
+def _write_results(evaluated, path, energy_unit: str = "eV", length_unit: str = "angstrom") -> Path:
     """:func:`write_predictions` from ``(sample, energy, forces, strain_derivative)``
     tuples (:func:`_evaluate_structures` with ``stress=True``)."""
     import ase
@@ -558,16 +562,18 @@ def _write_results(evaluated, path) -> Path:
     from ase.calculators.singlepoint import SinglePointCalculator
 
     from .ase import _voigt
+    from .options import energy_unit_factor, length_unit_factor
 
+    ev, angstrom = energy_unit_factor(energy_unit or "eV"), length_unit_factor(length_unit)
     frames = []
     for s, energy, forces, strain in evaluated:
         structure = s.structure
         cell = np.asarray(structure.cell, dtype=np.float64)
-        atoms = ase.Atoms(numbers=np.asarray(structure.numbers), positions=np.asarray(structure.positions),
-                          cell=cell, pbc=np.asarray(structure.pbc))
-        results = {"energy": energy, "forces": forces}
+        atoms = ase.Atoms(numbers=np.asarray(structure.numbers), positions=np.asarray(structure.positions) / angstrom,
+                          cell=cell / angstrom, pbc=np.asarray(structure.pbc))
+        results = {"energy": energy / ev, "forces": np.asarray(forces) * (angstrom / ev)}
         if strain is not None:
-            results["stress"] = _voigt(strain / abs(np.linalg.det(cell)))
+            results["stress"] = _voigt(strain / abs(np.linalg.det(cell))) * (angstrom**3 / ev)
         atoms.calc = SinglePointCalculator(atoms, **results)
         frames.append(atoms)
     path = Path(path)
@@ -695,7 +701,7 @@ def evaluate(model_path, dataset_path, batch_size: int = 16, dtype: Optional[tor
         # one pass (with the stress of every periodic cell) serves the errors and the file
         evaluated = list(_evaluate_structures(config, params, samples, batch_size, stress=True))
         pred = _error_arrays(evaluated)
-        _write_results(evaluated, output)
+        _write_results(evaluated, output, label_options.get("energy_unit"), label_options.get("length_unit"))
     metrics = error_metrics(pred)
     metrics["n_structures"] = len(samples)
     metrics["n_atoms"] = int(np.sum(pred["n_atoms"]))

@@ -122,6 +122,22 @@ def test_eval_writes_predictions(demo_run, tmp_path, capsys):
     bare_predicted = ase.io.read(tmp_path / "bare_out.xyz", ":")
     for atoms, reference in zip(bare_predicted, predicted):
         assert atoms.get_potential_energy() == reference.get_potential_energy()
+    # a file read in kcal/mol and bohr gets its predictions in those units
+    from ase.units import Bohr, kcal, mol
+
+    scaled = []
+    for atoms in frames:
+        atoms = atoms.copy()
+        atoms.set_cell(atoms.cell / Bohr, scale_atoms=True)
+        scaled.append(atoms)
+    ase.io.write(tmp_path / "bohr.xyz", scaled)
+    assert main(["eval", str(demo_run / "best.ckpt"), str(tmp_path / "bohr.xyz"), "-o", str(tmp_path / "bohr_out.xyz"),
+                 "--energy-unit", "kcal/mol", "--length-unit", "bohr"]) == 0
+    for atoms, reference, original in zip(ase.io.read(tmp_path / "bohr_out.xyz", ":"), predicted, scaled):
+        np.testing.assert_allclose(atoms.positions, original.positions, atol=1e-7)
+        assert atoms.get_potential_energy() == pytest.approx(reference.get_potential_energy() * mol / kcal, rel=1e-6)
+        np.testing.assert_allclose(atoms.get_forces(), reference.get_forces() * Bohr * mol / kcal, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(atoms.get_stress(), reference.get_stress() * Bohr**3 * mol / kcal, rtol=1e-4, atol=1e-6)
 
 
 def test_eval_reads_virials(demo_run, tmp_path, capsys):
