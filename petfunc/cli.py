@@ -494,7 +494,8 @@ def _train(args) -> int:
     if output.exists() and not output.is_dir():
         raise ValueError(f"the output folder {str(output)!r} is a file")
     before = _FolderSnapshot(output, demo) if rank == 0 else None
-    output.mkdir(parents=True, exist_ok=True)
+    if rank == 0:  # rank 0 alone writes; another rank's mkdir raced its snapshot of the folder
+        output.mkdir(parents=True, exist_ok=True)
     try:
         return _train_into(args, options, output, demo, restart, rank, dist_kwargs)
     except TrainingError:

@@ -50,7 +50,7 @@ import datetime
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Mapping, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -128,7 +128,8 @@ def init_from_env(
         # make NCCL errors/timeouts raise in the waiting rank instead of hanging
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if not dist.is_initialized():
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        # without RANK every process would be rank 0 and wait for the others forever
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
             raise ValueError(
                 f"WORLD_SIZE={world_size} but {', '.join(missing)} not set: start with torchrun "
@@ -410,8 +411,46 @@ def all_reduce_sums(values: Dict[str, float], info: Optional[DistInfo] = None) -
     buffer = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
     if info.backend == "nccl":
         buffer = buffer.to(info.device)
-    dist.all_reduce(buffer)
+    try:
+        dist.all_reduce(buffer)
+    except Exception as error:  # gloo/NCCL raise RuntimeError or DistBackendError
+        raise DistributedError(
+            f"rank {info.rank}/{info.world_size}: all_reduce of the epoch metrics failed: another rank stopped "
+            f"(see its error) or did not answer within the {info.timeout_s:g} s timeout "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        ) from error
     return dict(zip(keys, buffer.cpu().tolist()))
+
+
+def check_same_run(description: Mapping, info: Optional[DistInfo] = None) -> None:
+    """Raise the same ``ValueError`` on every rank when ``description`` (a nested
+    dict of plain values: the resolved options, the data split, the fitted
+    composition) differs between ranks, naming each difference from rank 0's.
+
+    Each rank reads its own options file and data: a rank given another learning
+    rate or seed trained a different model without a word (its gradients averaged
+    with the others'), another batch size aborted in gloo, other epochs hung."""
+    info = info or current()
+    if not info.distributed:
+        return
+    from .options import changed_options
+
+    described = [None] * info.world_size
+    try:
+        dist.all_gather_object(described, dict(description))
+    except Exception as error:
+        raise DistributedError(
+            f"rank {info.rank}/{info.world_size}: comparing the ranks' options failed: another rank stopped (see "
+            f"its error) or did not answer within the {info.timeout_s:g} s timeout ({type(error).__name__})"
+        ) from error
+    differences = []
+    for rank in range(1, info.world_size):
+        changed = changed_options(described[0], described[rank])
+        if changed:
+            differences.append(f"rank {rank}: " + "; ".join(changed[:5]) + (" ..." if len(changed) > 5 else ""))
+    if differences:
+        raise ValueError("the processes do not train the same run (each reads its own options and data; they "
+                         "must agree). Differences from rank 0's: " + " | ".join(differences))
 
 
 def check_identical(params, info: Optional[DistInfo] = None) -> float:

@@ -86,7 +86,7 @@ from .loss import LossWeights, make_loss
 from .model import PET
 from .determinism import deterministic_algorithms
 from .remat import remat
-from .options import dataset_sections, fixed_composition, parse_loss, resolve_options, trained_parameters
+from .options import changed_options, dataset_sections, fixed_composition, parse_loss, resolve_options, trained_parameters
 from .structures import collate
 from .train import (
     TrainState,
@@ -929,6 +929,8 @@ def fit(
             the epoch and step; checkpoints written before stay intact.
     """
     log = log or _default_log
+    if world_size > 1:
+        reduce_metrics = _check_processes(rank, world_size, reduce_grads, reduce_metrics)
     reduce_metrics = reduce_metrics or (lambda sums: sums)
     ckpt = None
     if restart is not None:
@@ -960,7 +962,7 @@ def fit(
     if ckpt is not None:
         _check_restart_finetune(json.loads(ckpt["options"])["architecture"]["training"]["finetune"],
                                 options["architecture"]["training"]["finetune"], restart, log)
-        changed = _changed_options(json.loads(ckpt["options"]), options)
+        changed = changed_options(json.loads(ckpt["options"]), options)
         if changed:
             log("options changed since the checkpoint, this run takes the new values: " + "; ".join(changed)
                 + (" (the learning-rate schedule is fitted to end with the new last epoch)"
@@ -973,6 +975,29 @@ def fit(
     with deterministic_algorithms(deterministic):
         return _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads,
                     reduce_metrics, rank, world_size)
+
+
+def _check_processes(rank: int, world_size: int, reduce_grads, reduce_metrics):
+    """``fit(rank=, world_size=)`` on a ``torch.distributed`` process group of that
+    size, whose metrics it all-reduces unless given a ``reduce_metrics``; without a
+    process group only with both hooks (the caller's own communication). Returns
+    the ``reduce_metrics`` to use. Without the group each process trained alone on
+    its shard of every batch; without the metrics hook each validated its own shard
+    and rank 0 picked the best epoch from a part of the validation set."""
+    from . import distributed as pdist
+
+    info = pdist.current()
+    if info.distributed:
+        if (info.rank, info.world_size) != (rank, world_size):
+            raise ValueError(f"fit(rank={rank}, world_size={world_size}), but this process is rank {info.rank} of a "
+                             f"process group of {info.world_size}")
+        return reduce_metrics or pdist.all_reduce_metrics
+    if reduce_grads is None or reduce_metrics is None:
+        raise ValueError(
+            f"fit(world_size={world_size}) needs a torch.distributed process group of {world_size} processes "
+            "(start them with torchrun and call petfunc.distributed.init_from_env() first), or the hooks "
+            "reduce_grads and reduce_metrics that exchange the gradients and the epoch metrics")
+    return reduce_metrics
 
 
 def _log_length_units(options, log) -> None:
@@ -994,20 +1019,6 @@ def _log_length_units(options, log) -> None:
             f"{model.get('cutoff_width', PETConfig.cutoff_width):g}) are in Å and forces are compared in eV/Å. "
             "metatrain instead trains in the data's length unit (there these cutoffs would be in "
             f"{other[0]}): the same options give a different model")
-
-
-def _changed_options(before: Mapping, after: Mapping, prefix: str = "") -> List[str]:
-    """``"path: old -> new"`` for each option whose value differs between two resolved
-    option trees (a restart's checkpoint and the options it runs with)."""
-    changed = []
-    for key in sorted(set(before) | set(after), key=str):
-        path = f"{prefix}{key}"
-        old, new = before.get(key), after.get(key)
-        if isinstance(old, Mapping) and isinstance(new, Mapping):
-            changed += _changed_options(old, new, path + ".")
-        elif old != new:
-            changed.append(f"{path}: {json.dumps(old)} -> {json.dumps(new)}")
-    return changed
 
 
 def _check_restart_finetune(stored: Mapping, given: dict, restart, log) -> None:
@@ -1144,6 +1155,24 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
     def plain(p):
         """the model's parameters as a plain PET's (adapters merged)"""
         return lora.merge(p, model.scaling) if lora_config is not None else p
+
+    # >>> petfunc.distributed: every rank reads its own options and data; they must
+    # describe one run (another learning rate trained a different model without a
+    # word, another batch size aborted in gloo, other epochs hung)
+    from .distributed import check_same_run
+
+    check_same_run({
+        **{k: v for k, v in options.items() if k != "device"},  # cuda:LOCAL_RANK differs
+        "data": {  # what each rank read (not an option)
+            "restart": None if ckpt is None else [int(ckpt["epoch"]), int(ckpt["step"])],
+            "structures": [len(train_samples), len(val_samples), len(test_samples)],
+            "atoms": int(sum(len(s) for s in train_samples)),
+            # to 10 digits: nodes with other CPUs may round the fit differently
+            "composition": [float(f"{w:.10g}") for w in composition], "energy_scale": float(f"{scale:.10g}"),
+            "split": split_json,
+        },
+    })
+    # <<< petfunc.distributed
 
     # --- optimizer -------------------------------------------------------------------------
     batch_size = training["batch_size"]

@@ -166,6 +166,44 @@ def test_stuck_rank_times_out(tmp_path):
     print(f"stuck rank detected in {seconds:.1f} s")
 
 
+def test_ranks_with_other_options_are_refused(tmp_path):
+    """Each rank reads its own options: ranks that disagree (here the learning rate
+    and the seed) stop before training with the same error naming the differences;
+    they trained a different model without a word."""
+    port = _free_port()
+    common = [sys.executable, "-m", "petfunc", "train", "--structures", "12", "--epochs", "1", "--no-progress",
+              "--threads", "1", "-o", str(tmp_path / "run"), "-s", "architecture.model.d_pet=8",
+              "-s", "architecture.model.num_gnn_layers=1"]
+    extra = [["--lr", "1e-3"], ["--lr", "3e-3", "--seed", "5"]]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PETFUNC_DIST_TIMEOUT="60")
+        procs.append(subprocess.Popen(common + extra[rank], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        errors = [p.communicate(timeout=180)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, err in zip(procs, errors):
+        assert p.returncode == 2, err[-2000:]
+        assert "the processes do not train the same run" in err, err[-2000:]
+        assert "rank 1: seed: 0 -> 5; architecture.training.learning_rate: 0.001 -> 0.003" in err, err[-3000:]
+    assert not (tmp_path / "run" / "last.ckpt").exists()
+
+
+def test_partial_environment_is_an_error():
+    """WORLD_SIZE and the rendezvous address without RANK: every process would be
+    rank 0 and wait for the others until the timeout, without a word."""
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.pop("RANK", None)
+    done = subprocess.run([sys.executable, "-c", "import petfunc.distributed as d; d.init_from_env(device='cpu')"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "RANK not set: start with torchrun" in done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_petfunc_train_under_torchrun_equals_one_process(tmp_path):
     """``torchrun --nproc_per_node=2 -m petfunc train`` with batch_size B equals the

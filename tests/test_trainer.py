@@ -672,8 +672,18 @@ def test_too_few_structures_for_the_processes(dataset, tmp_path):
     options["validation_set"] = 0.34
     with pytest.raises(ValueError, match="2 training structure.*cannot be shared by 3 processes"):
         fit(options, tmp_path / "out", progress=False, log=quiet(), rank=0, world_size=3,
-            reduce_metrics=lambda m: m)
+            reduce_grads=lambda g: g, reduce_metrics=lambda m: m)
     assert not (tmp_path / "out" / "last.ckpt").exists()
+
+
+def test_several_processes_need_a_process_group(dataset):
+    """fit(world_size=2) without torch.distributed and without the hooks trained
+    each process alone on its shard of every batch, without a word."""
+    options = tiny_options(dataset, num_epochs=1)
+    with pytest.raises(ValueError, match=r"fit\(world_size=2\) needs a torch.distributed process group of 2"):
+        fit(options, None, progress=False, log=quiet(), rank=1, world_size=2)
+    with pytest.raises(ValueError, match="reduce_grads and reduce_metrics"):
+        fit(options, None, progress=False, log=quiet(), rank=1, world_size=2, reduce_grads=lambda g: g)
 
 
 def test_validation_loss_does_not_depend_on_batching(dataset):
