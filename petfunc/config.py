@@ -27,9 +27,10 @@ _POSITIVE_INT = (
     "d_node",
     "d_feedforward",
     "num_heads",
-    "num_attention_layers",
-    "num_gnn_layers",
 )
+# metatrain builds these with 0 (no transformer layer; for the feedforward
+# featurizer, no message passing: the embeddings are read out)
+_NON_NEGATIVE_INT = ("num_attention_layers", "num_gnn_layers")
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,10 @@ class PETConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in _NON_NEGATIVE_INT:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         for name in ("cutoff", "cutoff_width", "cutoff_width_adaptive", "attention_temperature"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -177,9 +182,9 @@ class PETConfig:
             object.__setattr__(self, name, float(value))
         if self.num_neighbors_adaptive is not None:
             value = self.num_neighbors_adaptive
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(
-                    f"num_neighbors_adaptive must be a positive number or None, got {value!r}"
+                    f"num_neighbors_adaptive must be a number >= 0 or None, got {value!r}"
                 )
             object.__setattr__(self, "num_neighbors_adaptive", float(value))
         if not isinstance(self.system_conditioning, bool):
@@ -195,15 +200,13 @@ class PETConfig:
         def both(a, b):
             return given is None or (a in given and b in given)
 
+        if both("num_gnn_layers", "featurizer_type") and self.num_gnn_layers == 0 and self.featurizer_type != "feedforward":
+            raise ValueError("num_gnn_layers 0 needs featurizer_type 'feedforward' (the residual featurizer reads "
+                             "out every GNN layer, and there would be none; metatrain fails there too)")
         if both("d_pet", "num_heads") and self.d_pet % self.num_heads != 0:
             raise ValueError(
                 f"d_pet must be divisible by num_heads, got d_pet={self.d_pet} "
                 f"and num_heads={self.num_heads}"
-            )
-        if both("cutoff_width", "cutoff") and self.cutoff_width >= self.cutoff:
-            raise ValueError(
-                f"cutoff_width must be smaller than cutoff, got cutoff_width="
-                f"{self.cutoff_width} and cutoff={self.cutoff}"
             )
 
     @classmethod

@@ -105,7 +105,20 @@ def init(
     }
     params["composition_weights"] = torch.zeros(ns, dtype=dt, device=device)
     params["energy_scale"] = torch.ones((), dtype=dt, device=device)
-    return params
+    return _without_empty(params)
+
+
+def _without_empty(tree_):
+    """``tree_`` without empty lists and dicts (0 attention or GNN layers): the tree
+    that metatrain's flat state dict gives back (:func:`petfunc.tree.unflatten`), and
+    one whose leaves every pytree library lists alike (an empty container made
+    torchopt's update pair the gradients with the wrong moments)."""
+    if isinstance(tree_, dict):
+        kept = {k: _without_empty(v) for k, v in tree_.items()}
+        return {k: v for k, v in kept.items() if not (isinstance(v, (dict, list)) and len(v) == 0)}
+    if isinstance(tree_, list):
+        return [_without_empty(v) for v in tree_]
+    return tree_
 
 
 def init_conditioning(config: PETConfig, generator, dtype, device):
@@ -216,7 +229,9 @@ def _gnn_layer(params, config, layer: int, nodes, messages, geometry, species_nb
     """One CartesianTransformer: returns new ``(nodes [n_atoms, d_node], edges [n_kept, d_pet])``.
     ``message_table``: see :func:`_compress`."""
     edges = _compress(params, layer, geometry, species_nbr, messages, message_table)
-    for layer_params in params["trans"]["layers"]:
+    # no attention layers (metatrain builds num_attention_layers: 0): no "trans" key
+    # survives a round trip through metatrain's flat state dict
+    for layer_params in params.get("trans", {}).get("layers", []):
         # inside petfunc.remat the backward pass recomputes the layer's internals
         nodes, edges = remat_call(transformer.layer, layer_params, config, nodes, edges, grid)
     return nodes, edges
@@ -290,8 +305,8 @@ def _check_inputs(params, positions, cell, neighbors: Neighbors, config: PETConf
             f"(edge_embedder.weight {list(weight.shape)}, composition_weights "
             f"{list(params['composition_weights'].shape)}); petfunc.io.check_params names every mismatch"
         )
-    if len(params["gnn_layers"]) != config.num_gnn_layers:
-        raise ValueError(f"the parameters have {len(params['gnn_layers'])} GNN layers, the config "
+    if len(params.get("gnn_layers", [])) != config.num_gnn_layers:
+        raise ValueError(f"the parameters have {len(params.get('gnn_layers', []))} GNN layers, the config "
                          f"{config.num_gnn_layers}; petfunc.io.check_params names every mismatch")
 
 
@@ -318,7 +333,7 @@ def _readout_inputs(params, positions, cell, neighbors: Neighbors, config: PETCo
     messages = nn.embedding(params["edge_embedder"], species_nbr)
     condition = conditioning(params, config, neighbors) if config.system_conditioning else None
     reverse = neighbors.reverse_index
-    layers = params["gnn_layers"]
+    layers = params.get("gnn_layers", [])  # none with num_gnn_layers: 0 (feedforward: embeddings read out)
     readout_features = []
     if config.featurizer_type == "feedforward":
         nodes = nn.embedding(params["node_embedders"][0], species)

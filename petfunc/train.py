@@ -360,8 +360,14 @@ def apply_gradients(optimizer, state: TrainState, grads, grad_clip_norm: float =
     train_params = trainable(params, train)
     try:
         updates, opt_state = optimizer.update(grads, state.opt_state, params=train_params, inplace=False)
-    except ValueError as error:  # optree's "Node arity mismatch" and the like
-        if "arity" not in str(error) and "structure" not in str(error):
+    except (ValueError, RuntimeError) as error:  # optree's "Node arity mismatch", size mismatches
+        if _made_for(state.opt_state, params) and not _made_for(state.opt_state, train_params):
+            raise ValueError(
+                "the optimizer state was made for every parameter, composition_weights and energy_scale "
+                "included, which are not trained (metatrain fits them on the data): make it with "
+                "petfunc.init_state(params, optimizer), or optimizer.init(petfunc.train.trainable(params))"
+            ) from None
+        if isinstance(error, RuntimeError) or ("arity" not in str(error) and "structure" not in str(error)):
             raise
         raise ValueError(
             f"the optimizer state does not fit the trained parameters (train={train!r}): make the "
@@ -369,6 +375,21 @@ def apply_gradients(optimizer, state: TrainState, grads, grad_clip_norm: float =
         ) from None
     new_params = apply_updates(train_params, updates)
     return TrainState(with_trained(params, new_params, train), opt_state), norm
+
+
+def _made_for(opt_state, params) -> bool:
+    """Whether a part of ``opt_state`` (Adam's moments, say) has the leaves of ``params``."""
+    # as sorted lists of shapes: optimizers may order the leaves another way (torchopt
+    # sorts dict keys)
+    shapes = sorted(tuple(leaf.shape) for leaf in tree_flatten(params)[0])
+    parts = list(opt_state) if isinstance(opt_state, (tuple, list)) else [opt_state]
+    for part in parts:
+        fields = list(part) if isinstance(part, tuple) else [part]
+        for field in fields:
+            leaves = tree_flatten(field)[0]
+            if leaves and sorted(tuple(getattr(leaf, "shape", ())) for leaf in leaves) == shapes:
+                return True
+    return False
 
 
 def make_train_step(

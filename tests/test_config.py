@@ -71,13 +71,23 @@ def test_bad_choice_names_field_and_value(field, value):
         PETConfig(**{field: value})
 
 
-@pytest.mark.parametrize(
-    "field", ["d_pet", "d_head", "d_node", "d_feedforward", "num_heads", "num_attention_layers", "num_gnn_layers"]
-)
+@pytest.mark.parametrize("field", ["d_pet", "d_head", "d_node", "d_feedforward", "num_heads"])
 @pytest.mark.parametrize("value", [0, -2, 2.5, True, "8"])
 def test_bad_sizes_name_field_and_value(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be a positive integer, got {re.escape(repr(value))}$"):
         PETConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["num_attention_layers", "num_gnn_layers"])
+@pytest.mark.parametrize("value", [-1, 2.5, True, "8"])
+def test_bad_layer_counts_name_field_and_value(field, value):
+    """0 layers is a model metatrain builds (tests/test_metatrain_parity.py); a
+    residual featurizer without GNN layers is not (it fails there)."""
+    with pytest.raises(ValueError, match=rf"^{field} must be an integer >= 0, got {re.escape(repr(value))}$"):
+        PETConfig(**{field: value})
+    PETConfig(num_attention_layers=0, num_gnn_layers=0, featurizer_type="feedforward")
+    with pytest.raises(ValueError, match="num_gnn_layers 0 needs featurizer_type 'feedforward'"):
+        PETConfig(num_gnn_layers=0, featurizer_type="residual")
 
 
 @pytest.mark.parametrize("field", ["cutoff", "cutoff_width", "cutoff_width_adaptive", "attention_temperature"])
@@ -90,9 +100,8 @@ def test_bad_lengths_name_field_and_value(field, value):
 def test_other_errors_name_fields_and_values():
     with pytest.raises(ValueError, match="d_pet must be divisible by num_heads, got d_pet=20 and num_heads=8"):
         PETConfig(d_pet=20)
-    with pytest.raises(ValueError, match="cutoff_width must be smaller than cutoff, got cutoff_width=5.0 and cutoff=4.5"):
-        PETConfig(cutoff_width=5.0)
-    with pytest.raises(ValueError, match=r"num_neighbors_adaptive must be a positive number or None, got -3"):
+    PETConfig(cutoff_width=5.0)  # wider than the cutoff: every edge is switched (metatrain builds it)
+    with pytest.raises(ValueError, match=r"num_neighbors_adaptive must be a number >= 0 or None, got -3"):
         PETConfig(num_neighbors_adaptive=-3)
     with pytest.raises(ValueError, match="atomic_types must not be empty"):
         PETConfig(atomic_types=())
@@ -145,7 +154,7 @@ def test_check_partial():
     PETConfig.check_partial({"cutoff_width": 9.0})
     PETConfig.check_partial({})
     for bad, message in (({"d_pet": 6, "num_heads": 4}, "d_pet must be divisible by num_heads"),
-                         ({"cutoff": 3.0, "cutoff_width": 4.0}, "cutoff_width must be smaller than cutoff"),
+                         ({"num_gnn_layers": 0, "featurizer_type": "residual"}, "num_gnn_layers 0 needs"),
                          ({"num_heads": 0}, "num_heads must be a positive integer"),
                          ({"cutoff": -1.0}, "cutoff must be a positive number"),
                          ({"activation": "tanh"}, "activation must be one of"),

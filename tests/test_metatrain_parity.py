@@ -178,6 +178,12 @@ VARIANTS = {
     "adaptive_solver": dict(num_neighbors_adaptive=8, adaptive_cutoff_method="solver"),
     "adaptive_grid": dict(num_neighbors_adaptive=8, adaptive_cutoff_method="grid"),
     "three_gnn_one_attention": dict(num_gnn_layers=3, num_attention_layers=1),
+    # settings metatrain builds that petfunc refused
+    "no_attention_layer": dict(num_attention_layers=0),
+    "no_attention_layer_residual": dict(num_attention_layers=0, featurizer_type="residual"),
+    "no_gnn_layer": dict(num_gnn_layers=0, featurizer_type="feedforward"),
+    "cutoff_width_beyond_cutoff": dict(cutoff=3.0, cutoff_width=3.5),
+    "adaptive_zero_neighbours": dict(num_neighbors_adaptive=0, adaptive_cutoff_method="solver"),
     # the original PET (checkpoints <= v7): every legacy switch at once
     "original_pet": dict(
         featurizer_type="residual", transformer_type="PostLN", normalization="LayerNorm",
@@ -514,9 +520,13 @@ def _assert_gradients_equal(grads, model, rtol=1e-10):
     assert set(ours) == compared, set(ours) ^ compared
 
 
-@pytest.mark.parametrize("seed,autodiff,per_atom", [(seed, autodiff, True) for seed in range(4) for autodiff in ("func", "autograd")]
-                         + [(4, "func", False), (5, "autograd", False)])
-def test_random_architecture_training_gradients(seed, autodiff, per_atom):
+@pytest.mark.parametrize("seed,autodiff,per_atom,override",
+                         [(seed, autodiff, True, {}) for seed in range(4) for autodiff in ("func", "autograd")]
+                         + [(4, "func", False, {}), (5, "autograd", False, {}),
+                            # no attention layer; no GNN layer (the embeddings read out)
+                            (6, "func", True, {"num_attention_layers": 0}),
+                            (7, "func", True, {"num_gnn_layers": 0, "featurizer_type": "feedforward"})])
+def test_random_architecture_training_gradients(seed, autodiff, per_atom, override):
     """Parameter gradients of the energy + forces + strain-derivative loss equal
     metatrain's training-mode gradients (its evaluate_model, create_graph=True,
     loss.backward) for random architectures on random labelled batches; with
@@ -526,8 +536,10 @@ def test_random_architecture_training_gradients(seed, autodiff, per_atom):
 
     from petfunc.data import make_batch, sample_from_atoms
 
+    import dataclasses
+
     rng = random.Random(100 + seed)
-    config = _random_config(rng)
+    config = dataclasses.replace(_random_config(rng), **override)
     frames = [_random_structure(rng, config.atomic_types) for _ in range(rng.randint(2, 4))]
     if seed % 2 == 1:
         config, frames = _conditioned(config, frames, random.Random(2000 + seed))

@@ -399,6 +399,16 @@ def test_loss_falls(dataset, fitted):
     heads = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights(), train=petfunc.train.HEADS)
     with pytest.raises(ValueError, match=r"optimizer state does not fit the trained parameters"):
         heads(state, _batch(dataset, fitted, [0]))
+    # a torchopt optimizer's state made for the whole tree (the fitted composition and
+    # scale included): it failed in torchopt with "The size of tensor a (2) must match"
+    import torchopt
+
+    adamw = torchopt.adamw(1e-3)
+    plain = petfunc.make_train_step(petfunc.PET(CONFIG), adamw, petfunc.LossWeights())
+    with pytest.raises(ValueError, match=r"made for every parameter, composition_weights and energy_scale included"):
+        plain(petfunc.TrainState(params, adamw.init(params)), _batch(dataset, fitted, [0]))
+    _, metrics = plain(petfunc.TrainState(params, adamw.init(petfunc.train.trainable(params))), _batch(dataset, fitted, [0]))
+    assert math.isfinite(float(metrics["loss"]))
 
 
 def test_loss_skips_nan_labels_and_supports_loss_types(dataset, fitted):
