@@ -1254,6 +1254,8 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
         if ckpt.get("best_params"):
             best_params = tree.tree_map(lambda t: t.to(device), tree.unflatten(dict(ckpt["best_params"])))
         history = [dict(row) for row in ckpt.get("history") or [] if int(row["epoch"]) <= start_epoch]
+        # checkpoints before the fifty-first stop named the column best_metric
+        history = [{("selection_metric" if k == "best_metric" else k): v for k, v in row.items()} for row in history]
     # parameters and moments in one buffer each: whole-vector optimizer steps
     state = pack_state(TrainState(params, opt_state), train)
 
@@ -1509,7 +1511,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
                 metric = selected_metric(val_summary, training["best_model_metric"], val_terms)
             else:
                 metric = selected_metric(train_summary, training["best_model_metric"], terms)
-            row["best_metric"] = metric
+            row["selection_metric"] = metric  # this epoch's best_model_metric
             improved = metric < best_metric
             if improved:
                 best_metric, best_epoch = metric, epoch + 1

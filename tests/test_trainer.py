@@ -140,8 +140,8 @@ def test_log_interval_only_spaces_the_printed_lines(dataset):
     (one, printed_one), (three, printed_three) = runs[1], runs[3]
     assert printed_one == [1, 2, 3, 4] and printed_three == [1, 3, 4]
     assert all(math.isfinite(row["val_loss"]) for row in three.history) and len(three.history) == 4
-    assert [row["best_metric"] for row in three.history] == [row["best_metric"] for row in one.history]
-    metrics = [row["best_metric"] for row in three.history]
+    assert [row["selection_metric"] for row in three.history] == [row["selection_metric"] for row in one.history]
+    metrics = [row["selection_metric"] for row in three.history]
     assert three.best_epoch == one.best_epoch == 1 + metrics.index(min(metrics))
     assert params_equal(three.params, one.params)
 
@@ -1219,8 +1219,8 @@ def test_partial_model_section_is_checked_against_the_checkpoint(dataset):
     options["architecture"]["model"] = {"d_pet": 4, "num_heads": 3}
     with pytest.raises(ValueError, match=r"option 'architecture.model': d_pet must be divisible"):
         resolve_options(options)
-    options["architecture"]["model"] = {"cutoff": 2.0, "cutoff_width": 2.5}
-    with pytest.raises(ValueError, match=r"option 'architecture.model': cutoff_width must be smaller"):
+    options["architecture"]["model"] = {"num_gnn_layers": 0, "featurizer_type": "residual"}
+    with pytest.raises(ValueError, match=r"option 'architecture.model': num_gnn_layers 0 needs featurizer_type"):
         resolve_options(options)
     options["architecture"]["model"] = {"d_pet": 0}
     with pytest.raises(ValueError, match=r"option 'architecture.model': d_pet must be a positive integer"):
@@ -1331,7 +1331,7 @@ def test_best_model_metric_counts_terms_of_weight_zero(dataset, compile_on):
     row = result.history[-1]
     assert "train_forces_mae" not in row  # no forces are computed in the training step
     product = row["val_energy_mae"] * row["val_forces_mae"] * row["val_stress_mae"]
-    assert row["best_metric"] == pytest.approx(product, rel=1e-12)
+    assert row["selection_metric"] == pytest.approx(product, rel=1e-12)
     # the loss itself has no forces term: that of the same run with the term dropped
     without = {**options, "training_set": {"systems": str(dataset), "targets": {"energy": {"forces": False}}}}
     dropped = fit(without, None, progress=False, log=quiet())
