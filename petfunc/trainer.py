@@ -977,6 +977,23 @@ def fit(
                     reduce_metrics, rank, world_size)
 
 
+def _same_batches_hint(ckpt: Mapping, batch_size: int, world_size: int) -> str:
+    """For a restart with another number of processes: the per-process batch size
+    that gives the checkpoint's global batches (checkpoints store their world size
+    since the fifty-first stop)."""
+    before = ckpt.get("world_size")
+    stored = json.loads(ckpt["options"])["architecture"]["training"]["batch_size"]
+    if not before or int(before) == world_size:
+        return ""
+    total = int(before) * int(stored)
+    who = f"the checkpoint's {before} process{'es' if int(before) > 1 else ''}"
+    if total % world_size:
+        return f" ({who} took batches of {total} structures in all)"
+    return (f" ({who} took batches of {total} structures in all: "
+            f"--batch-size {total // world_size} gives the same with {world_size})"
+            if total // world_size != batch_size else "")
+
+
 def _check_processes(rank: int, world_size: int, reduce_grads, reduce_metrics):
     """``fit(rank=, world_size=)`` on a ``torch.distributed`` process group of that
     size, whose metrics it all-reduces unless given a ``reduce_metrics``; without a
@@ -1235,7 +1252,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
         log(f"warning: the run this restart continues took {done_steps} steps in {done_epochs} epochs, this one "
             f"takes {steps_per_epoch} per epoch (another batch size, number of processes or batch packing): the "
             f"learning-rate schedule is fitted to end with epoch {num_epochs}, so it differs from an "
-            "uninterrupted run's")
+            "uninterrupted run's" + _same_batches_hint(ckpt, batch_size, world_size))
     schedule = warmup_cosine(training["learning_rate"], total_steps, training["warmup_fraction"])
     optimizer = make_optimizer(schedule, training["weight_decay"])
     clip = training["grad_clip_norm"]
@@ -1385,6 +1402,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
             "options": options_json,
             "history": [dict(row) for row in history],
             "split": split_json,
+            "world_size": int(world_size),  # processes that trained it (batch_size is per process)
         }
         _atomic_save(payload, path)
 

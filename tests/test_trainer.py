@@ -686,6 +686,20 @@ def test_several_processes_need_a_process_group(dataset):
         fit(options, None, progress=False, log=quiet(), rank=1, world_size=2, reduce_grads=lambda g: g)
 
 
+def test_restart_with_other_processes_names_the_batch_size(dataset, tmp_path):
+    """Checkpoints store their number of processes, so a restart with another one
+    that takes other batches says which --batch-size gives the same global batches."""
+    fit(tiny_options(dataset, num_epochs=1), tmp_path / "one", progress=False, log=quiet())
+    assert load_checkpoint(tmp_path / "one" / "last.ckpt")["world_size"] == 1
+    lines = []
+    fit(None, tmp_path / "two", restart=tmp_path / "one" / "last.ckpt", progress=False, log=quiet(lines), rank=0,
+        world_size=2, reduce_grads=lambda g: g, reduce_metrics=lambda m: m)
+    options = json.loads(load_checkpoint(tmp_path / "one" / "last.ckpt")["options"])
+    assert options["architecture"]["training"]["batch_size"] == 4
+    warning = next(line for line in lines if "steps in 1 epochs" in line)
+    assert "the checkpoint's 1 process took batches of 4 structures in all: --batch-size 2 gives the same with 2" in warning
+
+
 def test_validation_loss_does_not_depend_on_batching(dataset):
     """The validation loss is that of the whole validation set as one batch, so
     ``best_model_metric: loss`` picks the same epoch with any batch size or number
