@@ -451,6 +451,31 @@ def _subset(frames, section: Mapping, where: str):
     return [frames[j] for j in _checked_indices(section["indices"], len(frames), where + ".indices")]
 
 
+def content_digest(frames) -> str:
+    """A short SHA-256 of structures as read: species, positions, cell, pbc, the
+    calculator results (ASE's energy, forces, stress), ``info`` and per-atom arrays."""
+    import hashlib
+
+    digest = hashlib.sha256()
+
+    def add(key, value):
+        digest.update(str(key).encode())
+        array = np.asarray(value)
+        digest.update(array.tobytes() if array.dtype.kind in "biufc" else repr(value).encode())
+
+    for atoms in frames:
+        add("cell", atoms.cell.array)
+        add("pbc", atoms.pbc)
+        for key in sorted(atoms.arrays):
+            add(key, atoms.arrays[key])
+        for key in sorted(atoms.info):
+            add(key, atoms.info[key])
+        results = atoms.calc.results if atoms.calc is not None else {}
+        for key in sorted(results):
+            add(key, results[key])
+    return digest.hexdigest()[:16]
+
+
 def read_training_files(options: Mapping, weights: LossWeights, explicit: set, seed: int,
                         ckpt: Optional[Mapping] = None, log: Callable[[str], None] = print) -> TrainingFiles:
     """Read and split the ``training_set``, ``validation_set`` and ``test_set`` of
@@ -547,6 +572,15 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
     # file indices of every part, stored in checkpoints for restarts
     split_json = {name: [[int(j) for j in split[k]] for split in splits]
                   for k, name in enumerate(("training", "validation", "test"))}
+    # and a digest of each training file's content: a restart says when a file changed
+    # (the indices only catch another number of structures)
+    split_json["digests"] = [content_digest(frames) for frames in files]
+    stored = (ckpt.get("split") or {}).get("digests") if ckpt is not None else None
+    if stored is not None:
+        changed = [where("training_set", i) for i, (a, b) in enumerate(zip(stored, split_json["digests"])) if a != b]
+        if changed:
+            log(f"warning: {', '.join(changed)} changed since the checkpoint (the same number of structures, other "
+                "positions, cells, species or labels): the restart trains on the file as it is now")
 
     # labels: a loss term the options ask for must have labels in some training file;
     # structures of files without them get NaN labels, which the loss skips

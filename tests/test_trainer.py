@@ -686,6 +686,27 @@ def test_several_processes_need_a_process_group(dataset):
         fit(options, None, progress=False, log=quiet(), rank=1, world_size=2, reduce_grads=lambda g: g)
 
 
+def test_restart_notices_an_edited_training_file(dataset, tmp_path):
+    """The number of structures is not all: a label edited since the checkpoint is
+    named in a warning (the restart trains on the file as it is)."""
+    import ase.io
+
+    edited = tmp_path / "data.xyz"
+    edited.write_bytes(open(dataset, "rb").read())
+    fit(tiny_options(edited, num_epochs=1), tmp_path / "run", progress=False, log=quiet())
+    lines = []
+    fit(tiny_options(edited, num_epochs=2), tmp_path / "run", restart=tmp_path / "run" / "last.ckpt",
+        progress=False, log=quiet(lines))
+    assert not any("training_set changed since the checkpoint" in line for line in lines)
+    frames = ase.io.read(edited, ":")
+    frames[5].calc.results["energy"] += 0.1
+    ase.io.write(edited, frames)
+    lines = []
+    fit(tiny_options(edited, num_epochs=3), tmp_path / "run", restart=tmp_path / "run" / "last.ckpt",
+        progress=False, log=quiet(lines))
+    assert any(line.startswith("warning: training_set changed since the checkpoint") for line in lines), lines
+
+
 def test_restart_with_other_processes_names_the_batch_size(dataset, tmp_path):
     """Checkpoints store their number of processes, so a restart with another one
     that takes other batches says which --batch-size gives the same global batches."""
