@@ -336,11 +336,7 @@ class DataParallel:
         try:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         except Exception as error:  # gloo/NCCL raise RuntimeError or DistBackendError
-            raise DistributedError(
-                f"rank {self.info.rank}/{self.info.world_size}: all_reduce of the {what} failed in step "
-                f"{self.steps + 1}: another rank stopped (see its error) or did not answer within the "
-                f"{self.info.timeout_s:g} s timeout ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
-            ) from error
+            raise _failed(self.info, f"all_reduce of the {what} failed in step {self.steps + 1}", error) from error
         return tensor
 
     def grad_step(self, params, batch):
@@ -414,12 +410,16 @@ def all_reduce_sums(values: Dict[str, float], info: Optional[DistInfo] = None) -
     try:
         dist.all_reduce(buffer)
     except Exception as error:  # gloo/NCCL raise RuntimeError or DistBackendError
-        raise DistributedError(
-            f"rank {info.rank}/{info.world_size}: all_reduce of the epoch metrics failed: another rank stopped "
-            f"(see its error) or did not answer within the {info.timeout_s:g} s timeout "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
-        ) from error
+        raise _failed(info, "all_reduce of the epoch metrics failed", error) from error
     return dict(zip(keys, buffer.cpu().tolist()))
+
+
+def _failed(info: DistInfo, what: str, error: Exception) -> DistributedError:
+    """The error of a collective that failed on this rank."""
+    first = str(error).splitlines()[0] if str(error) else ""
+    return DistributedError(
+        f"rank {info.rank}/{info.world_size}: {what}: another rank stopped (see its error) or did not answer "
+        f"within the {info.timeout_s:g} s timeout ({type(error).__name__}: {first})")
 
 
 def check_same_run(description: Mapping, info: Optional[DistInfo] = None) -> None:
@@ -439,10 +439,7 @@ def check_same_run(description: Mapping, info: Optional[DistInfo] = None) -> Non
     try:
         dist.all_gather_object(described, dict(description))
     except Exception as error:
-        raise DistributedError(
-            f"rank {info.rank}/{info.world_size}: comparing the ranks' options failed: another rank stopped (see "
-            f"its error) or did not answer within the {info.timeout_s:g} s timeout ({type(error).__name__})"
-        ) from error
+        raise _failed(info, "comparing the ranks' options failed", error) from error
     differences = []
     for rank in range(1, info.world_size):
         changed = changed_options(described[0], described[rank])
