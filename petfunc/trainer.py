@@ -312,21 +312,27 @@ def _load_model(path, dtype, which, device, target, keep_lora: bool):
                 "file, or a metatrain checkpoint)"
             )
         lora_out = {} if keep_lora else None
+
+        def damaged() -> ValueError:
+            # a damaged archive (a truncated copy, say): torch's own reason says most
+            first = str(load_error).splitlines()[0] if load_error is not None else ""
+            return ValueError(f"{str(path)!r} is not a readable petfunc or metatrain model file, damaged or "
+                              f"truncated? (torch.load: {type(load_error).__name__}: {first})")
+
         try:
             config, params, _ = _read_metatrain(path, target=target, lora_out=lora_out, which=which)
             source_lora = lora_out or None
         except ImportError:
+            try:  # a damaged archive says so whether metatrain is installed or not
+                torch.serialization.get_unsafe_globals_in_checkpoint(path)
+            except Exception:
+                raise damaged() from None
             raise ValueError(
                 f"{str(path)!r} is neither a petfunc checkpoint nor a petfunc parameter file "
                 "(metatrain checkpoints need `pip install 'petfunc[metatrain]'`)"
             ) from None
         except UnreadableCheckpointError as error:
-            # a damaged archive (a truncated copy, say): torch's own reason says most
-            first = str(load_error).splitlines()[0] if load_error is not None else ""
-            raise ValueError(
-                f"{str(path)!r} is not a readable petfunc or metatrain model file, damaged or truncated? "
-                f"(torch.load: {type(load_error).__name__}: {first})"
-            ) from error
+            raise damaged() from error
     frozen = ("composition_weights", "energy_scale")
 
     def cast(name, t):
