@@ -688,6 +688,11 @@ def _export(args) -> int:
     what = "torch.export program and AOTInductor build (this takes minutes)" if aoti else "torch.export program"
     lr = f", long range by {args.long_range or 'p3m'}" if config.long_range.enable else ""
     print(f"exporting {args.model} ({args.dtype}, {args.device}{lr}): {what}")
+    from .io import is_llpr_checkpoint
+
+    if is_llpr_checkpoint(args.model):
+        print(f"petfunc: note: {args.model} is an LLPR checkpoint: the export holds its PET (energy, forces, "
+              "stress), not the uncertainty; PETCalculator.from_metatrain(path) gives both", file=sys.stderr)
     start = time.perf_counter()
     if args.long_range and not config.long_range.enable:
         raise ValueError(f"--long-range {args.long_range}: {args.model} has no long-range features")

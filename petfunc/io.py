@@ -777,6 +777,20 @@ def _read_metatrain(source, dtype=None, target=None, llpr: Optional[str] = None,
                                str(dataset_info.length_unit or ""), energy_unit, label, uncertainty)
 
 
+def is_llpr_checkpoint(path: PathLike) -> bool:
+    """Whether ``path`` is a metatrain LLPR checkpoint (``architecture_name: llpr``);
+    ``False`` for anything else, unreadable files and without metatrain installed."""
+    try:
+        data = _read_bytes(Path(path))
+        if _is_torchscript(data):
+            return False
+        _require_metatrain()
+        checkpoint = _unpickle_checkpoint(data, repr(str(path)))
+    except (ImportError, OSError, ValueError):
+        return False
+    return isinstance(checkpoint, Mapping) and checkpoint.get("architecture_name") == "llpr"
+
+
 def metatrain_units(source: PathLike, target: Optional[str] = None) -> Tuple[str, str]:
     """``(length unit, energy unit)`` of the data a metatrain checkpoint or exported
     model was trained on (metatomic's names; ``""`` where it names none)."""
