@@ -1,4 +1,26 @@
-"""petfunc: the PET interatomic potential as pure functions in PyTorch (torch.func)."""
+"""petfunc: the PET interatomic potential as pure functions in PyTorch (torch.func).
+
+The model
+    ``PETConfig`` (metatrain's hypers), ``PET(config)`` with ``init(seed=...)`` (a
+    nested dict of tensors whose flattened keys are metatrain's) and
+    ``energy(params, positions, cell, neighbors)``; ``from_atoms`` / ``prepare`` +
+    ``collate`` build the inputs from ASE structures.
+Derivatives (``torch.func``, every position dependence inside)
+    ``forces``, ``energy_and_forces``, ``energy_forces_stress``,
+    ``energy_forces_strain_derivative``; ``hessian``, ``hvp`` (memory-bounded).
+Training
+    ``make_loss``, ``LossWeights``, ``make_train_step`` / ``make_grad_step`` with
+    ``init_state``, ``make_optimizer``, ``warmup_cosine``; ``compile`` (make_fx +
+    torch.compile, one graph for every batch size); ``fit`` (the ``petfunc train``
+    trainer); ``distributed`` (data parallel on torch.distributed); ``lora``,
+    ``ensemble`` (vmap'd committees), ``hessian_loss``, ``remat``.
+Files and tools
+    ``save_params`` / ``load_params`` / ``load_model``, ``from_metatrain``
+    (checkpoints and exported models), ``llpr`` (metatrain's LLPR uncertainties),
+    ``export`` (PT2 artifacts); ``petfunc.ase.PETCalculator``, ``relax``, ``dynamics``.
+
+The README has examples of each; ``petfunc --help`` the command line.
+"""
 
 from . import allocator, tree
 from .config import LongRangeConfig, PETConfig
@@ -29,7 +51,7 @@ from .train import (
     warmup_cosine,
 )
 from .trainer import fit, load_model
-from . import dynamics, ensemble, export, hessian_loss, llpr, lora, relax
+from . import distributed, dynamics, ensemble, export, hessian_loss, llpr, lora, relax
 from . import hessian  # callable: petfunc.hessian(energy_fn) (see petfunc.hessian)
 from .hessian import hvp
 from . import remat  # callable: petfunc.remat(fn) (see petfunc.remat)

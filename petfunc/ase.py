@@ -1,6 +1,7 @@
 """An ASE calculator for PET: :class:`PETCalculator`.
 
-``import petfunc`` does not import this module; it needs ``ase``::
+It needs ``ase`` (a dependency of petfunc, as are :mod:`petfunc.relax` and
+:mod:`petfunc.dynamics`, which use it)::
 
     from petfunc.ase import PETCalculator
     atoms.calc = PETCalculator.from_checkpoint("model.pt", compile=True)

@@ -453,6 +453,10 @@ def _train(args) -> int:
     else:
         options = copy.deepcopy(DEMO_OPTIONS)
         demo = True
+        if args.finetune:
+            # the architecture is the fine-tuned model's: the demo's would be compared
+            # with it (and refused) although the user never asked for it
+            options["architecture"]["model"] = {}
     if restart is not None and args.options and "training_set" not in options:
         options["training_set"] = stored["training_set"]
         options.setdefault("validation_set", stored["validation_set"])

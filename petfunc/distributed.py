@@ -4,7 +4,8 @@ The gradients of :func:`petfunc.train.make_grad_step` are plain outputs, so data
 parallelism is: every rank computes the gradient on its own shard of the batch,
 one ``all_reduce`` sums the gradients, and every rank applies the identical
 optimizer update (:func:`petfunc.train.apply_gradients`). No DDP bucketing, no
-hooks, no ``optimize_ddp`` (compile.md P11).
+hooks, no ``optimize_ddp``: DDP's gradient hooks do not trace into the one graph of a
+grad-of-grad step, and splitting it per bucket recompiles.
 
 Exactness. The loss of a batch is ``L = sum_t w_t (sum of l over the labels of
 term t) / N_t`` (``t``: energy, forces, stress; ``N_t``: non-NaN labels of term t).
@@ -23,7 +24,8 @@ one-process run on the union batch.
 
 Shapes. Every rank's batch is padded by :func:`petfunc.data.make_batch` so no size is
 0 or 1: the compiled step sees the same 0/1 specialisations on every rank, and no
-rank recompiles alone (which would stall the collectives, compile.md P5/P11).
+rank recompiles alone (torch specialises a graph on sizes 0 and 1; a rank
+recompiling while the others wait in a collective would stall them).
 
 Failures. :func:`init_from_env` sets a timeout on the process group; a collective
 that fails (a peer died or timed out) raises :class:`DistributedError` naming the

@@ -32,8 +32,9 @@ as :class:`petfunc.ase.PETCalculator` does):
 ==================  ==============  =========================================
 ``positions``       [N, 3] float    Å
 ``cell``            [S, 3, 3] float rows are lattice vectors, zero if not periodic
-``species`` ...     see :class:`petfunc.neighbors.Neighbors` (10 integer/bool tensors,
-                                    in its field order)
+``species`` ...     see :class:`petfunc.neighbors.Neighbors` (12 integer/bool tensors,
+                                    in its field order, ``species`` to
+                                    ``spin_multiplicity``)
 ==================  ==============  =========================================
 
 Models with long-range features take the integer inputs of

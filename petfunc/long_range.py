@@ -468,7 +468,7 @@ def _row_sum(like: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> tor
     """``out[index[e]] += rows[e]`` into zeros shaped like ``like [n, C]``.
 
     scatter_add, not index_add: inductor miscompiles index_add in some batched and
-    size-1 cases (compile notes P5, P6)."""
+    size-1 cases (an inductor CPU codegen assert with one row)."""
     return torch.zeros_like(like).scatter_add(0, index[:, None].expand_as(rows), rows)
 
 

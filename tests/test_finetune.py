@@ -492,3 +492,9 @@ def test_command_line_flags(base, tmp_path, capsys):
     saved = json.loads(torch.load(tmp_path / "run" / "last.ckpt", weights_only=True)["options"])
     assert saved["architecture"]["training"]["finetune"]["method"] == "lora"
     assert "LoRA adapters of rank 4 (alpha 8)" in capsys.readouterr().out
+    # without an options file: the model is the checkpoint's (the demo's architecture
+    # was compared with it: "d_pet: 32 here, 8 in it")
+    args = ["train", "--set", f"training_set={data}", "--finetune", str(checkpoint), "--finetune-method", "heads",
+            "--epochs", "1", "--output", str(tmp_path / "bare"), "--no-progress"]
+    assert main(args) == 0, capsys.readouterr().err
+    assert json.loads(torch.load(tmp_path / "bare" / "last.ckpt", weights_only=True)["config"])["d_pet"] == 8
