@@ -266,7 +266,7 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train",
         help="train a model",
-        description="Train a PET model. Without an options file: a few-minute demo on a "
+        description="Train a PET model. Without an options file: a demo of about a minute on a "
         "built-in EMT dataset (see `python -m pydoc petfunc.cli` for the options schema).",
     )
     train.add_argument("options", nargs="?", help="options file (metatrain's options.yaml layout)")
@@ -279,19 +279,21 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, help="seed")
     train.add_argument("--dtype", choices=("float32", "float64"), help="base_precision 32 or 64")
     train.add_argument("--device", help="cpu, cuda or cuda:N")
-    train.add_argument("--compile", action="store_true", default=None,
-                       help="trace and torch.compile the training and validation steps")
-    train.add_argument("--no-compile", dest="compile", action="store_false",
-                       help="eager training steps (overrides compile: true of the options file)")
+    compiling = train.add_mutually_exclusive_group()
+    compiling.add_argument("--compile", action="store_true", default=None,
+                           help="trace and torch.compile the training and validation steps")
+    compiling.add_argument("--no-compile", dest="compile", action="store_false",
+                           help="eager training steps (overrides compile: true of the options file)")
     train.add_argument("--backend", choices=("inductor", "aot_eager", "eager"),
                        help="architecture.training.compile_backend")
     train.add_argument("--remat", action="store_true", default=None,
                        help="recompute the transformer layers in the backward pass (less memory for energy-only losses; not with --compile)")
-    train.add_argument("--deterministic", action="store_true", default=None,
-                       help="fixed-order scatter-adds: the same seed gives the same run "
-                            "(default on CPU only)")
-    train.add_argument("--nondeterministic", dest="deterministic", action="store_false",
-                       help="let scatter-adds sum in any order (runs then differ by round-off)")
+    determinism = train.add_mutually_exclusive_group()
+    determinism.add_argument("--deterministic", action="store_true", default=None,
+                             help="fixed-order scatter-adds: the same seed gives the same run "
+                                  "(default on CPU only)")
+    determinism.add_argument("--nondeterministic", dest="deterministic", action="store_false",
+                             help="let scatter-adds sum in any order (runs then differ by round-off)")
     train.add_argument("--no-augmentation", dest="augmentation", action="store_false", default=None,
                        help="no random rotations of training structures")
     train.add_argument("--finetune", metavar="MODEL",

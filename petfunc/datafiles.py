@@ -173,7 +173,7 @@ def to_samples(frames, config: PETConfig, labels: Labels, path, indices=None,
     structure that is not periodic in all three directions (no volume): that is an
     error, and a NaN stress (skipped) is how to say none. Evaluation ignores it.
     """
-    samples = []
+    samples, no_volume = [], []
     indices = range(len(frames)) if indices is None else indices
     for i, atoms in zip(indices, frames):
         label = f"{path}: structure {i}"
@@ -188,11 +188,16 @@ def to_samples(frames, config: PETConfig, labels: Labels, path, indices=None,
                 raise ValueError(f"{label}: the {name} label is infinite")
         stress = sample.stress
         if for_loss and stress is not None and not np.isnan(stress).all() and np.linalg.det(sample.structure.cell) == 0.0:
-            raise ValueError(
-                f"{label}: has a stress label but no cell volume (pbc={np.asarray(atoms.pbc).tolist()}): a stress "
-                "needs a cell periodic in all three directions; write a NaN stress for it (the loss skips NaN labels)"
-            )
+            no_volume.append((i, np.asarray(atoms.pbc).tolist()))
         samples.append(sample)
+    if no_volume:
+        shown = ", ".join(f"{i} (pbc={pbc})" for i, pbc in sorted(no_volume)[:10]) + (", ..." if len(no_volume) > 10 else "")
+        many = len(no_volume) > 1
+        raise ValueError(
+            f"{path}: {len(no_volume)} structure{'s have' if many else ' has'} a stress label but no cell volume: "
+            f"structure{'s' if many else ''} {shown}. A stress needs a cell periodic in all three directions; write "
+            f"a NaN stress for {'them' if many else 'it'} (the loss skips NaN labels)"
+        )
     return samples
 
 

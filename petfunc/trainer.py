@@ -968,11 +968,6 @@ def fit(
     if ckpt is not None:
         _check_restart_finetune(json.loads(ckpt["options"])["architecture"]["training"]["finetune"],
                                 options["architecture"]["training"]["finetune"], restart, log)
-        changed = changed_options(json.loads(ckpt["options"]), options)
-        if changed:
-            log("options changed since the checkpoint, this run takes the new values: " + "; ".join(changed)
-                + (" (the learning-rate schedule is fitted to end with the new last epoch)"
-                   if any(c.startswith("architecture.training.num_epochs") for c in changed) else ""))
     # fixed-order scatter-adds, so that the same seed gives the same run (determinism.py);
     # by default on CPU only, where it was measured to cost nothing
     deterministic = options["architecture"]["training"]["deterministic"]
@@ -1096,6 +1091,12 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
 
     # --- data ----------------------------------------------------------------------
     files = read_training_files(options, weights, explicit, seed, ckpt, log)
+    if ckpt is not None:  # after the data: options asking for another split are an error there
+        changed = changed_options(json.loads(ckpt["options"]), options)
+        if changed:
+            log("options changed since the checkpoint, this run takes the new values: " + "; ".join(changed)
+                + (" (the learning-rate schedule is fitted to end with the new last epoch)"
+                   if any(c.startswith("architecture.training.num_epochs") for c in changed) else ""))
     _log_length_units(options, log)
     weights, split_json = files.weights, files.split
     terms = [t for t in TERMS if getattr(weights, t).weight > 0]
@@ -1372,6 +1373,10 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
             log(f"removed {len(leftovers)} temporary file(s) a killed run left in {output_dir}")
         if restart is not None:
             _restart_files(Path(restart), ckpt, output_dir, training["checkpoint_interval"], log)
+        replaced = [name for name in ("last.ckpt", "best.ckpt") if restart is None and (output_dir / name).exists()]
+        if replaced:
+            log(f"warning: {output_dir} holds the {' and '.join(replaced)} of another run: this run replaces "
+                f"them (to continue that run instead: --restart {output_dir / 'last.ckpt'})")
         others = _other_runs_epochs(output_dir, int(ckpt["epoch"]) if ckpt is not None else 0)
         if others:
             log(f"warning: {output_dir} holds {', '.join(others)} of another run (this one "

@@ -378,6 +378,12 @@ def test_restart_makes_the_folder_agree_with_the_checkpoint(dataset, tmp_path):
     best = load_checkpoint(run / "best.ckpt")
     assert best["epoch"] == load_checkpoint(run / "last.ckpt")["best_epoch"]
 
+    # a fresh run into a used folder says what it replaces
+    lines = []
+    fit(tiny_options(dataset, num_epochs=1), run, progress=False, log=quiet(lines))
+    assert any("holds the last.ckpt and best.ckpt of another run: this run replaces them" in line for line in lines)
+    assert any("epoch_2.ckpt, epoch_3.ckpt of another run (this one starts afresh)" in line for line in lines)
+
     # a new folder: the best epoch's checkpoint is copied from the old one
     fit(options, tmp_path / "again", progress=False, log=quiet())
     lines = []
@@ -902,8 +908,17 @@ def test_label_errors(dataset, tmp_path):
     molecule = ase.Atoms("Cu2", positions=[[0, 0, 0], [0, 0, 2.3]])
     molecule.calc = type(frames[0].calc)(molecule, energy=1.0, forces=np.zeros((2, 3)), stress=np.zeros(6))
     ase.io.write(bad, frames + [molecule])
-    with pytest.raises(ValueError, match=r"structure 16: has a stress label but no cell volume"):
+    with pytest.raises(ValueError, match=r"1 structure has a stress label but no cell volume: structure 16 \(pbc="):
         fit(tiny_options(bad), None, progress=False, log=quiet())
+    slab = molecule.copy()
+    slab.cell, slab.pbc = [3.0, 3.0, 0.0], [True, True, False]
+    slab.calc = type(frames[0].calc)(slab, energy=1.0, forces=np.zeros((2, 3)), stress=np.zeros(6))
+    ase.io.write(bad, [molecule] + frames + [slab])
+    options = tiny_options(bad)
+    options["validation_set"] = 0.0
+    with pytest.raises(ValueError, match=r"2 structures have a stress label but no cell volume: structures 0 "
+                                         r"\(pbc=\[False, False, False\]\), 17 \(pbc=\[True, True, False\]\)"):
+        fit(options, None, progress=False, log=quiet())
     molecule.calc.results["stress"] = np.full(6, np.nan)
     ase.io.write(bad, frames + [molecule])
     fit(tiny_options(bad, num_epochs=1), tmp_path / "nan_stress", progress=False, log=quiet())
