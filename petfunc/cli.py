@@ -1,16 +1,21 @@
-"""The ``petfunc`` command: ``petfunc train`` and ``petfunc eval``.
+"""The ``petfunc`` command: ``petfunc train``, ``petfunc eval`` and ``petfunc export``.
 
-Usage::
+Usage (``petfunc COMMAND --help`` lists every flag)::
 
     petfunc train [OPTIONS.yaml] [--output DIR] [--restart CKPT] [--epochs N]
                   [--batch-size N] [--lr X] [--seed N] [--dtype float32|float64]
-                  [--device cpu|cuda] [--compile] [--backend inductor|aot_eager]
-                  [--no-augmentation] [--no-progress] [--threads N] [--set KEY=VALUE ...]
+                  [--device cpu|cuda] [--compile | --no-compile]
+                  [--backend inductor|aot_eager|eager] [--remat]
+                  [--deterministic | --nondeterministic] [--no-augmentation]
+                  [--finetune MODEL] [--finetune-method full|heads|lora]
+                  [--structures N] [--no-progress] [--threads N] [--set KEY=VALUE ...]
     petfunc eval MODEL DATASET.xyz [--batch-size N] [--dtype ...] [--energy-key K] ...
+                  [--output PREDICTIONS.xyz] [--json METRICS.json]
+    petfunc export MODEL OUT.pt2 [--dtype ...] [--device ...] [--aoti | --no-aoti]
 
 ``python -m petfunc`` is the same command.
 
-``petfunc train`` without an options file is a demo that runs in a few minutes on
+``petfunc train`` without an options file is a demo that runs in about a minute on
 a laptop CPU (on a busy machine, ``--threads 1`` can be several times faster than
 torch's default thread count): it writes a built-in dataset (``dataset.xyz``, 160 rattled and
 strained periodic fcc Cu/Al/Ni alloy cells of 8, 12, 16 and 32 atoms, with EMT
@@ -26,9 +31,11 @@ train on that file instead of the built-in dataset.
 Outputs (in ``--output``, default ``outputs/YYYY-MM-DD/HH-MM-SS``): ``options.yaml``
 (the complete options used; ``petfunc train DIR/options.yaml`` reruns),
 ``last.ckpt`` and ``best.ckpt`` (see :mod:`petfunc.trainer`; ``--restart`` takes
-either), ``best_params.pt`` (:func:`petfunc.save_params`), ``metrics.csv`` (one row
-per epoch), ``parity.png``, and ``dataset.xyz`` for the demo. A run that stops before
-its first checkpoint removes the folder it made (or restores the one it was given).
+either), ``epoch_N.ckpt`` every ``checkpoint_interval`` epochs, ``best_params.pt``
+(:func:`petfunc.save_params`), ``metrics.csv`` (one row per epoch), ``parity.png``
+(and ``parity_test.png`` with a test set), and ``dataset.xyz`` for the demo. A run
+that stops before its first checkpoint removes the folder it made (or restores the
+one it was given); one stopped by a NaN loss keeps its ``options.yaml``.
 
 Options file schema
 -------------------

@@ -1037,6 +1037,15 @@ def _log_length_units(options, log) -> None:
             f"{model.get('cutoff_width', PETConfig.cutoff_width):g}) are in Å and forces are compared in eV/Å. "
             "metatrain instead trains in the data's length unit (there these cutoffs would be in "
             f"{other[0]}): the same options give a different model")
+    energies = set()
+    for name in ("training_set", "validation_set"):
+        if isinstance(options.get(name), (dict, list)):
+            energies |= {str(s["targets"]["energy"].get("unit") or "eV") for s in dataset_sections(options[name])
+                         if "targets" in s}
+    if options["architecture"]["model"].get("zbl") and energies - {"eV"}:
+        log(f"note: energies in {', '.join(sorted(energies - {'eV'}))} are converted to eV on reading, and the model "
+            "adds the ZBL repulsion in eV; metatrain's model of such data has no ZBL term (it applies ZBL to a "
+            "target in eV only): the same options give a different model")
 
 
 def _check_restart_finetune(stored: Mapping, given: dict, restart, log) -> None:
