@@ -171,7 +171,9 @@ import copy
 import datetime
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import List, Optional
 
@@ -734,6 +736,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.threads < 1:
             parser.error("--threads must be at least 1")
         torch.set_num_threads(args.threads)
+    previous = None
+    if args.command == "train" and threading.current_thread() is threading.main_thread():
+        # SIGTERM (a scheduler, torchrun stopping the other processes when one fails)
+        # ends the run as Ctrl-C does: an output folder the run has not written to yet
+        # is put back as it was (torchrun's SIGTERM left another run's options.yaml)
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         if args.command == "train":
             return _train(args)
@@ -746,11 +754,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, FileNotFoundError, NotImplementedError, TypeError) as error:
         print(f"petfunc: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as error:
         wrote = args.command == "train" and not getattr(args, "wrote_nothing", False)
-        print("petfunc: interrupted" + (" (the checkpoints written so far are intact)" if wrote else ""),
-              file=sys.stderr)
-        return 130
+        terminated = isinstance(error, _Terminated)
+        print(f"petfunc: {'terminated' if terminated else 'interrupted'}"
+              + (" (the checkpoints written so far are intact)" if wrote else ""), file=sys.stderr)
+        return 128 + signal.SIGTERM if terminated else 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, so that its clean-up runs."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -579,13 +579,17 @@ def read_training_files(options: Mapping, weights: LossWeights, explicit: set, s
                   for k, name in enumerate(("training", "validation", "test"))}
     # and a digest of each training file's content: a restart says when a file changed
     # (the indices only catch another number of structures)
-    split_json["digests"] = [content_digest(frames) for frames in files]
-    stored = (ckpt.get("split") or {}).get("digests") if ckpt is not None else None
-    if stored is not None:
-        changed = [where("training_set", i) for i, (a, b) in enumerate(zip(stored, split_json["digests"])) if a != b]
-        if changed:
-            log(f"warning: {', '.join(changed)} changed since the checkpoint (the same number of structures, other "
-                "positions, cells, species or labels): the restart trains on the file as it is now")
+    # (separate validation and test files too: they pick the best epoch)
+    changed = []
+    for key, name, frames_of in (("digests", "training_set", files), ("validation_digests", "validation_set", val_files),
+                                 ("test_digests", "test_set", test_files)):
+        split_json[key] = [content_digest(frames) for frames in frames_of]
+        stored = (ckpt.get("split") or {}).get(key) if ckpt is not None else None
+        if stored is not None:
+            changed += [where(name, i) for i, (a, b) in enumerate(zip(stored, split_json[key])) if a != b]
+    if changed:
+        log(f"warning: {', '.join(changed)} changed since the checkpoint (the same number of structures, other "
+            "positions, cells, species or labels): the restart uses the files as they are now")
 
     # labels: a loss term the options ask for must have labels in some training file;
     # structures of files without them get NaN labels, which the loss skips

@@ -448,6 +448,9 @@ def check_same_run(description: Mapping, info: Optional[DistInfo] = None) -> Non
         if changed:
             differences.append(f"rank {rank}: " + "; ".join(changed[:5]) + (" ..." if len(changed) > 5 else ""))
     if differences:
+        if info.rank != 0:  # rank 0 names them: one message, not one per process
+            raise ValueError(f"rank {info.rank}: the processes do not train the same run (rank 0's error names "
+                             "the differences)")
         raise ValueError("the processes do not train the same run (each reads its own options and data; they "
                          "must agree). Differences from rank 0's: " + " | ".join(differences))
 

@@ -935,8 +935,10 @@ def fit(
             the epoch and step; checkpoints written before stay intact.
     """
     log = log or _default_log
-    if world_size > 1:
-        reduce_metrics = _check_processes(rank, world_size, reduce_grads, reduce_metrics)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1 \
+            or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"fit(rank={rank!r}, world_size={world_size!r}): need 0 <= rank < world_size")
+    reduce_metrics = _check_processes(rank, world_size, reduce_grads, reduce_metrics)
     reduce_metrics = reduce_metrics or (lambda sums: sums)
     ckpt = None
     if restart is not None:
@@ -995,6 +997,16 @@ def _same_batches_hint(ckpt: Mapping, batch_size: int, world_size: int) -> str:
             if total // world_size != batch_size else "")
 
 
+def _effective(options: Mapping) -> dict:
+    """``options`` with the defaults that depend on the run filled in (``deterministic:
+    null`` means true on the CPU), so that a restart names real changes only."""
+    options = json.loads(json.dumps(options))
+    training = options["architecture"]["training"]
+    if training.get("deterministic") is None:
+        training["deterministic"] = torch.device(options.get("device") or "cpu").type == "cpu"
+    return options
+
+
 def _check_processes(rank: int, world_size: int, reduce_grads, reduce_metrics):
     """``fit(rank=, world_size=)`` on a ``torch.distributed`` process group of that
     size, whose metrics it all-reduces unless given a ``reduce_metrics``; without a
@@ -1007,9 +1019,13 @@ def _check_processes(rank: int, world_size: int, reduce_grads, reduce_metrics):
     info = pdist.current()
     if info.distributed:
         if (info.rank, info.world_size) != (rank, world_size):
+            # fit's defaults in a process group: every process trained alone, all
+            # writing the same folder
             raise ValueError(f"fit(rank={rank}, world_size={world_size}), but this process is rank {info.rank} of a "
-                             f"process group of {info.world_size}")
+                             f"process group of {info.world_size}: pass rank={info.rank}, world_size={info.world_size}")
         return reduce_metrics or pdist.all_reduce_metrics
+    if world_size == 1:
+        return reduce_metrics
     if reduce_grads is None or reduce_metrics is None:
         raise ValueError(
             f"fit(world_size={world_size}) needs a torch.distributed process group of {world_size} processes "
@@ -1101,11 +1117,12 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
     # --- data ----------------------------------------------------------------------
     files = read_training_files(options, weights, explicit, seed, ckpt, log)
     if ckpt is not None:  # after the data: options asking for another split are an error there
-        changed = changed_options(json.loads(ckpt["options"]), options)
+        changed = changed_options(_effective(json.loads(ckpt["options"])), _effective(options))
         if changed:
             log("options changed since the checkpoint, this run takes the new values: " + "; ".join(changed)
                 + (" (the learning-rate schedule is fitted to end with the new last epoch)"
-                   if any(c.startswith("architecture.training.num_epochs") for c in changed) else ""))
+                   if any(c.startswith("architecture.training.num_epochs") for c in changed)
+                   and training["num_epochs"] > int(ckpt["epoch"]) else ""))
     _log_length_units(options, log)
     weights, split_json = files.weights, files.split
     terms = [t for t in TERMS if getattr(weights, t).weight > 0]
@@ -1365,6 +1382,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
 
     # --- files --------------------------------------------------------------------------
     files: Dict[str, Path] = {}
+    restart_files = None
     if output_dir is not None and is_main:
         output_dir = Path(output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -1380,17 +1398,22 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
             output_dir, [p.name for p in files.values()] + ["parity_test.png", "epoch_*.ckpt"])
         if leftovers:
             log(f"removed {len(leftovers)} temporary file(s) a killed run left in {output_dir}")
-        if restart is not None:
-            _restart_files(Path(restart), ckpt, output_dir, training["checkpoint_interval"], log)
-        replaced = [name for name in ("last.ckpt", "best.ckpt") if restart is None and (output_dir / name).exists()]
+        # a restart's best.ckpt and epoch_N.ckpt are set right once this run has
+        # written its last.ckpt (settle_restart below): nothing in the folder is
+        # replaced before, so a kill in the first epoch leaves it as it was
+        restart_files = None if restart is None else _RestartFiles(Path(restart), ckpt, output_dir)
+        same_folder = restart is not None and Path(restart).resolve().parent == output_dir.resolve()
+        replaced = [name for name in ("last.ckpt", "best.ckpt") if not same_folder and (output_dir / name).exists()]
         if replaced:
             log(f"warning: {output_dir} holds the {' and '.join(replaced)} of another run: this run replaces "
-                f"them (to continue that run instead: --restart {output_dir / 'last.ckpt'})")
-        others = _other_runs_epochs(output_dir, int(ckpt["epoch"]) if ckpt is not None else 0)
-        if others:
-            log(f"warning: {output_dir} holds {', '.join(others)} of another run (this one "
-                + ("continues from epoch " + str(int(ckpt['epoch'])) if ckpt is not None else "starts afresh")
-                + "): they stay until this run writes those epochs")
+                f"them" + ("" if restart is not None else
+                           f" (to continue that run instead: --restart {output_dir / 'last.ckpt'})"))
+        numbered = _epoch_files(output_dir)
+        later = [name for n, name in sorted(numbered.items()) if not same_folder or n > start_epoch_of(ckpt)]
+        if later:
+            log(f"warning: {output_dir} holds {', '.join(later)} of "
+                + ("later epochs of the run this restart continues, or of another run" if same_folder else "another run")
+                + ": they stay until this run writes those epochs")
     elif not is_main:
         output_dir = None
     options_json = json.dumps(options, sort_keys=True)
@@ -1480,7 +1503,15 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
     )
     val_batches = None
     # epoch checkpoints of this run (and of the run it continues, up to its epoch)
-    written_epochs = set() if output_dir is None else set(_this_runs_epochs(output_dir, start_epoch if ckpt is not None else 0))
+    written_epochs = set()  # epoch_N.ckpt files this run wrote
+
+    def settle_restart():
+        """After this run's first last.ckpt (or at the end of a restart that trains
+        nothing): best.ckpt and the restart epoch's epoch_N.ckpt of the restart."""
+        nonlocal restart_files
+        if restart_files is not None:
+            written_epochs.update(restart_files.settle(best_epoch, start_epoch, training["checkpoint_interval"], log))
+            restart_files = None
     try:
         for epoch in range(start_epoch, num_epochs):
             t0 = time.perf_counter()
@@ -1560,6 +1591,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
                 checkpoint(files["last"], state, epoch + 1)
                 if improved:
                     checkpoint(files["best"], state, epoch + 1)
+                settle_restart()
                 if (epoch + 1) % training["checkpoint_interval"] == 0:
                     checkpoint(output_dir / f"epoch_{epoch + 1}.ckpt", state, epoch + 1)
                     written_epochs.add(f"epoch_{epoch + 1}.ckpt")
@@ -1593,6 +1625,9 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
             parity_plot(test_pred, files["parity_test"], title=f"test set, best epoch {best_epoch}")
         log(f"best epoch {best_epoch} ({training['best_model_metric']} {best_metric:.4g}); {what} set RMSE/MAE: "
             + _errors_line(error_metrics(pred)))
+        if restart_files is not None:  # a restart at its last epoch: this run's last.ckpt, then the others
+            checkpoint(files["last"], state, start_epoch)
+            settle_restart()
         write_csv()  # complete after a restart that trained nothing, too
         written = {p.name for p in files.values() if p.exists()} | written_epochs
         log(f"files of this run in {output_dir}: " + ", ".join(sorted(written)))
@@ -1601,49 +1636,71 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
                      test_errors)
 
 
-def _restart_files(restart: Path, ckpt: Mapping, output_dir: Path, interval: int, log) -> None:
-    """Make the output folder of a restart agree with its checkpoint before training.
+def start_epoch_of(ckpt: Optional[Mapping]) -> int:
+    """The epoch a run starts after: its restart checkpoint's, or 0."""
+    return 0 if ckpt is None else int(ckpt["epoch"])
 
-    ``best.ckpt`` must hold the checkpoint's best epoch. It may not: a kill between
-    writing ``last.ckpt`` and ``best.ckpt`` of an improving epoch, a restart from an
-    older checkpoint into the folder of a run that went further, or a new folder.
-    It is then copied from the restart checkpoint (when that is the best epoch), the
-    restart folder's ``best.ckpt`` or its ``epoch_N.ckpt``, or else removed (with a
-    log line: ``--which best`` then reads the best parameters from ``last.ckpt``).
-    The restart epoch's ``epoch_N.ckpt`` that a kill left unwritten is copied too."""
-    epoch, best_epoch = int(ckpt["epoch"]), int(ckpt.get("best_epoch") or 0)
-    best_flat = ckpt.get("best_params") or ckpt["params"]
 
-    def holds_best(path: Path) -> bool:
-        if path.resolve() == restart.resolve():
-            return epoch == best_epoch
+class _RestartFiles:
+    """What a restart needs to make its output folder agree with its checkpoint,
+    read before this run writes anything (it may overwrite the restart file itself).
+
+    ``best.ckpt`` must hold the checkpoint's best epoch while no epoch of this run
+    beats it. It may not: a kill between writing ``last.ckpt`` and ``best.ckpt`` of an
+    improving epoch, a restart from an earlier checkpoint into a folder that went
+    further, a new folder. Its source is the restart checkpoint (when that is the best
+    epoch), or the restart folder's ``best.ckpt`` or ``epoch_N.ckpt`` holding that
+    epoch; without one, a stale ``best.ckpt`` is removed, with a log line (``--which
+    best`` then reads the best parameters from ``last.ckpt``). The restart epoch's
+    ``epoch_N.ckpt``, missing (a kill) or another run's, becomes the restart file."""
+
+    def __init__(self, restart: Path, ckpt: Mapping, output_dir: Path):
+        self.restart, self.ckpt, self.output_dir = restart, ckpt, output_dir
+        self.epoch, self.best_epoch = int(ckpt["epoch"]), int(ckpt.get("best_epoch") or 0)
+        self.best_flat = ckpt.get("best_params") or ckpt["params"]
+        self.restart_bytes = restart.read_bytes()
+        self.best_source = None
+        folder = restart.resolve().parent
+        for candidate in (restart, folder / "best.ckpt", folder / f"epoch_{self.best_epoch}.ckpt"):
+            if self.best_epoch and candidate.is_file() and self._holds(candidate, self.best_epoch, self.best_flat):
+                self.best_source = (candidate, self.restart_bytes if candidate == restart else candidate.read_bytes())
+                break
+
+    def _holds(self, path: Path, epoch: int, flat) -> bool:
+        if path.resolve() == self.restart.resolve():  # holds its own epoch, the best one if that is it
+            return self.epoch == epoch
         try:
             other = load_checkpoint(path)
         except (OSError, ValueError):
             return False
-        flat = other["params"]
-        return (int(other.get("epoch", -1)) == best_epoch and flat.keys() == best_flat.keys()
-                and all(torch.equal(flat[k], best_flat[k]) for k in flat))
+        mine = other["params"]
+        return (int(other.get("epoch", -1)) == epoch and mine.keys() == flat.keys()
+                and all(torch.equal(mine[k], flat[k]) for k in mine))
 
-    def copy(source: Path, target: Path) -> None:
-        data = source.read_bytes()
-        atomic_write(target, lambda handle: handle.write(data))
-
-    best = output_dir / "best.ckpt"
-    if best_epoch and not (best.is_file() and holds_best(best)):
-        candidates = [restart, restart.resolve().parent / "best.ckpt", restart.resolve().parent / f"epoch_{best_epoch}.ckpt"]
-        source = next((c for c in candidates if c.is_file() and c.resolve() != best.resolve() and holds_best(c)), None)
-        if source is not None:
-            copy(source, best)
-            log(f"best.ckpt: epoch {best_epoch}, the best before this run, copied from {source}")
-        else:
-            if best.is_file():
-                best.unlink()
-            log(f"no best.ckpt: the best epoch ({best_epoch}) came before this run and its checkpoint is not "
-                f"at hand; '--which best' reads its parameters from {restart.name}")
-    numbered = output_dir / f"epoch_{epoch}.ckpt"
-    if epoch % interval == 0 and not numbered.exists() and restart.resolve() != numbered.resolve():
-        copy(restart, numbered)
+    def settle(self, best_epoch: int, start_epoch: int, interval: int, log) -> List[str]:
+        """Write or remove ``best.ckpt`` and ``epoch_N.ckpt`` as the docstring says;
+        returns the names of the epoch files written."""
+        written = []
+        best = self.output_dir / "best.ckpt"
+        if self.best_epoch and best_epoch <= start_epoch and not (best.is_file() and self._holds(best, self.best_epoch, self.best_flat)):
+            if self.best_source is not None:
+                data = self.best_source[1]
+                atomic_write(best, lambda handle: handle.write(data))
+                log(f"best.ckpt: epoch {self.best_epoch}, the best before this run, copied from {self.best_source[0]}")
+            else:
+                removed = best.is_file()
+                if removed:
+                    best.unlink()
+                log(("removed best.ckpt (another epoch's); " if removed else "no best.ckpt: ")
+                    + f"the best epoch ({self.best_epoch}) came before this run and its checkpoint is not at hand; "
+                    "'--which best' reads its parameters from last.ckpt")
+        numbered = self.output_dir / f"epoch_{self.epoch}.ckpt"
+        if self.epoch % interval == 0 and numbered.resolve() != self.restart.resolve() and not (
+                numbered.is_file() and self._holds(numbered, self.epoch, self.ckpt["params"])):
+            data = self.restart_bytes
+            atomic_write(numbered, lambda handle: handle.write(data))
+            written.append(numbered.name)
+        return written
 
 
 def _epoch_files(output_dir: Path) -> Dict[int, str]:
@@ -1653,17 +1710,6 @@ def _epoch_files(output_dir: Path) -> Dict[int, str]:
         if number.isdigit():
             found[int(number)] = path.name
     return found
-
-
-def _this_runs_epochs(output_dir: Path, start_epoch: int) -> List[str]:
-    """``epoch_N.ckpt`` files of the run a restart continues (N <= its epoch)."""
-    return [name for n, name in sorted(_epoch_files(output_dir).items()) if n <= start_epoch]
-
-
-def _other_runs_epochs(output_dir: Path, start_epoch: int) -> List[str]:
-    """``epoch_N.ckpt`` files past the start epoch: another run's (a fresh run into a
-    used folder, or a restart from an earlier checkpoint than the folder's last)."""
-    return [name for n, name in sorted(_epoch_files(output_dir).items()) if n > start_epoch]
 
 
 def _errors_line(errors: Mapping[str, float]) -> str:

@@ -190,7 +190,9 @@ def test_ranks_with_other_options_are_refused(tmp_path):
     for p, err in zip(procs, errors):
         assert p.returncode == 2, err[-2000:]
         assert "the processes do not train the same run" in err, err[-2000:]
-        assert "rank 1: seed: 0 -> 5; architecture.training.learning_rate: 0.001 -> 0.003" in err, err[-3000:]
+    # rank 0 names the differences, the others point to it
+    assert "rank 1: seed: 0 -> 5; architecture.training.learning_rate: 0.001 -> 0.003" in errors[0], errors[0][-3000:]
+    assert "rank 0's error names the differences" in errors[1] and "learning_rate" not in errors[1]
     assert not (tmp_path / "run" / "last.ckpt").exists()
 
 

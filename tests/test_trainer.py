@@ -367,22 +367,37 @@ def test_restart_makes_the_folder_agree_with_the_checkpoint(dataset, tmp_path):
     assert len((run / "metrics.csv").read_text().splitlines()) == len(rows)
     assert finished.best_epoch == best_epoch and params_equal(finished.params, result.params)
 
-    # a restart from epoch 1 into the same folder, with another learning rate
-    lines = []
+    # a restart from epoch 1 into the same folder, with another learning rate: nothing
+    # of the folder is replaced before its first last.ckpt (here it stops before)
     changed = json.loads(load_checkpoint(run / "epoch_1.ckpt")["options"])
     changed["architecture"]["training"].update(num_epochs=2, learning_rate=0.3)
+    before = {p.name: p.read_bytes() for p in run.glob("*.ckpt")}
+
+    def stop_at_training(message):
+        if message.startswith("training set:"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(changed, run, restart=run / "epoch_1.ckpt", progress=False, log=stop_at_training)
+    assert {p.name: p.read_bytes() for p in run.glob("*.ckpt")} == before
+    lines = []
     fit(changed, run, restart=run / "epoch_1.ckpt", progress=False, log=quiet(lines))
-    assert any("epoch_2.ckpt, epoch_3.ckpt of another run" in line for line in lines)
+    assert any("epoch_2.ckpt, epoch_3.ckpt of later epochs of the run this restart continues, or of another run"
+               in line for line in lines)
     final = next(line for line in lines if line.startswith("files of this run"))
-    assert "epoch_1.ckpt" in final and "epoch_2.ckpt" in final and "epoch_3.ckpt" not in final
+    assert "epoch_2.ckpt" in final and "epoch_3.ckpt" not in final
     best = load_checkpoint(run / "best.ckpt")
     assert best["epoch"] == load_checkpoint(run / "last.ckpt")["best_epoch"]
+
+    # a restart at the last epoch into a new folder: a last.ckpt there too
+    fit(None, tmp_path / "ended", restart=run / "epoch_2.ckpt", progress=False, log=quiet())
+    assert load_checkpoint(tmp_path / "ended" / "last.ckpt")["epoch"] == 2
 
     # a fresh run into a used folder says what it replaces
     lines = []
     fit(tiny_options(dataset, num_epochs=1), run, progress=False, log=quiet(lines))
     assert any("holds the last.ckpt and best.ckpt of another run: this run replaces them" in line for line in lines)
-    assert any("epoch_2.ckpt, epoch_3.ckpt of another run (this one starts afresh)" in line for line in lines)
+    assert any("epoch_2.ckpt, epoch_3.ckpt of another run: they stay" in line for line in lines)
 
     # a new folder: the best epoch's checkpoint is copied from the old one
     fit(options, tmp_path / "again", progress=False, log=quiet())
@@ -394,14 +409,14 @@ def test_restart_makes_the_folder_agree_with_the_checkpoint(dataset, tmp_path):
     # no source of the best epoch: a stale best.ckpt is removed, and that is said
     (tmp_path / "lone").mkdir()
     ckpt = load_checkpoint(tmp_path / "again" / "last.ckpt")
-    ckpt["best_epoch"] = 7
+    ckpt["best_epoch"] = 2
+    ckpt["best_params"] = {k: v + 1.0 for k, v in ckpt["params"].items()}  # held by no file
     torch.save(ckpt, tmp_path / "lone" / "last.ckpt")
     (tmp_path / "lone" / "best.ckpt").write_bytes(best_bytes)
     lines = []
-    options["architecture"]["training"]["num_epochs"] = 3
     fit(None, restart=tmp_path / "lone" / "last.ckpt", progress=False, log=quiet(lines))
     assert not (tmp_path / "lone" / "best.ckpt").exists()
-    assert any(line.startswith("no best.ckpt: the best epoch (7)") for line in lines)
+    assert any(line.startswith("removed best.ckpt (another epoch's); the best epoch (2)") for line in lines)
 
 
 def test_test_set(dataset, tmp_path):
@@ -690,6 +705,10 @@ def test_several_processes_need_a_process_group(dataset):
         fit(options, None, progress=False, log=quiet(), rank=1, world_size=2)
     with pytest.raises(ValueError, match="reduce_grads and reduce_metrics"):
         fit(options, None, progress=False, log=quiet(), rank=1, world_size=2, reduce_grads=lambda g: g)
+    for rank, world_size in ((2, 2), (0, 0), (-1, 2)):
+        with pytest.raises(ValueError, match=rf"fit\(rank={rank}, world_size={world_size}\): need 0 <= rank < world_size"):
+            fit(options, None, progress=False, log=quiet(), rank=rank, world_size=world_size,
+                reduce_grads=lambda g: g, reduce_metrics=lambda m: m)
 
 
 def test_restart_notices_an_edited_training_file(dataset, tmp_path):
@@ -711,6 +730,18 @@ def test_restart_notices_an_edited_training_file(dataset, tmp_path):
     fit(tiny_options(edited, num_epochs=3), tmp_path / "run", restart=tmp_path / "run" / "last.ckpt",
         progress=False, log=quiet(lines))
     assert any(line.startswith("warning: training_set changed since the checkpoint") for line in lines), lines
+    # a separate validation file too (it picks the best epoch)
+    validation = tmp_path / "validation.xyz"
+    ase.io.write(validation, frames[:4])
+    options = tiny_options(edited, num_epochs=1)
+    options["validation_set"] = str(validation)
+    fit(options, tmp_path / "separate", progress=False, log=quiet())
+    frames[0].calc.results["energy"] -= 0.1
+    ase.io.write(validation, frames[:4])
+    options["architecture"]["training"]["num_epochs"] = 2
+    lines = []
+    fit(options, tmp_path / "separate", restart=tmp_path / "separate" / "last.ckpt", progress=False, log=quiet(lines))
+    assert any(line.startswith("warning: validation_set changed since the checkpoint") for line in lines), lines
 
 
 def test_restart_with_other_processes_names_the_batch_size(dataset, tmp_path):
@@ -1324,7 +1355,8 @@ def test_explicit_indices_equal_mtt_train(tmp_path):
         resolved = resolve_options({"seed": 7, "training_set": {"systems": str(data), "indices": subset}, **options})
         weights, explicit = parse_loss(resolved["architecture"]["training"]["loss"])
         split = read_training_files(resolved, weights, explicit, 7, None, quiet()).split
-        split.pop("digests")
+        for key in ("digests", "validation_digests", "test_digests"):
+            split.pop(key)
         return split
 
     assert split(validation_set=0.3, test_set=0.2) == {
