@@ -1409,7 +1409,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
                 f"them" + ("" if restart is not None else
                            f" (to continue that run instead: --restart {output_dir / 'last.ckpt'})"))
         numbered = _epoch_files(output_dir)
-        later = [name for n, name in sorted(numbered.items()) if not same_folder or n > start_epoch_of(ckpt)]
+        later = [name for n, name in sorted(numbered.items()) if not same_folder or n > _start_epoch_of(ckpt)]
         if later:
             log(f"warning: {output_dir} holds {', '.join(later)} of "
                 + ("later epochs of the run this restart continues, or of another run" if same_folder else "another run")
@@ -1502,7 +1502,6 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
         unit="step", dynamic_ncols=True, file=sys.stderr, leave=False,
     )
     val_batches = None
-    # epoch checkpoints of this run (and of the run it continues, up to its epoch)
     written_epochs = set()  # epoch_N.ckpt files this run wrote
 
     def settle_restart():
@@ -1636,7 +1635,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
                      test_errors)
 
 
-def start_epoch_of(ckpt: Optional[Mapping]) -> int:
+def _start_epoch_of(ckpt: Optional[Mapping]) -> int:
     """The epoch a run starts after: its restart checkpoint's, or 0."""
     return 0 if ckpt is None else int(ckpt["epoch"])
 
