@@ -52,7 +52,7 @@ import datetime
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -425,9 +425,10 @@ def _failed(info: DistInfo, what: str, error: Exception) -> DistributedError:
 
 
 def check_same_run(description: Mapping, info: Optional[DistInfo] = None) -> None:
-    """Raise the same ``ValueError`` on every rank when ``description`` (a nested
-    dict of plain values: the resolved options, the data split, the fitted
-    composition) differs between ranks, naming each difference from rank 0's.
+    """Raise a ``ValueError`` on every rank when ``description`` (a nested dict of
+    plain values: the resolved options, the data split, the fitted composition)
+    differs between ranks; rank 0's names each difference from its own, the
+    others' point to it.
 
     Each rank reads its own options file and data: a rank given another learning
     rate or seed trained a different model without a word (its gradients averaged
