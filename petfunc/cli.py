@@ -609,8 +609,11 @@ def _train_into(args, options, output, demo, restart, rank, dist_kwargs) -> int:
     kwargs.update(dist_kwargs)  # petfunc.distributed
     try:
         fit(resolved, output, **kwargs)
-    except BaseException:
-        pdist.shutdown(wait_for_all=False)  # petfunc.distributed (no-op in one process)
+    except BaseException as error:
+        # petfunc.distributed (no-op in one process): an error every rank raises at
+        # the same point leaves together, as a finished run does (one rank tearing the
+        # group down first made gloo abort another at exit); others leave at once
+        pdist.shutdown(wait_for_all=isinstance(error, pdist.RunMismatchError))
         raise
     pdist.shutdown()  # petfunc.distributed: all ranks leave together
     return 0

@@ -71,6 +71,11 @@ class DistributedError(RuntimeError):
     """A collective failed: another rank stopped, or the timeout ran out."""
 
 
+class RunMismatchError(ValueError):
+    """The ranks read other options or data (:func:`check_same_run`); every rank
+    raises it at the same point."""
+
+
 @dataclass(frozen=True)
 class DistInfo:
     """This process's place in the run."""
@@ -450,10 +455,10 @@ def check_same_run(description: Mapping, info: Optional[DistInfo] = None) -> Non
             differences.append(f"rank {rank}: " + "; ".join(changed[:5]) + (" ..." if len(changed) > 5 else ""))
     if differences:
         if info.rank != 0:  # rank 0 names them: one message, not one per process
-            raise ValueError(f"rank {info.rank}: the processes do not train the same run (rank 0's error names "
-                             "the differences)")
-        raise ValueError("the processes do not train the same run (each reads its own options and data; they "
-                         "must agree). Differences from rank 0's: " + " | ".join(differences))
+            raise RunMismatchError(f"rank {info.rank}: the processes do not train the same run (rank 0's error "
+                                   "names the differences)")
+        raise RunMismatchError("the processes do not train the same run (each reads its own options and data; "
+                               "they must agree). Differences from rank 0's: " + " | ".join(differences))
 
 
 def check_identical(params, info: Optional[DistInfo] = None) -> float:
