@@ -110,9 +110,8 @@ def init(
 
 def _without_empty(tree_):
     """``tree_`` without empty lists and dicts (0 attention or GNN layers): the tree
-    that metatrain's flat state dict gives back (:func:`petfunc.tree.unflatten`), and
-    one whose leaves every pytree library lists alike (an empty container made
-    torchopt's update pair the gradients with the wrong moments)."""
+    that metatrain's flat state dict gives back (:func:`petfunc.tree.unflatten`), so
+    that a fresh model and a loaded one have the same structure."""
     if isinstance(tree_, dict):
         kept = {k: _without_empty(v) for k, v in tree_.items()}
         return {k: v for k, v in kept.items() if not (isinstance(v, (dict, list)) and len(v) == 0)}
