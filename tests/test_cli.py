@@ -61,6 +61,41 @@ def test_restart_continues(demo_run, tmp_path, capsys):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_sigterm_puts_the_folder_back(demo_run, tmp_path):
+    """SIGTERM (a scheduler; torchrun stopping the other processes when one fails)
+    before the first checkpoint: exit 143, and the folder as it was, as with Ctrl-C.
+    The signal is sent by the process itself when fit starts (options.yaml written)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, signal\n"
+        "import petfunc.trainer as trainer\n"
+        "original = trainer.fit\n"
+        "def fit(*args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return original(*args, **kwargs)\n"
+        "trainer.fit = fit\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    folder = tmp_path / "run"
+    shutil.copytree(demo_run, folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    command = [sys.executable, "-m", "petfunc", "train", "--no-progress"]
+    done = subprocess.run(command + ["--restart", str(folder / "last.ckpt"), "--epochs", "3", "--lr", "1e-4"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 143 and "petfunc: terminated" in done.stderr, done.stderr[-2000:]
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # options.yaml put back
+    done = subprocess.run(command + ["--structures", "8", "-o", str(tmp_path / "fresh" / "run")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 143, done.stderr[-2000:]
+    assert not (tmp_path / "fresh").exists()
+
+
 def test_diverging_run_exits_with_1(demo_run, tmp_path, capsys):
     args = ["train", "--restart", str(demo_run / "last.ckpt"), "--output", str(tmp_path), "--epochs", "3",
             "--lr", "1e30", "--set", "architecture.training.warmup_fraction=0", "--no-progress"]
