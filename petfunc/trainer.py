@@ -1034,17 +1034,18 @@ def _check_processes(rank: int, world_size: int, reduce_grads, reduce_metrics):
     return reduce_metrics
 
 
-def _log_length_units(options, log) -> None:
-    """Say so when a dataset's lengths are not in Å: petfunc converts them, and its
-    architecture lengths stay in Å, where metatrain trains in the data's unit (its
-    ``cutoff: 4.0`` on data in bohr is 4 bohr, and its forces loss compares E/bohr)."""
+def _log_unit_notes(options, log) -> None:
+    """Say where the data's units make petfunc's model differ from metatrain's: lengths
+    not in Å (petfunc converts them and keeps the architecture's lengths in Å, where
+    metatrain trains in the data's unit: its ``cutoff: 4.0`` on data in bohr is 4
+    bohr), and ``zbl`` with energies not in eV (metatrain adds no ZBL term then)."""
     from .options import length_unit_factor
 
-    units = set()
-    for name in ("training_set", "validation_set", "test_set"):
-        if isinstance(options.get(name), (dict, list)):
-            units |= {str(s["systems"].get("length_unit") or "angstrom") for s in dataset_sections(options[name])
-                      if "systems" in s}
+    # the dataset sections written out (a fraction or indices have none)
+    sections = {name: dataset_sections(options[name]) for name in ("training_set", "validation_set", "test_set")
+                if isinstance(options.get(name), (dict, list))}
+    units = {str(s["systems"].get("length_unit") or "angstrom") for part in sections.values() for s in part
+             if "systems" in s}
     other = sorted(u for u in units if length_unit_factor(u) != 1.0)
     if other:
         model = options["architecture"]["model"]
@@ -1053,11 +1054,8 @@ def _log_length_units(options, log) -> None:
             f"{model.get('cutoff_width', PETConfig.cutoff_width):g}) are in Å and forces are compared in eV/Å. "
             "metatrain instead trains in the data's length unit (there these cutoffs would be in "
             f"{other[0]}): the same options give a different model")
-    energies = set()
-    for name in ("training_set", "validation_set"):
-        if isinstance(options.get(name), (dict, list)):
-            energies |= {str(s["targets"]["energy"].get("unit") or "eV") for s in dataset_sections(options[name])
-                         if "targets" in s}
+    energies = {str(s["targets"]["energy"].get("unit") or "eV") for name in ("training_set", "validation_set")
+                for s in sections.get(name, ()) if "targets" in s}
     if options["architecture"]["model"].get("zbl") and energies - {"eV"}:
         log(f"note: energies in {', '.join(sorted(energies - {'eV'}))} are converted to eV on reading, and the model "
             "adds the ZBL repulsion in eV; metatrain's model of such data has no ZBL term (it applies ZBL to a "
@@ -1123,7 +1121,7 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
                 + (" (the learning-rate schedule is fitted to end with the new last epoch)"
                    if any(c.startswith("architecture.training.num_epochs") for c in changed)
                    and training["num_epochs"] > int(ckpt["epoch"]) else ""))
-    _log_length_units(options, log)
+    _log_unit_notes(options, log)
     weights, split_json = files.weights, files.split
     terms = [t for t in TERMS if getattr(weights, t).weight > 0]
     atomic_types = files.atomic_types
