@@ -1342,8 +1342,6 @@ def test_explicit_indices_equal_mtt_train(tmp_path):
     validation/test sets given as indices into the training file. Regression values:
     indices/{training,validation,test}.txt of ``mtt train`` (metatrain 2026.4.1,
     seed 7, 21 structures) with the same options."""
-    import yaml
-
     from petfunc.datafiles import read_training_files
     from petfunc.options import parse_loss
 
