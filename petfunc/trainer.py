@@ -1175,14 +1175,17 @@ def _fit(options, output_dir, restart, ckpt, progress, log, reduce_grads, reduce
             # accumulated per batch of each file in turn, as metatrain's loaders do
             composition = fit_composition(train_samples, config.num_species, training["batch_size"], config,
                                           dataset_sizes=files.train_sizes)
-            scale = fit_scale(train_samples, composition, config, per_atom=weights.per_atom)
         else:
-            composition, scale = fixed, fit_scale(train_samples, fixed, config, per_atom=weights.per_atom)
+            composition = fixed
+        # the scale is fitted only where no fixed one replaces it (the fit evaluates
+        # ZBL on every structure, and may warn of a residual at round-off)
         if scale_from_file is not None:
             scale = scale_from_file
             log(f"energy scale from {scaler['file']}")
         elif "energy" in scaler:
             scale = scaler["energy"]
+        elif training["scale_targets"]:
+            scale = fit_scale(train_samples, composition, config, per_atom=weights.per_atom)
         if not training["scale_targets"]:  # as in metatrain, this wins over a fixed scale
             scale = 1.0
     if ckpt is None:  # a restart's parameters hold them already
