@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Tuple
+from collections.abc import Callable
 
 
 def _status(field: str) -> float:
@@ -27,9 +27,13 @@ def reset_peak_memory() -> None:
 
 def add_malloc_option(parser) -> None:
     """``--malloc keep|default`` on a benchmark's argument parser (see :func:`apply_malloc`)."""
-    parser.add_argument("--malloc", choices=["keep", "default"], default="keep",
-                        help="keep: glibc keeps freed memory for the next step, as the petfunc "
-                        "command does (petfunc.allocator); it applies to every variant of the run")
+    parser.add_argument(
+        "--malloc",
+        choices=["keep", "default"],
+        default="keep",
+        help="keep: glibc keeps freed memory for the next step, as the petfunc "
+        "command does (petfunc.allocator); it applies to every variant of the run",
+    )
 
 
 def apply_malloc(args) -> None:
@@ -40,7 +44,7 @@ def apply_malloc(args) -> None:
         keep_freed_memory()
 
 
-def measure(fn: Callable[[], object], repeats: int, warmup: int = 1) -> Tuple[float, float, object]:
+def measure(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tuple[float, float, object]:
     """``(median seconds, peak extra resident memory in MiB, last result)`` of ``fn()``.
 
     The memory is the rise of the peak resident set size over the resident size
@@ -59,7 +63,7 @@ def measure(fn: Callable[[], object], repeats: int, warmup: int = 1) -> Tuple[fl
     return statistics.median(times), max(0.0, _status("VmHWM") - before), out
 
 
-def timed(fn: Callable[[], object]) -> Tuple[float, object]:
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
     """``(seconds, result)`` of one call (compilations)."""
     start = time.perf_counter()
     out = fn()

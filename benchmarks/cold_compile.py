@@ -7,18 +7,18 @@ cache: ``petfunc.compile`` of the default PET's training step (the setting of
 stress), then its first call. Variants, interleaved (A B A B ...):
 
 * ``separate``: inductor builds each C++ kernel alone (``PETFUNC_GROUP_KERNELS=0``);
-* ``grouped``: kernels built a few per library (:mod:`petfunc._cpu_kernels`,
+* ``grouped``: kernels built a few per library (:mod:`petfunc._torch.cpu_kernels`,
   petfunc's default);
 * ``aot``: grouped, but the graph goes to inductor through AOTAutograd's two
   re-traces, as torch.compile's backend does (``PETFUNC_DIRECT_INDUCTOR=0``;
   petfunc's default is one functionalizing re-trace, see
-  ``petfunc.compile._compile_inductor_direct``);
+  ``petfunc.compile.compiled._compile_inductor_direct``);
 * ``late_probe``: grouped, but inductor probes the CPU's vector instruction sets
   when it first needs them, not in the background while ``make_fx`` traces
-  (``PETFUNC_EARLY_ISA_PROBE=0``; see :func:`petfunc._cpu_kernels.start_isa_probe`);
+  (``PETFUNC_EARLY_ISA_PROBE=0``; see :func:`petfunc._torch.cpu_kernels.start_isa_probe`);
 * ``simplify``: grouped, but inductor's vectorization analysis runs
   ``sympy.simplify`` on every index (``PETFUNC_FAST_STRIDES=0``; petfunc's default
-  expands polynomial indices instead, see :mod:`petfunc._vec_strides`);
+  expands polynomial indices instead, see :mod:`petfunc._torch.vec_strides`);
 * ``late_split``: grouped, but CPU ``addmm`` is split after inductor's passes have
   merged ``mm + add``, not before them (``PETFUNC_EARLY_ADDMM_SPLIT=0``; see
   ``petfunc.compile.hold_cpu_addmm_merge``);
@@ -28,7 +28,7 @@ stress), then its first call. Variants, interleaved (A B A B ...):
 * ``late_split_fusion64``: both of the last two, what petfunc did before them;
 * ``o2``: grouped, with the C++ kernels built at ``-O2`` instead of inductor's
   ``-O3`` (``PETFUNC_KERNEL_OPT=O2``; see
-  :func:`petfunc._cpu_kernels.kernel_opt_level`: about 2 s faster to compile,
+  :func:`petfunc._torch.cpu_kernels.kernel_opt_level`: about 2 s faster to compile,
   1.5 % slower a step on carbon, not the default);
 * ``no_lofa``, ``no_asserts``: grouped, with inductor's loop reordering after
   fusion off, or without the size, alignment and scalar assertions in its
@@ -58,6 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 HERE = Path(__file__).resolve().parent
 # the datasets every child reads (see train_step.DATA), whichever checkout it runs
 DATA = Path(os.environ.get("PETFUNC_BENCH_DATA") or HERE.parent.parent / "shared" / "data")
@@ -70,12 +71,19 @@ VARIANTS = {
     "late_probe": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_EARLY_ISA_PROBE": "0"},
     "late_split": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_EARLY_ADDMM_SPLIT": "0"},
     "fusion64": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_FUSION_PAIR_ATTEMPTS": "64"},
-    "late_split_fusion64": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_EARLY_ADDMM_SPLIT": "0",
-                            "PETFUNC_FUSION_PAIR_ATTEMPTS": "64"},
+    "late_split_fusion64": {
+        "PETFUNC_GROUP_KERNELS": "1",
+        "PETFUNC_EARLY_ADDMM_SPLIT": "0",
+        "PETFUNC_FUSION_PAIR_ATTEMPTS": "64",
+    },
     "o2": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_KERNEL_OPT": "O2"},
     "no_lofa": {"PETFUNC_GROUP_KERNELS": "1", "TORCHINDUCTOR_LOOP_ORDERING_AFTER_FUSION": "0"},
-    "no_asserts": {"PETFUNC_GROUP_KERNELS": "1", "TORCHINDUCTOR_SIZE_ASSERTS": "0",
-                   "TORCHINDUCTOR_ALIGNMENT_ASSERTS": "0", "TORCHINDUCTOR_SCALAR_ASSERTS": "0"},
+    "no_asserts": {
+        "PETFUNC_GROUP_KERNELS": "1",
+        "TORCHINDUCTOR_SIZE_ASSERTS": "0",
+        "TORCHINDUCTOR_ALIGNMENT_ASSERTS": "0",
+        "TORCHINDUCTOR_SCALAR_ASSERTS": "0",
+    },
 }
 
 
@@ -84,8 +92,9 @@ def child(dataset: str, variant: str, threads: int) -> None:
 
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent))
-    import petfunc
     from train_step import setup
+
+    import petfunc
 
     torch.set_num_threads(threads)
     bench = setup(dataset, torch.float32, 9)
@@ -104,18 +113,38 @@ def child(dataset: str, variant: str, threads: int) -> None:
             state, _ = compiled(state, batch)
             times.append(time.perf_counter() - t)
     nodes = sum(1 for n in compiled.graph.graph.nodes if n.op == "call_function")
-    print(json.dumps({"trace": traced - start, "compile": done - traced, "total": done - start,
-                      "step_ms": 1e3 * statistics.median(times), "nodes": nodes, "graphs": compiled.num_graphs}))
+    print(
+        json.dumps(
+            {
+                "trace": traced - start,
+                "compile": done - traced,
+                "total": done - start,
+                "step_ms": 1e3 * statistics.median(times),
+                "nodes": nodes,
+                "graphs": compiled.num_graphs,
+            }
+        )
+    )
 
 
 def measure(dataset: str, variant: str, threads: int, checkout: Path = HERE.parent) -> dict:
     """One fresh process of ``checkout``'s petfunc (this one, or ``--compare-with``)."""
     script = checkout / "benchmarks" / "cold_compile.py"
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PETFUNC_TRACE_CACHE="0",
-                   PYTHONPATH=str(checkout), PETFUNC_BENCH_DATA=str(DATA), **VARIANTS[variant])
-        out = subprocess.run([sys.executable, str(script), "--child", dataset, variant, "--threads", str(threads)],
-                             env=env, capture_output=True, text=True)
+        env = dict(
+            os.environ,
+            TORCHINDUCTOR_CACHE_DIR=cache,
+            PETFUNC_TRACE_CACHE="0",
+            PYTHONPATH=str(checkout),
+            PETFUNC_BENCH_DATA=str(DATA),
+            **VARIANTS[variant],
+        )
+        out = subprocess.run(
+            [sys.executable, str(script), "--child", dataset, variant, "--threads", str(threads)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
     if out.returncode != 0:
         raise RuntimeError(f"{variant} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -127,37 +156,52 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["separate", "grouped"])
-    parser.add_argument("--compare-with", type=Path, metavar="CHECKOUT",
-                        help="also run each variant with the petfunc of another checkout (for example a "
-                             "git worktree of an earlier commit), interleaved")
+    parser.add_argument(
+        "--compare-with",
+        type=Path,
+        metavar="CHECKOUT",
+        help="also run each variant with the petfunc of another checkout (for example a "
+        "git worktree of an earlier commit), interleaved",
+    )
     parser.add_argument("--child", nargs=2, metavar=("DATASET", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child(*args.child, args.threads)
-    print(f"## {args.dataset}: cold compile of the training step (fresh process, empty caches), "
-          f"{args.threads} threads")
+    print(
+        f"## {args.dataset}: cold compile of the training step (fresh process, empty caches), "
+        f"{args.threads} threads"
+    )
     checkouts = {"": HERE.parent}
     if args.compare_with:
         checkouts = {"other ": args.compare_with.resolve(), "this ": HERE.parent}
         other_bench = args.compare_with / "benchmarks" / "train_step.py"
         if "PETFUNC_BENCH_DATA" not in other_bench.read_text():
             # older benchmarks look for ../shared/data next to their own checkout
-            print(f"# warning: {args.compare_with} reads its data from its own ../shared/data, not "
-                  f"{DATA}; link one to the other, or the two runs use different structures")
-    runs = [(prefix + variant, variant, path) for variant in args.variants for prefix, path in checkouts.items()]
+            print(
+                f"# warning: {args.compare_with} reads its data from its own ../shared/data, not "
+                f"{DATA}; link one to the other, or the two runs use different structures"
+            )
+    runs = [
+        (prefix + variant, variant, path) for variant in args.variants for prefix, path in checkouts.items()
+    ]
     results = {name: [] for name, _, _ in runs}
     for r in range(args.repeats):
         for name, variant, path in runs:
             result = measure(args.dataset, variant, args.threads, path)
             results[name].append(result)
-            print(f"# run {r + 1} {name:14s} trace {result['trace']:5.1f} s, compile + first call "
-                  f"{result['compile']:5.1f} s, total {result['total']:5.1f} s; step {result['step_ms']:.1f} ms; "
-                  f"{result['nodes']} graph nodes, {result['graphs']} graph(s)", flush=True)
+            print(
+                f"# run {r + 1} {name:14s} trace {result['trace']:5.1f} s, compile + first call "
+                f"{result['compile']:5.1f} s, total {result['total']:5.1f} s; step {result['step_ms']:.1f} ms; "
+                f"{result['nodes']} graph nodes, {result['graphs']} graph(s)",
+                flush=True,
+            )
     print("| variant | trace (s) | compile + first call (s) | total (s) | step (ms) |")
     print("|---|---|---|---|---|")
     for name, measured in results.items():
         med = {k: statistics.median(r[k] for r in measured) for k in ("trace", "compile", "total", "step_ms")}
-        print(f"| {name} | {med['trace']:.1f} | {med['compile']:.1f} | {med['total']:.1f} | {med['step_ms']:.1f} |")
+        print(
+            f"| {name} | {med['trace']:.1f} | {med['compile']:.1f} | {med['total']:.1f} | {med['step_ms']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

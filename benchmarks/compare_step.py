@@ -19,8 +19,8 @@ by default: what reproducible scatter-adds cost.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import contextlib
+import importlib.util
 import inspect
 import statistics
 import sys
@@ -29,12 +29,14 @@ from pathlib import Path
 
 import torch
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's petfunc, not an installed one
-import petfunc  # noqa: E402
+import petfunc
+
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import add_malloc_option, apply_malloc  # noqa: E402
-from train_step import frames, setup  # noqa: E402
+from _measure import add_malloc_option, apply_malloc
+from train_step import frames, setup
 
 
 def import_checkout(path: Path, name: str = "petfunc_other"):
@@ -54,12 +56,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--compare-with", type=Path, metavar="CHECKOUT")
-    which.add_argument("--deterministic", action="store_true",
-                       help="compare with this checkout under deterministic algorithms")
+    which.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="compare with this checkout under deterministic algorithms",
+    )
     parser.add_argument("--dataset", choices=["qm9", "carbon"], default="qm9")
-    parser.add_argument("--eager", action="store_true",
-                        help="the eager step `petfunc train` runs without --compile (autograd) "
-                             "instead of the compiled one")
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="the eager step `petfunc train` runs without --compile (autograd) instead of the compiled one",
+    )
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4, help="passes over the batches")
     parser.add_argument("--threads", type=int, default=2)
@@ -72,10 +79,18 @@ def main(argv=None):
 
     this = setup(args.dataset, torch.float32, args.batches, structures=structures)
     # the same weights for the other version (copies: the two states train apart)
-    that = setup(args.dataset, torch.float32, args.batches, pkg=other, structures=structures,
-                 params=petfunc.tree.flatten(this.params))
-    versions = {label: [b.step, b.state, b.batches, pkg]
-                for label, b, pkg in (("this", this, petfunc), ("other", that, other))}
+    that = setup(
+        args.dataset,
+        torch.float32,
+        args.batches,
+        pkg=other,
+        structures=structures,
+        params=petfunc.tree.flatten(this.params),
+    )
+    versions = {
+        label: [b.step, b.state, b.batches, pkg]
+        for label, b, pkg in (("this", this, petfunc), ("other", that, other))
+    }
 
     def mode(label):
         """Deterministic algorithms for "other" with --deterministic (at compile time
@@ -99,8 +114,11 @@ def main(argv=None):
             new_state, metrics = v[0](state, batches[0])
         losses[label] = float(metrics["loss"])
         v[1] = new_state
-        print(f"# {label}: {'first call' if args.eager else 'compile + first call'} "
-              f"{time.perf_counter() - start:.1f} s (caches as found)", flush=True)
+        print(
+            f"# {label}: {'first call' if args.eager else 'compile + first call'} "
+            f"{time.perf_counter() - start:.1f} s (caches as found)",
+            flush=True,
+        )
     print(f"# first-step loss: this {losses['this']:.8g}, other {losses['other']:.8g}")
 
     times = {label: [] for label in versions}

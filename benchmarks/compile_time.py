@@ -33,8 +33,8 @@ def child(path: str, d_pet: int, threads: int) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import petfunc
-    from petfunc.ase import PETCalculator
-    from petfunc.compile import Compiled, _split, no_duck_shape
+    from petfunc.ase.calculator import PETCalculator
+    from petfunc.compile.compiled import Compiled, _split, no_duck_shape
 
     torch.set_num_threads(threads)
     config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), d_pet=d_pet)
@@ -84,8 +84,19 @@ def main() -> None:
             for path in ("dynamo", "petfunc"):
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, path))
                 out = subprocess.run(
-                    [sys.executable, __file__, "--child", path, "--d-pet", str(args.d_pet), "--threads", str(args.threads)],
-                    env=env, capture_output=True, text=True,
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        path,
+                        "--d-pet",
+                        str(args.d_pet),
+                        "--threads",
+                        str(args.threads),
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
                 )
                 line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")]
                 if not line:

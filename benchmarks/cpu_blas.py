@@ -24,6 +24,7 @@ import time
 
 import torch
 
+
 SHAPES = [
     # (rows, inner, columns, label)
     (1600, 128, 512, "token-wise layer, d_pet -> 4 d_pet"),
@@ -51,7 +52,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     onednn = getattr(torch._C, "_has_mkldnn", False) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    print(f"# torch {torch.__version__}, {args.threads} threads, oneDNN {'available' if onednn else 'not available'}")
+    print(
+        f"# torch {torch.__version__}, {args.threads} threads, oneDNN {'available' if onednn else 'not available'}"
+    )
     print("| product | BLAS GFLOP/s | oneDNN GFLOP/s | ratio | max rel diff |")
     print("|---|---|---|---|---|")
     generator = torch.Generator().manual_seed(0)
@@ -84,8 +87,10 @@ def main(argv=None) -> None:
         rate_blas = flops / statistics.median(times_blas) / 1e9
         if onednn:
             rate_dnn = flops / statistics.median(times_dnn) / 1e9
-            print(f"| [{rows}, {inner}] x [{inner}, {cols}] ({label}) | {rate_blas:.0f} | {rate_dnn:.0f} | "
-                  f"{rate_dnn / rate_blas:.2f}x | {diff:.1e} |")
+            print(
+                f"| [{rows}, {inner}] x [{inner}, {cols}] ({label}) | {rate_blas:.0f} | {rate_dnn:.0f} | "
+                f"{rate_dnn / rate_blas:.2f}x | {diff:.1e} |"
+            )
         else:
             print(f"| [{rows}, {inner}] x [{inner}, {cols}] ({label}) | {rate_blas:.0f} | - | - | - |")
 

@@ -51,17 +51,26 @@ def _frames():
 def child(args):
     import petfunc
     from petfunc import distributed as pdist
-    from petfunc.data import Dataset, sample_from_atoms
-    from petfunc.loss import LossWeights
-    from petfunc.train import init_state, make_optimizer, warmup_cosine
+    from petfunc.data.samples import Dataset, sample_from_atoms
+    from petfunc.train.loss import LossWeights
+    from petfunc.train.step import init_state, make_optimizer, warmup_cosine
 
     torch.set_num_threads(args.threads)
     info = pdist.init_from_env(device=args.device)
     dtype = getattr(torch, args.dtype)
-    config = petfunc.PETConfig.from_hypers({"atomic_types": [6], "d_pet": args.d_pet, "d_node": 2 * args.d_pet,
-                                            "d_head": args.d_pet, "d_feedforward": 2 * args.d_pet})
+    config = petfunc.PETConfig.from_hypers(
+        {
+            "atomic_types": [6],
+            "d_pet": args.d_pet,
+            "d_node": 2 * args.d_pet,
+            "d_head": args.d_pet,
+            "d_feedforward": 2 * args.d_pet,
+        }
+    )
     samples = [
-        sample_from_atoms(a, config, energy_key="energy", forces_key="force", stress_key=None, virial_key="virial")
+        sample_from_atoms(
+            a, config, energy_key="energy", forces_key="force", stress_key=None, virial_key="virial"
+        )
         for a in _frames()
     ]
     data = Dataset(samples, config)
@@ -71,19 +80,29 @@ def child(args):
     params["energy_scale"] = torch.tensor(c, dtype=torch.float64, device=info.device)
     optimizer = make_optimizer(warmup_cosine(1e-4, 1000))
     state = init_state(params, optimizer)
-    dp = pdist.DataParallel(petfunc.PET(config), optimizer, LossWeights(), 1.0, compile=args.compile,
-                            backend=args.backend, info=info)
+    dp = pdist.DataParallel(
+        petfunc.PET(config),
+        optimizer,
+        LossWeights(),
+        1.0,
+        compile=args.compile,
+        backend=args.backend,
+        info=info,
+    )
     global_batch = args.batch * (info.world_size if args.weak else 1)
     n_steps = args.warmup + args.steps
     plan = []
     epoch = 0
     while len(plan) < n_steps:
-        plan += pdist.shard_batches(data.batch_indices(global_batch, True, seed=epoch, drop_last=True),
-                                    info.rank, info.world_size)
+        plan += pdist.shard_batches(
+            data.batch_indices(global_batch, True, seed=epoch, drop_last=True), info.rank, info.world_size
+        )
         epoch += 1
     # batches are built before timing (the trainer overlaps nothing either way)
-    batches = [petfunc.data.make_batch([samples[i] for i in idx], config, w, c, dtype, info.device)
-               for idx in plan[:n_steps]]
+    batches = [
+        petfunc.data.make_batch([samples[i] for i in idx], config, w, c, dtype, info.device)
+        for idx in plan[:n_steps]
+    ]
 
     def sync():
         if info.device.type == "cuda":
@@ -96,18 +115,26 @@ def child(args):
         state, metrics = dp.step(state, b)
     sync()
     t0 = time.perf_counter()
-    for b in batches[args.warmup:]:
+    for b in batches[args.warmup :]:
         state, metrics = dp.step(state, b)
     float(metrics["loss"])
     sync()
     elapsed = time.perf_counter() - t0
     if info.is_main:
-        print(json.dumps({
-            "world_size": info.world_size, "steps": args.steps, "seconds": elapsed,
-            "steps_per_s": args.steps / elapsed, "warmup_s": t0 - t_first,
-            "atoms_per_rank_step": float(np.mean([b.positions.shape[0] for b in batches])),
-            "device": str(info.device), "graphs": dp.num_graphs if args.compile else None,
-        }))
+        print(
+            json.dumps(
+                {
+                    "world_size": info.world_size,
+                    "steps": args.steps,
+                    "seconds": elapsed,
+                    "steps_per_s": args.steps / elapsed,
+                    "warmup_s": t0 - t_first,
+                    "atoms_per_rank_step": float(np.mean([b.positions.shape[0] for b in batches])),
+                    "device": str(info.device),
+                    "graphs": dp.num_graphs if args.compile else None,
+                }
+            )
+        )
     pdist.shutdown()
 
 
@@ -117,10 +144,19 @@ def launch(n, argv, timeout):
         port = s.getsockname()[1]
     procs = []
     for rank in range(n):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, __file__, "--_child", *argv], env=env,
-                                      stdout=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(n),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--_child", *argv], env=env, stdout=subprocess.PIPE, text=True
+            )
+        )
     out = None
     try:
         for rank, p in enumerate(procs):
@@ -138,7 +174,9 @@ def launch(n, argv, timeout):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nprocs", type=int, nargs="+", default=None, help="default: 1 2 (CPU), 1..#GPUs (CUDA)")
+    parser.add_argument(
+        "--nprocs", type=int, nargs="+", default=None, help="default: 1 2 (CPU), 1..#GPUs (CUDA)"
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8, help="global batch (per rank with --weak)")
@@ -157,14 +195,33 @@ def main():
         return child(args)
     if args.nprocs is None:
         args.nprocs = list(range(1, torch.cuda.device_count() + 1)) if args.device == "cuda" else [1, 2]
-    child_argv = [
-        "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-        "--device", args.device, "--dtype", args.dtype, "--d-pet", str(args.d_pet),
-        "--threads", str(args.threads), "--backend", args.backend,
-    ] + (["--weak"] if args.weak else []) + (["--compile"] if args.compile else [])
-    print(f"# data-parallel steps/s: {args.device}, {args.dtype}, d_pet {args.d_pet}, "
-          f"{'weak' if args.weak else 'strong'} scaling, batch {args.batch}, {args.threads} thread(s)/rank, "
-          f"{'compiled ' + args.backend if args.compile else 'eager'}")
+    child_argv = (
+        [
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--batch",
+            str(args.batch),
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
+            "--d-pet",
+            str(args.d_pet),
+            "--threads",
+            str(args.threads),
+            "--backend",
+            args.backend,
+        ]
+        + (["--weak"] if args.weak else [])
+        + (["--compile"] if args.compile else [])
+    )
+    print(
+        f"# data-parallel steps/s: {args.device}, {args.dtype}, d_pet {args.d_pet}, "
+        f"{'weak' if args.weak else 'strong'} scaling, batch {args.batch}, {args.threads} thread(s)/rank, "
+        f"{'compiled ' + args.backend if args.compile else 'eager'}"
+    )
     rows = []
     for n in args.nprocs:
         r = launch(n, child_argv, args.timeout)
@@ -176,7 +233,9 @@ def main():
         speedup = ratio * n / rows[0]["world_size"] if args.weak else ratio
         eff = speedup / (n / rows[0]["world_size"])
         r.update(speedup=speedup, efficiency=eff)
-        print(f"{n:>5} {r['steps_per_s']:>9.3f} {r['atoms_per_rank_step']:>10.1f} {speedup:>9.2f} {eff:>10.2f}")
+        print(
+            f"{n:>5} {r['steps_per_s']:>9.3f} {r['atoms_per_rank_step']:>10.1f} {speedup:>9.2f} {eff:>10.2f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 

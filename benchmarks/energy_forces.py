@@ -35,11 +35,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ase  # noqa: E402
-import ase.build  # noqa: E402
-import ase.io  # noqa: E402
+import ase
+import ase.build
+import ase.io
 
-import petfunc  # noqa: E402
+import petfunc
 
 
 DATA = Path(__file__).resolve().parents[1] / "../shared/data"
@@ -113,8 +113,7 @@ class MetatrainRunner:
         self.requested = get_requested_neighbor_lists(model)
         self.outputs = {"energy": ModelOutput(unit="eV", sample_kind="system")}
         self.base = [
-            get_system_with_neighbor_lists(s, self.requested)
-            for s in systems_to_torch(frames, dtype=dtype)
+            get_system_with_neighbor_lists(s, self.requested) for s in systems_to_torch(frames, dtype=dtype)
         ]
         self._systems_to_torch = systems_to_torch
         self._with_lists = get_system_with_neighbor_lists
@@ -142,7 +141,7 @@ class MetatrainRunner:
         grads = torch.autograd.grad(energy.sum(), positions + strains)
         forces = -torch.cat(grads[: len(systems)])
         stress = []
-        for base, g in zip(bases, grads[len(systems):]):
+        for base, g in zip(bases, grads[len(systems) :]):
             volume = torch.abs(torch.det(base.cell)) if bool(base.pbc.all()) else torch.tensor(float("nan"))
             stress.append(g / volume)
         return energy.detach(), forces, torch.stack(stress)
@@ -155,7 +154,9 @@ class PetfuncRunner:
         self.inputs = petfunc.from_atoms(frames, config, dtype=dtype)
 
     def __call__(self, rebuild_lists: bool = False):
-        inputs = petfunc.from_atoms(self.frames, self.config, dtype=self.dtype) if rebuild_lists else self.inputs
+        inputs = (
+            petfunc.from_atoms(self.frames, self.config, dtype=self.dtype) if rebuild_lists else self.inputs
+        )
         return self.fn(self.params, *inputs)
 
 
@@ -187,7 +188,9 @@ def check_agreement(mtt, pft, dtype):
     finite = torch.isfinite(s0)
     rel_s = float((s0[finite] - s1[finite]).abs().max() / s0[finite].abs().max()) if finite.any() else 0.0
     if max(rel_e, rel_f, rel_s) > tol:
-        raise RuntimeError(f"petfunc and metatrain disagree: energy {rel_e:.1e}, forces {rel_f:.1e}, stress {rel_s:.1e}")
+        raise RuntimeError(
+            f"petfunc and metatrain disagree: energy {rel_e:.1e}, forces {rel_f:.1e}, stress {rel_s:.1e}"
+        )
     return max(rel_e, rel_f, rel_s)
 
 
@@ -197,7 +200,9 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--dtype", choices=["float32", "float64", "both"], default="both")
     parser.add_argument("--batch", type=int, default=16, help="ethanol molecules in the batch case")
-    parser.add_argument("--autodiff", choices=["func", "autograd"], default="func", help="petfunc's derivative path")
+    parser.add_argument(
+        "--autodiff", choices=["func", "autograd"], default="func", help="petfunc's derivative path"
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     if args.threads:
@@ -212,9 +217,11 @@ def main(argv=None):
     ]
     dtypes = [torch.float32, torch.float64] if args.dtype == "both" else [getattr(torch, args.dtype)]
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), default PET "
-          f"({petfunc.tree.count(params64)} parameters), median of {args.repeats}, interleaved; "
-          f"petfunc autodiff={args.autodiff}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), default PET "
+        f"({petfunc.tree.count(params64)} parameters), median of {args.repeats}, interleaved; "
+        f"petfunc autodiff={args.autodiff}"
+    )
     header = f"{'structures':<24} {'atoms':>5} {'dtype':>7} {'what':<16} {'metatrain ms':>12} {'petfunc ms':>11} {'ratio':>6}"
     print(header)
     print("-" * len(header))
@@ -228,8 +235,10 @@ def main(argv=None):
             n_atoms = sum(len(a) for a in frames)
             for label, rebuild in (("model", False), ("+ neighbour list", True)):
                 t_mtt, t_pft = interleaved(lambda: mtt(rebuild), lambda: pft(rebuild), args.repeats)
-                print(f"{name:<24} {n_atoms:>5} {str(dtype)[6:]:>7} {label:<16} "
-                      f"{1e3 * t_mtt:>12.1f} {1e3 * t_pft:>11.1f} {t_mtt / t_pft:>6.2f}")
+                print(
+                    f"{name:<24} {n_atoms:>5} {str(dtype)[6:]:>7} {label:<16} "
+                    f"{1e3 * t_mtt:>12.1f} {1e3 * t_pft:>11.1f} {t_mtt / t_pft:>6.2f}"
+                )
     print("ratio = metatrain time / petfunc time (> 1: petfunc is faster)")
 
 

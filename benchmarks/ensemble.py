@@ -34,12 +34,12 @@ import torch.utils._pytree as pytree
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ase.build  # noqa: E402
-from ase.calculators.emt import EMT  # noqa: E402
+import ase.build
+from _measure import measure, timed
+from ase.calculators.emt import EMT
 
-import petfunc  # noqa: E402
-import petfunc.ensemble as ensemble  # noqa: E402
-from _measure import measure, timed  # noqa: E402
+import petfunc
+import petfunc.ensemble as ensemble
 
 
 def arguments():
@@ -49,16 +49,28 @@ def arguments():
     parser.add_argument("--structures", type=int, default=4, help="structures per batch")
     parser.add_argument("--repeat", type=int, default=2, help="supercell repeat of the 8-atom diamond cell")
     parser.add_argument("--d-pet", type=int, default=64)
-    parser.add_argument("--cutoff", type=float, default=4.5,
-                        help="PET cutoff (A); 2.0 leaves the 4 bonded neighbours: a sparse, molecule-like graph")
-    parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor; quick: aot_eager)")
+    parser.add_argument(
+        "--cutoff",
+        type=float,
+        default=4.5,
+        help="PET cutoff (A); 2.0 leaves the 4 bonded neighbours: a sparse, molecule-like graph",
+    )
+    parser.add_argument(
+        "--backend", default=None, help="torch.compile backend (default inductor; quick: aot_eager)"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip", default="", help="comma-separated variants to skip, e.g. 'eager'")
     args = parser.parse_args()
     if args.quick:
-        args.members, args.structures, args.repeat, args.d_pet, args.repeats = min(args.members, 4), 2, 1, 8, 3
+        args.members, args.structures, args.repeat, args.d_pet, args.repeats = (
+            min(args.members, 4),
+            2,
+            1,
+            8,
+            3,
+        )
         args.backend = args.backend or "aot_eager"
     args.backend = args.backend or "inductor"
     return args
@@ -84,7 +96,9 @@ def max_relative(a, b):
     for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b)):
         if x.is_floating_point():
             finite = torch.isfinite(y)
-            worst = max(worst, float((x[finite] - y[finite]).abs().max() / y[finite].abs().max().clamp_min(1e-30)))
+            worst = max(
+                worst, float((x[finite] - y[finite]).abs().max() / y[finite].abs().max().clamp_min(1e-30))
+            )
     return worst
 
 
@@ -95,8 +109,16 @@ def main():
     dtype = getattr(torch, args.dtype)
     k = args.members
     w = args.d_pet
-    config = petfunc.PETConfig(atomic_types=(6,), cutoff=args.cutoff, cutoff_width=min(0.5, args.cutoff / 4), d_pet=w, d_head=w, d_node=2 * w,
-                               d_feedforward=2 * w, num_heads=max(1, min(8, w // 8)))
+    config = petfunc.PETConfig(
+        atomic_types=(6,),
+        cutoff=args.cutoff,
+        cutoff_width=min(0.5, args.cutoff / 4),
+        d_pet=w,
+        d_head=w,
+        d_node=2 * w,
+        d_feedforward=2 * w,
+        num_heads=max(1, min(8, w // 8)),
+    )
     model = petfunc.PET(config)
     params = ensemble.init(model, range(k), dtype=dtype)
     members = ensemble.unstack(params)
@@ -106,10 +128,12 @@ def main():
     state = ensemble.init_state(params, optimizer)
     states = [ensemble.member_state(state, i) for i in range(k)]
     weights = petfunc.LossWeights.make(1.0, 10.0, 1.0)
-    print(f"K={k} members, PET d_pet={w} ({petfunc.tree.count(members[0])} parameters each), "
-          f"{batch.n_structures} structures, {batch.positions.shape[0]} atoms, "
-          f"{batch.neighbors.centers.shape[0]} edges, {args.dtype}, backend {args.backend}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"K={k} members, PET d_pet={w} ({petfunc.tree.count(members[0])} parameters each), "
+        f"{batch.n_structures} structures, {batch.positions.shape[0]} atoms, "
+        f"{batch.neighbors.centers.shape[0]} edges, {args.dtype}, backend {args.backend}, "
+        f"{torch.get_num_threads()} threads"
+    )
 
     single_efs = petfunc.energy_forces_stress(model.energy)
     ens_efs = ensemble.energy_forces_stress(model.energy)
@@ -145,16 +169,22 @@ def main():
         rows.append((task, "loop", t_compile, t, mem))
         results["loop"] = stack(out)
         graphs = (compiled_vmap.num_graphs, compiled_loop.num_graphs)
-        print(f"{task}: vmap vs loop max relative difference {max_relative(results['vmap'], results['loop']):.1e}, "
-              f"graphs compiled (vmap, loop) = {graphs}")
+        print(
+            f"{task}: vmap vs loop max relative difference {max_relative(results['vmap'], results['loop']):.1e}, "
+            f"graphs compiled (vmap, loop) = {graphs}"
+        )
 
-    print(f"\n{'task':<11} {'variant':<11} {'compile s':>9} {'median ms':>10} {'ms/member':>10} {'loop/vmap':>9} {'peak +MiB':>9}")
+    print(
+        f"\n{'task':<11} {'variant':<11} {'compile s':>9} {'median ms':>10} {'ms/member':>10} {'loop/vmap':>9} {'peak +MiB':>9}"
+    )
     medians = {(task, variant): t for task, variant, _, t, _ in rows}
     for task, variant, t_compile, t, mem in rows:
         partner = variant.replace("vmap", "loop") if "vmap" in variant else None
         ratio = f"{medians[(task, partner)] / t:9.2f}" if partner else " " * 9
         compile_s = f"{t_compile:9.1f}" if t_compile == t_compile else " " * 9
-        print(f"{task:<11} {variant:<11} {compile_s} {1000 * t:10.2f} {1000 * t / k:10.2f} {ratio} {mem:9.1f}")
+        print(
+            f"{task:<11} {variant:<11} {compile_s} {1000 * t:10.2f} {1000 * t / k:10.2f} {ratio} {mem:9.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -33,11 +33,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ase.build  # noqa: E402
+import ase.build
+from _measure import measure, timed
 
-import petfunc  # noqa: E402
-from petfunc.hessian import chunked_hessian, hessian, hessian_rows  # noqa: E402
-from _measure import measure, timed  # noqa: E402
+import petfunc
+from petfunc.hessian import chunked_hessian, hessian, hessian_rows
 
 
 def arguments():
@@ -45,14 +45,22 @@ def arguments():
     parser.add_argument("--quick", action="store_true", help="8 atoms, tiny model, aot_eager, 2 repeats")
     parser.add_argument("--repeat", type=int, default=2, help="supercell repeat of the 8-atom diamond cell")
     parser.add_argument("--d-pet", type=int, default=64)
-    parser.add_argument("--chunk", type=int, default=2, help="rows per chunk (on CPU, small chunks run fastest)")
+    parser.add_argument(
+        "--chunk", type=int, default=2, help="rows per chunk (on CPU, small chunks run fastest)"
+    )
     parser.add_argument("--steps", default="1e-4", help="central-difference steps (A)")
     parser.add_argument("--steps4", default="1e-3,1e-4", help="fourth-order difference steps (A)")
-    parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor; quick: aot_eager)")
+    parser.add_argument(
+        "--backend", default=None, help="torch.compile backend (default inductor; quick: aot_eager)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--skip", default="", help="comma-separated variants to skip: full,chunks,eager,forward "
-                        "(skip 'full' when all 3N rows at once do not fit in memory)")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated variants to skip: full,chunks,eager,forward "
+        "(skip 'full' when all 3N rows at once do not fit in memory)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.repeat, args.d_pet, args.chunk, args.repeats = 1, 8, 8, 2
@@ -67,8 +75,15 @@ def main():
         torch.set_num_threads(args.threads)
     f64 = torch.float64
     w = args.d_pet
-    config = petfunc.PETConfig(atomic_types=(6,), cutoff=4.5, d_pet=w, d_head=w, d_node=2 * w,
-                               d_feedforward=2 * w, num_heads=max(1, min(8, w // 8)))
+    config = petfunc.PETConfig(
+        atomic_types=(6,),
+        cutoff=4.5,
+        d_pet=w,
+        d_head=w,
+        d_node=2 * w,
+        d_feedforward=2 * w,
+        num_heads=max(1, min(8, w // 8)),
+    )
     model = petfunc.PET(config)
     params = model.init(seed=0, dtype=f64)
     atoms = ase.build.bulk("C", "diamond", a=3.567, cubic=True).repeat((args.repeat,) * 3)
@@ -76,9 +91,11 @@ def main():
     x, cell, nbrs = petfunc.from_atoms(atoms, config, dtype=f64)
     n = x.shape[0]
     skip = set(filter(None, args.skip.split(",")))
-    print(f"{n}-atom periodic cell, {nbrs.centers.shape[0]} edges, PET d_pet={w} "
-          f"({petfunc.tree.count(params)} parameters), float64, backend {args.backend}, "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"{n}-atom periodic cell, {nbrs.centers.shape[0]} edges, PET d_pet={w} "
+        f"({petfunc.tree.count(params)} parameters), float64, backend {args.backend}, "
+        f"{torch.get_num_threads()} threads"
+    )
 
     rows = []  # (variant, compile s, median s, peak MiB, relative error)
     reference = None  # the first analytic Hessian; the others are compared with it
@@ -93,7 +110,9 @@ def main():
         rows.append(("full (vmap)", t_compile, t, mem, 0.0))
     if "chunks" not in skip:
         directions = torch.zeros(args.chunk, n, 3, dtype=f64)
-        rows_fn = petfunc.compile(hessian_rows(model.energy), params, x, cell, nbrs, directions, backend=args.backend)
+        rows_fn = petfunc.compile(
+            hessian_rows(model.energy), params, x, cell, nbrs, directions, backend=args.backend
+        )
         t_compile, _ = timed(lambda: rows_fn(params, x, cell, nbrs, directions))
         chunked = chunked_hessian(rows_fn, args.chunk)
         t, mem, h = measure(lambda: chunked(params, x, cell, nbrs), args.repeats)
@@ -106,7 +125,9 @@ def main():
         t, mem, h = measure(lambda: hessian(model.energy)(params, x, cell, nbrs), args.repeats)
         rows.append(("full eager", float("nan"), t, mem, error(h)))
     if "forward" not in skip:
-        t, mem, h = measure(lambda: hessian(model.energy, mode="forward")(params, x, cell, nbrs), args.repeats)
+        t, mem, h = measure(
+            lambda: hessian(model.energy, mode="forward")(params, x, cell, nbrs), args.repeats
+        )
         rows.append(("forward eager", float("nan"), t, mem, error(h)))
 
     forces = petfunc.compile(petfunc.forces(model.energy), params, x, cell, nbrs, backend=args.backend)
@@ -136,12 +157,16 @@ def main():
 
     best_fd = min(fd_rows, key=lambda r: r[4])
     t_full = rows[0][2]  # the first analytic variant (full, or chunks when full is skipped)
-    print(f"\n{'variant':<22} {'compile s':>9} {'median s':>9} {'peak +MiB':>9} {'rel. error':>10} {'vs best FD':>10}")
+    print(
+        f"\n{'variant':<22} {'compile s':>9} {'median s':>9} {'peak +MiB':>9} {'rel. error':>10} {'vs best FD':>10}"
+    )
     for variant, t_compile, t, mem, err in rows:
         compile_s = f"{t_compile:9.1f}" if t_compile == t_compile else " " * 9
         print(f"{variant:<22} {compile_s} {t:9.3f} {mem:9.1f} {err:10.1e} {best_fd[2] / t:9.1f}x")
-    print(f"\nanalytic ({rows[0][0]}, compiled) is {best_fd[2] / t_full:.1f}x faster than the most accurate "
-          f"finite differences ({best_fd[0]}, error {best_fd[4]:.1e}); one graph each")
+    print(
+        f"\nanalytic ({rows[0][0]}, compiled) is {best_fd[2] / t_full:.1f}x faster than the most accurate "
+        f"finite differences ({best_fd[0]}, error {best_fd[4]:.1e}); one graph each"
+    )
 
 
 if __name__ == "__main__":

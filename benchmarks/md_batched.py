@@ -11,12 +11,14 @@ import numpy as np
 from ase import units
 from ase.md.verlet import VelocityVerlet
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's petfunc, not an installed one
-from petfunc.ase import PETCalculator  # noqa: E402
-from petfunc.dynamics import run  # noqa: E402
+from petfunc.ase.calculator import PETCalculator
+from petfunc.dynamics import run
+
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import batched_vs_loop, batched_vs_loop_parser, g2_molecules, interleaved  # noqa: E402
+from _measure import batched_vs_loop, batched_vs_loop_parser, g2_molecules, interleaved
 
 
 def structures(n, seed=0):
@@ -34,8 +36,10 @@ def main():
     config, params = batched_vs_loop(args)
     frames = structures(args.structures)
     dt = 0.5 * units.fs
-    print(f"# {len(frames)} molecules ({sum(len(a) for a in frames)} atoms), PET d_pet {args.d_pet}, float32, "
-          f"{args.threads} threads, {args.steps} velocity Verlet steps of 0.5 fs, compile={args.compile}")
+    print(
+        f"# {len(frames)} molecules ({sum(len(a) for a in frames)} atoms), PET d_pet {args.d_pet}, float32, "
+        f"{args.threads} threads, {args.steps} velocity Verlet steps of 0.5 fs, compile={args.compile}"
+    )
     calc = PETCalculator(config, params, compile=args.compile)
 
     def loop():

@@ -54,12 +54,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import ase.build  # noqa: E402
+import ase.build
+from _measure import add_malloc_option, apply_malloc
 
-import petfunc  # noqa: E402
-from petfunc.ase import PETCalculator  # noqa: E402
-from petfunc.structures import prepare_atoms  # noqa: E402
-from _measure import add_malloc_option, apply_malloc  # noqa: E402
+import petfunc
+from petfunc.ase.calculator import PETCalculator
+from petfunc.structures import prepare_atoms
 
 
 PROPERTIES_MOLECULE = ["energy", "forces"]
@@ -167,8 +167,14 @@ def main(argv=None):
     parser.add_argument("--rattle", type=float, default=0.02, help="displacement std per step (A)")
     parser.add_argument("--no-compile", action="store_true", help="skip petfunc compiled (inductor)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
-    parser.add_argument("--export", action="store_true", help="add petfunc's AOTInductor artifact (petfunc export)")
-    parser.add_argument("--long-range", action="store_true", help="PET with long-range features (P3M/direct, torch-pme's defaults)")
+    parser.add_argument(
+        "--export", action="store_true", help="add petfunc's AOTInductor artifact (petfunc export)"
+    )
+    parser.add_argument(
+        "--long-range",
+        action="store_true",
+        help="PET with long-range features (P3M/direct, torch-pme's defaults)",
+    )
     add_malloc_option(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -188,8 +194,9 @@ def main(argv=None):
     }
     compiled = None
     if not args.no_compile:
-        compiled = PETCalculator(config, params, dtype=dtype, compile=True, backend=args.backend,
-                                 keep_freed_memory=keep)
+        compiled = PETCalculator(
+            config, params, dtype=dtype, compile=True, backend=args.backend, keep_freed_memory=keep
+        )
         calculators["petfunc compiled"] = compiled
 
     print(
@@ -206,7 +213,7 @@ def main(argv=None):
     if args.export:
         import tempfile
 
-        from petfunc.export import export
+        from petfunc.export.package import export
 
         scratch = tempfile.mkdtemp(prefix="petfunc-md-export-")
         start = time.perf_counter()
@@ -223,11 +230,15 @@ def main(argv=None):
 
     labels = list(calculators)
     print()
-    header = f"{'system':<8} {'atoms':>5} {'nbrs':>5} " + " ".join(f"{label + ' (ms)':>22}" for label in labels)
+    header = f"{'system':<8} {'atoms':>5} {'nbrs':>5} " + " ".join(
+        f"{label + ' (ms)':>22}" for label in labels
+    )
     header += " " + " ".join(f"{'mta/' + label.split()[-1]:>12}" for label in labels[1:])
     print(header)
     for name, n, medians, _ in rows:
-        line = f"{name:<8} {n:>5} {edges[name]:>5.1f} " + " ".join(f"{1e3 * medians[label]:>22.2f}" for label in labels)
+        line = f"{name:<8} {n:>5} {edges[name]:>5.1f} " + " ".join(
+            f"{1e3 * medians[label]:>22.2f}" for label in labels
+        )
         line += " " + " ".join(f"{medians['metatomic'] / medians[label]:>12.2f}" for label in labels[1:])
         print(line)
 
@@ -236,9 +247,7 @@ def main(argv=None):
     for label in labels:
         parts = [f"{name}: {1e6 * medians[label] / n:.0f}" for name, n, medians, _ in rows]
         growth = []
-        for (n0, m0), (n1, m1) in zip(
-            [(r[1], r[2]) for r in rows[:-1]], [(r[1], r[2]) for r in rows[1:]]
-        ):
+        for (n0, m0), (n1, m1) in zip([(r[1], r[2]) for r in rows[:-1]], [(r[1], r[2]) for r in rows[1:]]):
             growth.append(f"x{m1[label] / m0[label]:.1f} for x{n1 / n0:.1f} atoms")
         print(f"  {label:<17} " + ", ".join(parts) + ("   (" + "; ".join(growth) + ")" if growth else ""))
 

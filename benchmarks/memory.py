@@ -39,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VARIANTS = {
@@ -64,7 +65,7 @@ def worker(args) -> None:
     import torch
 
     import petfunc
-    from petfunc.ase import PETCalculator
+    from petfunc.ase.calculator import PETCalculator
 
     torch.set_num_threads(args.threads)
     config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8))
@@ -74,6 +75,7 @@ def worker(args) -> None:
     calc = PETCalculator(config, params, **VARIANTS[args.worker])
     atoms.calc = calc
     rng = np.random.default_rng(0)
+
     def step():
         atoms.positions += rng.normal(0.0, 0.01, atoms.positions.shape)
         atoms.get_forces()
@@ -97,10 +99,18 @@ def _measure_worker(step, steps: int, atoms: int) -> None:
         if index:
             times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    print(json.dumps({
-        "time_ms": 1e3 * statistics.median(times), "peak_mib": peak, "rise_mib": peak - before,
-        "saved_mib": saved / 2**20, "atoms": atoms, "energy": value,
-    }))
+    print(
+        json.dumps(
+            {
+                "time_ms": 1e3 * statistics.median(times),
+                "peak_mib": peak,
+                "rise_mib": peak - before,
+                "saved_mib": saved / 2**20,
+                "atoms": atoms,
+                "energy": value,
+            }
+        )
+    )
 
 
 def train_worker(args) -> None:
@@ -110,7 +120,7 @@ def train_worker(args) -> None:
 
     import petfunc
     from petfunc import allocator
-    from petfunc.data import sample_from_atoms
+    from petfunc.data.samples import sample_from_atoms
 
     torch.set_num_threads(args.threads)
     variant = VARIANTS[args.worker]
@@ -150,7 +160,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed steps per process")
     parser.add_argument("--rounds", type=int, default=1, help="processes per variant (alternating)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--train", action="store_true", help="an eager training step instead of the calculator")
+    parser.add_argument(
+        "--train", action="store_true", help="an eager training step instead of the calculator"
+    )
     parser.add_argument("--batch", type=int, default=8, help="cells per training batch (--train)")
     parser.add_argument("--energy-only", action="store_true", help="an energy-only loss (--train)")
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
@@ -161,17 +173,35 @@ def main() -> None:
         return
 
     what = f"eager training step on {args.batch} cells" if args.train else "eager PETCalculator"
-    print(f"# {what}, default PET, float32, E + F + stress, {args.threads} threads, "
-          f"{args.steps} timed steps per process, {args.rounds} process(es) per variant")
-    print(f"{'system':8} {'variant':11} {'step (ms)':>10} {'vs keep':>8} {'peak RSS (MiB)':>15} "
-          f"{'rise (MiB)':>11} {'saved (MiB)':>12}")
+    print(
+        f"# {what}, default PET, float32, E + F + stress, {args.threads} threads, "
+        f"{args.steps} timed steps per process, {args.rounds} process(es) per variant"
+    )
+    print(
+        f"{'system':8} {'variant':11} {'step (ms)':>10} {'vs keep':>8} {'peak RSS (MiB)':>15} "
+        f"{'rise (MiB)':>11} {'saved (MiB)':>12}"
+    )
     for system in args.systems:
         results = {name: [] for name in args.variants}
         for _ in range(args.rounds):
             for name in args.variants:
-                command = [sys.executable, __file__, "--worker", name, "--worker-system", system,
-                           "--steps", str(args.steps), "--threads", str(args.threads), "--batch", str(args.batch)]
-                command += (["--train"] if args.train else []) + (["--energy-only"] if args.energy_only else [])
+                command = [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    name,
+                    "--worker-system",
+                    system,
+                    "--steps",
+                    str(args.steps),
+                    "--threads",
+                    str(args.threads),
+                    "--batch",
+                    str(args.batch),
+                ]
+                command += (["--train"] if args.train else []) + (
+                    ["--energy-only"] if args.energy_only else []
+                )
                 out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
                 results[name].append(json.loads(out.strip().splitlines()[-1]))
         summary = {
@@ -181,10 +211,14 @@ def main() -> None:
         reference = summary.get("keep", next(iter(summary.values())))
         energies = {round(s["energy"], 6) for s in summary.values()}  # the loss with --train
         for name, s in summary.items():
-            print(f"{system:8} {name:11} {s['time_ms']:10.0f} {s['time_ms'] / reference['time_ms']:7.2f}x "
-                  f"{s['peak_mib']:15.0f} {s['rise_mib']:11.0f} {s['saved_mib']:12.0f}")
-        print(f"# {system}: {int(reference['atoms'])} atoms; {'losses' if args.train else 'energies'} "
-              f"of the variants: {sorted(energies)}")
+            print(
+                f"{system:8} {name:11} {s['time_ms']:10.0f} {s['time_ms'] / reference['time_ms']:7.2f}x "
+                f"{s['peak_mib']:15.0f} {s['rise_mib']:11.0f} {s['saved_mib']:12.0f}"
+            )
+        print(
+            f"# {system}: {int(reference['atoms'])} atoms; {'losses' if args.train else 'energies'} "
+            f"of the variants: {sorted(energies)}"
+        )
 
 
 if __name__ == "__main__":

@@ -18,12 +18,14 @@ import numpy as np
 from ase.filters import FrechetCellFilter
 from ase.optimize import FIRE as AseFIRE
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's petfunc, not an installed one
-from petfunc.ase import PETCalculator  # noqa: E402
-from petfunc.relax import fire  # noqa: E402
+from petfunc.ase.calculator import PETCalculator
+from petfunc.relax import fire
+
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import batched_vs_loop, batched_vs_loop_parser, g2_molecules, interleaved  # noqa: E402
+from _measure import batched_vs_loop, batched_vs_loop_parser, g2_molecules, interleaved
 
 
 def crystals(n, seed=0):
@@ -55,8 +57,10 @@ def main():
     frames = crystals(args.structures) if args.cells else g2_molecules(args.structures, rattle=0.1)
     cell_filter = FrechetCellFilter if args.cells else None
     what = "crystals (FrechetCellFilter)" if args.cells else "molecules"
-    print(f"# {len(frames)} {what} ({sum(len(a) for a in frames)} atoms), PET d_pet {args.d_pet}, float32, "
-          f"{args.threads} threads, fmax {args.fmax}, at most {args.steps} steps, compile={args.compile}")
+    print(
+        f"# {len(frames)} {what} ({sum(len(a) for a in frames)} atoms), PET d_pet {args.d_pet}, float32, "
+        f"{args.threads} threads, fmax {args.fmax}, at most {args.steps} steps, compile={args.compile}"
+    )
     calc = PETCalculator(config, params, compile=args.compile)
 
     def loop():
@@ -70,8 +74,15 @@ def main():
         return out
 
     def batched():
-        result = fire(config, params, frames, fmax=args.fmax, steps=args.steps, compile=args.compile,
-                      cell_filter=cell_filter)
+        result = fire(
+            config,
+            params,
+            frames,
+            fmax=args.fmax,
+            steps=args.steps,
+            compile=args.compile,
+            cell_filter=cell_filter,
+        )
         return [(a.positions.copy(), s) for a, s in zip(result.atoms, result.steps)]
 
     variants = {"ASE FIRE, one structure at a time": loop, "petfunc.relax.fire, batched": batched}
@@ -80,8 +91,10 @@ def main():
     same_steps = sum(x[1] == y[1] for x, y in zip(a, b))
     max_dx = max(float(np.abs(x[0] - y[0]).max()) for x, y in zip(a, b))
     total = sum(s for _, s in a)
-    print(f"# {total} FIRE steps in all; same step count for {same_steps}/{len(a)} structures; "
-          f"largest position difference {max_dx:.1e} Å (float32)")
+    print(
+        f"# {total} FIRE steps in all; same step count for {same_steps}/{len(a)} structures; "
+        f"largest position difference {max_dx:.1e} Å (float32)"
+    )
 
 
 if __name__ == "__main__":

@@ -42,12 +42,14 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's petfunc, not an installed one
-import petfunc  # noqa: E402
-from petfunc.data import sample_from_atoms  # noqa: E402
+import petfunc
+from petfunc.data.samples import sample_from_atoms
+
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import add_malloc_option, apply_malloc, peak_tensor_memory  # noqa: E402
+from _measure import add_malloc_option, apply_malloc, peak_tensor_memory
 
 
 HERE = Path(__file__).resolve().parent
@@ -76,7 +78,9 @@ def samples_from_frames(name: str, frames, config, sample_from_atoms=sample_from
             s = sample_from_atoms(atoms, config, energy_key=None, forces_key=None, stress_key=None)
             s.energy = float(energy)
         else:
-            s = sample_from_atoms(atoms, config, energy_key="energy", forces_key="force", stress_key=None, virial_key="virial")
+            s = sample_from_atoms(
+                atoms, config, energy_key="energy", forces_key="force", stress_key=None, virial_key="virial"
+            )
         samples.append(s)
     return samples
 
@@ -134,7 +138,12 @@ class MetatrainStep:
         from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
 
         frames = [
-            ase.Atoms(numbers=s.structure.numbers, positions=s.structure.positions, cell=s.structure.cell, pbc=s.structure.pbc)
+            ase.Atoms(
+                numbers=s.structure.numbers,
+                positions=s.structure.positions,
+                cell=s.structure.cell,
+                pbc=s.structure.pbc,
+            )
             for s in samples
         ]
         systems = systems_to_torch(frames, dtype=self.dtype)
@@ -177,7 +186,9 @@ def setup(name, dtype, n_batches, device="cpu", pkg=petfunc, structures=None, pa
     """
     config = pkg.PETConfig(atomic_types=atomic_types(name))
     structures = frames(name) if structures is None else structures
-    dataset = pkg.data.Dataset(samples_from_frames(name, structures, config, pkg.data.sample_from_atoms), config)
+    dataset = pkg.data.Dataset(
+        samples_from_frames(name, structures, config, pkg.data.sample_from_atoms), config
+    )
     energy_only = name == "qm9"
     weights = pkg.LossWeights.make(forces=0.0 if energy_only else 1.0, stress=0.0 if energy_only else 1.0)
     composition, scale = dataset.fit_composition_and_scale()
@@ -187,16 +198,26 @@ def setup(name, dtype, n_batches, device="cpu", pkg=petfunc, structures=None, pa
         params["composition_weights"] = torch.tensor(composition, dtype=dtype, device=device)
         params["energy_scale"] = torch.tensor(scale, dtype=dtype, device=device)
     else:
-        params = pkg.tree.unflatten({k: v.to(dtype=dtype, device=device, copy=True) for k, v in params.items()})
+        params = pkg.tree.unflatten(
+            {k: v.to(dtype=dtype, device=device, copy=True) for k, v in params.items()}
+        )
     optimizer = pkg.make_optimizer(1e-4)
     order = np.random.default_rng(0).permutation(len(dataset))
     chunks = [order[i : i + 8] for i in range(0, len(order) - 7, 8)][:n_batches]
     samples = [[dataset.samples[i] for i in c] for c in chunks]
     return SimpleNamespace(
-        config=config, energy_only=energy_only, weights=weights, model=model, params=params,
-        optimizer=optimizer, state=pkg.init_state(params, optimizer),
-        step=pkg.make_train_step(model, optimizer, weights), samples=samples,
-        batches=[pkg.data.make_batch(s, config, composition, scale, dtype=dtype, device=device) for s in samples],
+        config=config,
+        energy_only=energy_only,
+        weights=weights,
+        model=model,
+        params=params,
+        optimizer=optimizer,
+        state=pkg.init_state(params, optimizer),
+        step=pkg.make_train_step(model, optimizer, weights),
+        samples=samples,
+        batches=[
+            pkg.data.make_batch(s, config, composition, scale, dtype=dtype, device=device) for s in samples
+        ],
     )
 
 
@@ -230,19 +251,43 @@ def gpu_profile(call, indices, label):
     on_gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     busy = sum(e.time_range.elapsed_us() for e in on_gpu) / 1e3
     n = len(indices)
-    print(f"# profile {label}: {1e3 * wall / n:.1f} ms/step under the profiler; {len(on_gpu) / n:.0f} GPU "
-          f"operations per step, GPU busy {busy / n:.2f} ms/step ({busy / (1e3 * wall):.0%} of the wall time)")
+    print(
+        f"# profile {label}: {1e3 * wall / n:.1f} ms/step under the profiler; {len(on_gpu) / n:.0f} GPU "
+        f"operations per step, GPU busy {busy / n:.2f} ms/step ({busy / (1e3 * wall):.0%} of the wall time)"
+    )
 
 
-def run(name, steps, dtype, backend, warmup=2, variants=VARIANTS, device="cpu",
-        peak_gflops=None, first_compile=True, profile=False):
+def run(
+    name,
+    steps,
+    dtype,
+    backend,
+    warmup=2,
+    variants=VARIANTS,
+    device="cpu",
+    peak_gflops=None,
+    first_compile=True,
+    profile=False,
+):
     """Benchmark one dataset; ``first_compile`` false: an earlier dataset of this
     process was compiled already (its compile time is then not a cold one);
     ``profile``: on a GPU, also :func:`gpu_profile` each compiled variant."""
     torch.manual_seed(0)
     bench = setup(name, dtype, steps + warmup, device)
-    config, energy_only, weights, model, params = bench.config, bench.energy_only, bench.weights, bench.model, bench.params
-    optimizer, state, step, samples, batches = bench.optimizer, bench.state, bench.step, bench.samples, bench.batches
+    config, energy_only, weights, model, params = (
+        bench.config,
+        bench.energy_only,
+        bench.weights,
+        bench.model,
+        bench.params,
+    )
+    optimizer, state, step, samples, batches = (
+        bench.optimizer,
+        bench.state,
+        bench.step,
+        bench.samples,
+        bench.batches,
+    )
     step_autograd = petfunc.make_train_step(model, optimizer, weights, autodiff="autograd")
     atoms = [b.positions.shape[0] for b in batches]
     widths = [b.neighbors.nef_index.shape[1] for b in batches]
@@ -266,13 +311,17 @@ def run(name, steps, dtype, backend, warmup=2, variants=VARIANTS, device="cpu",
             torch.cuda.synchronize()
         compile_time = time.perf_counter() - start
         results["compile_s"] = compile_time
-        print(f"# petfunc.compile: trace {trace_time:.1f} s, trace + compile + first call {compile_time:.1f} s")
+        print(
+            f"# petfunc.compile: trace {trace_time:.1f} s, trace + compile + first call {compile_time:.1f} s"
+        )
         if not first_compile and backend == "inductor":
             # inductor's once-per-process work was paid by the previous dataset's
             # compile: not a fully cold compile
-            print("# (not the process's first compile: inductor's one-time setup (imports, its probe of the CPU, "
-                  "its check of the precompiled C++ header) ran in the previous one; run this dataset alone "
-                  "for a cold compile)")
+            print(
+                "# (not the process's first compile: inductor's one-time setup (imports, its probe of the CPU, "
+                "its check of the precompiled C++ header) ran in the previous one; run this dataset alone "
+                "for a cold compile)"
+            )
         if os.environ.get("PETFUNC_COMPILE_TIMES"):
             print(torch._dynamo.utils.compile_times(repr="str", aggregate=True))
 
@@ -281,7 +330,9 @@ def run(name, steps, dtype, backend, warmup=2, variants=VARIANTS, device="cpu",
         own = petfunc.init_state(petfunc.tree.tree_map(lambda t: t.clone(), params), optimizer)
         start = time.perf_counter()
         try:
-            fn = petfunc.compile(step, own, batches[0], backend=backend, donate_argnums=(0,), **EXTRA_COMPILED[v])
+            fn = petfunc.compile(
+                step, own, batches[0], backend=backend, donate_argnums=(0,), **EXTRA_COMPILED[v]
+            )
             own, _ = fn(own, batches[0])
             if torch.device(device).type == "cuda":
                 torch.cuda.synchronize()
@@ -362,14 +413,21 @@ def run(name, steps, dtype, backend, warmup=2, variants=VARIANTS, device="cpu",
         for other, label in (("eager", "petfunc eager"), ("metatrain", "metatrain eager")):
             if other in med:
                 gain = (med[other] - med["compiled"]) / 1e3
-                even.append(f"{results['compile_s'] / gain:.0f} steps vs {label}" if gain > 0
-                            else f"never vs {label} (not faster)")
+                even.append(
+                    f"{results['compile_s'] / gain:.0f} steps vs {label}"
+                    if gain > 0
+                    else f"never vs {label} (not faster)"
+                )
         rate = sum(step_flops) / sum(times["compiled"]) / 1e9
         share = f" ({100 * rate / peak_gflops:.0f} % of the measured matmul peak)" if peak_gflops else ""
-        print(f"# step FLOPs {flops / 1e9:.2f} GFLOP on average ({min(step_flops) / 1e9:.2f}-"
-              f"{max(step_flops) / 1e9:.2f}); compiled achieves {rate:.1f} GFLOP/s{share}")
-        print(f"# compile {results['compile_s']:.1f} s; break-even after "
-              f"{', '.join(even) if even else '- (no eager step timed)'}; graphs compiled: {results['num_graphs']}")
+        print(
+            f"# step FLOPs {flops / 1e9:.2f} GFLOP on average ({min(step_flops) / 1e9:.2f}-"
+            f"{max(step_flops) / 1e9:.2f}); compiled achieves {rate:.1f} GFLOP/s{share}"
+        )
+        print(
+            f"# compile {results['compile_s']:.1f} s; break-even after "
+            f"{', '.join(even) if even else '- (no eager step timed)'}; graphs compiled: {results['num_graphs']}"
+        )
         results["gflops_per_s"] = rate
         if peak_gflops:
             # nearly all of the step's FLOPs are matmuls: at the measured peak they alone
@@ -406,10 +464,18 @@ def main(argv=None):
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (all variants run there)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + EXTRA_VARIANTS,
-                        help="the steps to time (default: all; leave out metatrain where it is not installed)")
-    parser.add_argument("--profile", action="store_true",
-                        help="on a GPU: kernels launched and GPU busy time per compiled step (torch.profiler)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        choices=VARIANTS + EXTRA_VARIANTS,
+        help="the steps to time (default: all; leave out metatrain where it is not installed)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="on a GPU: kernels launched and GPU busy time per compiled step (torch.profiler)",
+    )
     add_malloc_option(parser)
     args = parser.parse_args(argv)
     if args.threads:
@@ -420,11 +486,22 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = False  # same arithmetic for every variant
     names = ["qm9", "carbon"] if args.dataset == "both" else [args.dataset]
     peak = peak_matmul_gflops(dtype, args.device)
-    print(f"# torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} CPU threads, "
-          f"malloc {args.malloc}; measured matmul peak {peak:.0f} GFLOP/s ({args.dtype})")
+    print(
+        f"# torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} CPU threads, "
+        f"malloc {args.malloc}; measured matmul peak {peak:.0f} GFLOP/s ({args.dtype})"
+    )
     for i, name in enumerate(names):
-        run(name, args.steps, dtype, args.backend, variants=tuple(args.variants), device=args.device, peak_gflops=peak,
-            first_compile=i == 0, profile=args.profile)
+        run(
+            name,
+            args.steps,
+            dtype,
+            args.backend,
+            variants=tuple(args.variants),
+            device=args.device,
+            peak_gflops=peak,
+            first_compile=i == 0,
+            profile=args.profile,
+        )
 
 
 if __name__ == "__main__":

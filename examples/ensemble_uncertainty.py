@@ -23,7 +23,7 @@ import petfunc.ensemble as ensemble
 
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 SMOKE = os.environ.get("PETFUNC_SMOKE") == "1"
@@ -44,8 +44,15 @@ def copper(a, rattle=0.0, seed=0):
 # %% training data and K members, stacked along a leading axis
 rng = np.random.default_rng(0)
 frames = [copper(rng.uniform(*TRAIN_RANGE), rattle=0.05, seed=i) for i in range(N_STRUCTURES)]
-config = petfunc.PETConfig(atomic_types=(29,), cutoff=4.5, d_pet=WIDTH, d_head=WIDTH, d_node=2 * WIDTH,
-                           d_feedforward=2 * WIDTH, num_heads=4)
+config = petfunc.PETConfig(
+    atomic_types=(29,),
+    cutoff=4.5,
+    d_pet=WIDTH,
+    d_head=WIDTH,
+    d_node=2 * WIDTH,
+    d_feedforward=2 * WIDTH,
+    num_heads=4,
+)
 dataset = petfunc.Dataset([petfunc.data.sample_from_atoms(a, config) for a in frames], config)
 composition, _ = dataset.fit_composition_and_scale()
 scale = 1.0  # eV; the fitted scale (RMS per-atom residual) is a few meV on such narrow data
@@ -82,9 +89,14 @@ force_std = committee.forces_std.detach().reshape(len(probes), n_atoms, 3).pow(2
 inside = (lattice >= TRAIN_RANGE[0]) & (lattice <= TRAIN_RANGE[1])
 print(f"{'a (A)':>6} {'EMT':>8} {'mean':>8} {'std':>8}  (eV/atom)")
 for a, e, m, s in zip(lattice, reference, mean, std):
-    print(f"{a:6.2f} {e:8.4f} {m:8.4f} {s:8.4f}" + ("  <- training range" if TRAIN_RANGE[0] <= a <= TRAIN_RANGE[1] else ""))
-print(f"std inside the training range {std[inside].mean() * 1000:.1f} meV/atom, "
-      f"at 3.2 A {std[0] * 1000:.1f}, at 4.1 A {std[-1] * 1000:.1f} meV/atom")
+    print(
+        f"{a:6.2f} {e:8.4f} {m:8.4f} {s:8.4f}"
+        + ("  <- training range" if TRAIN_RANGE[0] <= a <= TRAIN_RANGE[1] else "")
+    )
+print(
+    f"std inside the training range {std[inside].mean() * 1000:.1f} meV/atom, "
+    f"at 3.2 A {std[0] * 1000:.1f}, at 4.1 A {std[-1] * 1000:.1f} meV/atom"
+)
 
 fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
 for axis in (top, bottom):

@@ -30,18 +30,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ase.build  # noqa: E402
-import ase.io  # noqa: E402
-from ase import units  # noqa: E402
-from ase.constraints import FixCom  # noqa: E402
-from ase.filters import FrechetCellFilter  # noqa: E402
-from ase.md.langevin import Langevin  # noqa: E402
-from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary  # noqa: E402
-from ase.optimize import FIRE  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import ase.build
+import ase.io
+from ase import units
+from ase.constraints import FixCom
+from ase.filters import FrechetCellFilter
+from ase.md.langevin import Langevin
+from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
+from ase.optimize import FIRE
+from tqdm import tqdm
 
-import petfunc  # noqa: E402
-from petfunc.ase import PETCalculator  # noqa: E402
+import petfunc
+from petfunc.ase.calculator import PETCalculator
 
 
 def load_calculator(path, args, dtype):
@@ -100,8 +100,10 @@ def main(argv=None):
     if not atoms.pbc.all():
         raise SystemExit("this example runs a periodic structure (it relaxes the cell)")
     atoms.calc = calc
-    print(f"structure: {atoms.get_chemical_formula()} ({len(atoms)} atoms), "
-          f"{'compiled (' + args.backend + ')' if args.compile else 'eager'}, {args.dtype}")
+    print(
+        f"structure: {atoms.get_chemical_formula()} ({len(atoms)} atoms), "
+        f"{'compiled (' + args.backend + ')' if args.compile else 'eager'}, {args.dtype}"
+    )
 
     # -- relaxation of positions and cell ---------------------------------------------
     start = time.perf_counter()
@@ -121,8 +123,12 @@ def main(argv=None):
     Stationary(atoms)
     atoms.set_constraint(FixCom())  # Langevin noise would otherwise move the centre of mass
     dynamics = Langevin(
-        atoms, args.timestep * units.fs, temperature_K=args.temperature,
-        friction=args.friction / units.fs, fixcm=False, rng=rng,
+        atoms,
+        args.timestep * units.fs,
+        temperature_K=args.temperature,
+        friction=args.friction / units.fs,
+        fixcm=False,
+        rng=rng,
     )
     output = Path(args.output)
     if output.exists():

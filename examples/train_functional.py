@@ -33,10 +33,17 @@ for i in range(N_STRUCTURES):
     atoms.info["stress"] = atoms.get_stress()
     frames.append(atoms)
 
-config = petfunc.PETConfig(atomic_types=(29,), cutoff=4.0, d_pet=WIDTH, d_head=WIDTH, d_node=2 * WIDTH,
-                           d_feedforward=2 * WIDTH, num_heads=4)
+config = petfunc.PETConfig(
+    atomic_types=(29,),
+    cutoff=4.0,
+    d_pet=WIDTH,
+    d_head=WIDTH,
+    d_node=2 * WIDTH,
+    d_feedforward=2 * WIDTH,
+    num_heads=4,
+)
 dataset = petfunc.Dataset([petfunc.data.sample_from_atoms(a, config) for a in frames], config)
-train, test = dataset[: int(0.8 * len(dataset))], dataset[int(0.8 * len(dataset)):]
+train, test = dataset[: int(0.8 * len(dataset))], dataset[int(0.8 * len(dataset)) :]
 composition, scale = train.fit_composition_and_scale()
 
 # %% parameters (a nested dict of tensors) and optimizer state: plain values
@@ -73,5 +80,7 @@ for batch in test.batches(4, composition, scale):
         sums[key] = sums.get(key, 0.0) + float(metrics[key])
 energy_rmse = scale * np.sqrt(sums["energy_sse"] / sums["energy_count"])
 forces_rmse = scale * np.sqrt(sums["forces_sse"] / sums["forces_count"])
-print(f"test RMSE: energy {1000 * energy_rmse:.1f} meV/atom, forces {forces_rmse:.3f} eV/A "
-      f"(force std of the data {np.std(np.concatenate([a.arrays['forces'] for a in frames])):.3f} eV/A)")
+print(
+    f"test RMSE: energy {1000 * energy_rmse:.1f} meV/atom, forces {forces_rmse:.3f} eV/A "
+    f"(force std of the data {np.std(np.concatenate([a.arrays['forces'] for a in frames])):.3f} eV/A)"
+)

@@ -50,9 +50,18 @@ for i in range(N_STRUCTURES):
     atoms.info["energy"], atoms.arrays["forces"] = atoms.get_potential_energy(), atoms.get_forces()
     frames.append(atoms)
 
-config = petfunc.PETConfig(atomic_types=(1, 8), cutoff=4.0, d_pet=WIDTH, d_head=WIDTH, d_node=2 * WIDTH,
-                           d_feedforward=2 * WIDTH, num_heads=2)
-dataset = petfunc.Dataset([petfunc.data.sample_from_atoms(a, config, stress_key=None) for a in frames], config)
+config = petfunc.PETConfig(
+    atomic_types=(1, 8),
+    cutoff=4.0,
+    d_pet=WIDTH,
+    d_head=WIDTH,
+    d_node=2 * WIDTH,
+    d_feedforward=2 * WIDTH,
+    num_heads=2,
+)
+dataset = petfunc.Dataset(
+    [petfunc.data.sample_from_atoms(a, config, stress_key=None) for a in frames], config
+)
 composition, _ = dataset.fit_composition_and_scale()
 model = petfunc.PET(config)
 params = model.init(seed=0, dtype=F64)
@@ -61,7 +70,9 @@ optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(PEAK_LR, EPOCHS * 4, wa
 state = petfunc.init_state(params, optimizer)
 train_step = petfunc.make_train_step(model, optimizer, petfunc.LossWeights.make(1.0, 100.0, 0.0))
 for epoch in range(EPOCHS):
-    for batch in dataset.batches(N_STRUCTURES // 4, composition, 1.0, dtype=F64, shuffle=True, seed=epoch, augment=True):
+    for batch in dataset.batches(
+        N_STRUCTURES // 4, composition, 1.0, dtype=F64, shuffle=True, seed=epoch, augment=True
+    ):
         state, metrics = train_step(state, batch)
 print(f"trained: force RMSE on the last batch {np.sqrt(float(metrics['forces_loss'])):.3f} eV/A")
 params = state.params
@@ -88,7 +99,9 @@ if moved < 0.3:
     residual = energy_and_forces(params, positions, cell, neighbors)[1].abs().max()
     print(f"relaxed with the model: max |F| = {float(residual):.1e} eV/A, distances changed <= {moved:.3f} A")
 else:  # a poorly trained model (smoke mode) may have no minimum nearby
-    print(f"the model's relaxation changed distances by {moved:.1f} A: keeping EMT's geometry (not a minimum)")
+    print(
+        f"the model's relaxation changed distances by {moved:.1f} A: keeping EMT's geometry (not a minimum)"
+    )
 
 # %% analytic Hessian -> frequencies
 masses = torch.tensor(molecule.get_masses())
@@ -114,7 +127,10 @@ for k in range(3 * n):
     d = torch.zeros(3 * n)
     d[k] = step
     d = d.reshape(n, 3)
-    columns.append(-(forces(params, positions + d, cell, neighbors) - forces(params, positions - d, cell, neighbors)) / (2 * step))
+    columns.append(
+        -(forces(params, positions + d, cell, neighbors) - forces(params, positions - d, cell, neighbors))
+        / (2 * step)
+    )
 h_fd = torch.stack(columns).reshape(n, 3, n, 3)
 t_fd = time.perf_counter() - start
 
@@ -129,6 +145,10 @@ print(f"\n{'mode':>4} {'analytic':>10} {'finite diff':>12} {'EMT':>10}   (cm^-1)
 for i, (a, f, e) in enumerate(zip(analytic, numeric, np.sort(emt))):
     print(f"{i:4d} {a:10.2f} {f:12.2f} {e:10.2f}")
 rel = float((h - h_fd).abs().max() / h.abs().max())
-print(f"\nHessian: analytic {1000 * t_analytic:.0f} ms, finite differences ({6 * n} force calls) "
-      f"{1000 * t_fd:.0f} ms; max relative difference {rel:.1e}")
-print(f"vibrational modes: max |analytic - finite difference| = {np.abs(analytic[6:] - numeric[6:]).max():.3f} cm^-1")
+print(
+    f"\nHessian: analytic {1000 * t_analytic:.0f} ms, finite differences ({6 * n} force calls) "
+    f"{1000 * t_fd:.0f} ms; max relative difference {rel:.1e}"
+)
+print(
+    f"vibrational modes: max |analytic - finite difference| = {np.abs(analytic[6:] - numeric[6:]).max():.3f} cm^-1"
+)

@@ -22,9 +22,24 @@ Files and tools
 The README has examples of each; ``petfunc --help`` the command line.
 """
 
-from . import allocator, tree
-from .config import LongRangeConfig, PETConfig
-from .derivatives import (
+from petfunc import (
+    _compat,
+    allocator,
+    distributed,
+    dynamics,
+    ensemble,
+    export,
+    hessian,  # callable: petfunc.hessian(energy_fn) (see petfunc.hessian)
+    llpr,
+    lora,
+    relax,
+    remat,  # callable: petfunc.remat(fn) (see petfunc.remat)
+    tree,
+)
+from petfunc.compile.compiled import compile
+from petfunc.config import LongRangeConfig, PETConfig
+from petfunc.data.samples import Batch, Dataset, Sample, make_batch, read_dataset
+from petfunc.derivatives import (
     cell_volume,
     energy_and_forces,
     energy_forces_strain_derivative,
@@ -32,15 +47,15 @@ from .derivatives import (
     energy_terms_forces_strain_derivative,
     forces,
 )
-from .io import from_metatrain, load_params, save_params
-from .model import PET, init
-from .neighbors import Neighbors
-from .structures import Structure, collate, from_atoms, prepare, prepare_atoms
-from .compile import compile
-from .determinism import deterministic_algorithms
-from .data import Batch, Dataset, Sample, make_batch, read_dataset
-from .loss import LossTerm, LossWeights, make_loss
-from .train import (
+from petfunc.determinism import deterministic_algorithms
+from petfunc.graph.neighbors import Neighbors
+from petfunc.hessian import hvp
+from petfunc.io.params import from_metatrain, load_params, save_params
+from petfunc.model.pet import PET, init
+from petfunc.structures import Structure, collate, from_atoms, prepare, prepare_atoms
+from petfunc.train import hessian_loss
+from petfunc.train.loss import LossTerm, LossWeights, make_loss
+from petfunc.train.step import (
     TrainState,
     apply_gradients,
     init_state,
@@ -50,11 +65,10 @@ from .train import (
     pack_state,
     warmup_cosine,
 )
-from .trainer import fit, load_model
-from . import distributed, dynamics, ensemble, export, hessian_loss, llpr, lora, relax
-from . import hessian  # callable: petfunc.hessian(energy_fn) (see petfunc.hessian)
-from .hessian import hvp
-from . import remat  # callable: petfunc.remat(fn) (see petfunc.remat)
+from petfunc.trainer.fit import fit, load_model
 
 
 __version__ = "0.1.0"
+
+_compat.install()
+__getattr__ = _compat.module_getattr

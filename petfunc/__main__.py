@@ -2,7 +2,7 @@
 
 import sys
 
-from .cli import main
+from petfunc.cli.main import main
 
 
 sys.exit(main())

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Union
 
+
 PathLike = Union[str, os.PathLike]
 
 

@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import sys
 
+
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 

@@ -8,8 +8,9 @@ The config is frozen and hashable: it is a static argument of every pure functio
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any
 
 
 _CHOICES = {
@@ -107,11 +108,11 @@ class PETConfig:
             ``[1, max_spin_multiplicity]``.
     """
 
-    atomic_types: Tuple[int, ...] = (1, 6, 7, 8)
+    atomic_types: tuple[int, ...] = (1, 6, 7, 8)
     cutoff: float = 4.5
     cutoff_width: float = 0.5
     cutoff_function: str = "Bump"
-    num_neighbors_adaptive: Optional[float] = None
+    num_neighbors_adaptive: float | None = None
     adaptive_cutoff_method: str = "solver"
     cutoff_width_adaptive: float = 1.0
     d_pet: int = 128
@@ -183,9 +184,7 @@ class PETConfig:
         if self.num_neighbors_adaptive is not None:
             value = self.num_neighbors_adaptive
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(
-                    f"num_neighbors_adaptive must be a number >= 0 or None, got {value!r}"
-                )
+                raise ValueError(f"num_neighbors_adaptive must be a number >= 0 or None, got {value!r}")
             object.__setattr__(self, "num_neighbors_adaptive", float(value))
         if not isinstance(self.system_conditioning, bool):
             raise ValueError(f"system_conditioning must be true or false, got {self.system_conditioning!r}")
@@ -197,16 +196,22 @@ class PETConfig:
     def _check_relations(self, given=None) -> None:
         """The rules between two hypers; with ``given`` (a set of names) only those
         between given ones."""
+
         def both(a, b):
             return given is None or (a in given and b in given)
 
-        if both("num_gnn_layers", "featurizer_type") and self.num_gnn_layers == 0 and self.featurizer_type != "feedforward":
-            raise ValueError("num_gnn_layers 0 needs featurizer_type 'feedforward' (the residual featurizer reads "
-                             "out every GNN layer, and there would be none; metatrain fails there too)")
+        if (
+            both("num_gnn_layers", "featurizer_type")
+            and self.num_gnn_layers == 0
+            and self.featurizer_type != "feedforward"
+        ):
+            raise ValueError(
+                "num_gnn_layers 0 needs featurizer_type 'feedforward' (the residual featurizer reads "
+                "out every GNN layer, and there would be none; metatrain fails there too)"
+            )
         if both("d_pet", "num_heads") and self.d_pet % self.num_heads != 0:
             raise ValueError(
-                f"d_pet must be divisible by num_heads, got d_pet={self.d_pet} "
-                f"and num_heads={self.num_heads}"
+                f"d_pet must be divisible by num_heads, got d_pet={self.d_pet} and num_heads={self.num_heads}"
             )
 
     @classmethod
@@ -255,7 +260,7 @@ class PETConfig:
         return out
 
     @classmethod
-    def from_hypers(cls, hypers: Mapping[str, Any], atomic_types=None) -> "PETConfig":
+    def from_hypers(cls, hypers: Mapping[str, Any], atomic_types=None) -> PETConfig:
         """Build a config from a metatrain ``model_hypers`` mapping.
 
         Keys that petfunc does not know raise, so a misspelt option never goes unseen.

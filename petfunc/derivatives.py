@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch.func import grad
 
-from .neighbors import check_sizes
+from petfunc.graph.neighbors import check_sizes
 
 
 AUTODIFF = ("func", "autograd")
@@ -83,6 +83,7 @@ def _outside_inference_mode(fn, *args):
     Inference tensors among ``args`` are copied first (autograd cannot save them
     for its backward pass); the results are ordinary tensors.
     """
+
     def ordinary(t):
         return t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t
 
@@ -159,7 +160,9 @@ def _position_and_strain_grad(terms_fn, params, positions, cell, neighbors, auto
     """``(terms, dE/dx, dE/d eps)`` at the identity strain, where ``terms = terms_fn(params,
     x, cell, neighbors)`` is a tuple whose first item is the energy [n_structures]."""
     if torch.is_inference_mode_enabled():
-        return _outside_inference_mode(_position_and_strain_grad, terms_fn, params, positions, cell, neighbors, autodiff)
+        return _outside_inference_mode(
+            _position_and_strain_grad, terms_fn, params, positions, cell, neighbors, autodiff
+        )
     check_sizes(positions, cell, neighbors)  # the strain below would fail first, less clearly
     if autodiff == "autograd":
         _assert_eager("the strain derivative")

@@ -20,16 +20,17 @@ those of the input atoms (for example from
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 import torch
 from ase import units
 from ase.calculators.singlepoint import SinglePointCalculator
 
-from .ase_batch import BatchEvaluator
-from .config import PETConfig
+from petfunc.ase.batch import BatchEvaluator
+from petfunc.config import PETConfig
+
 
 __all__ = ["Langevin", "VelocityVerlet", "DynamicsResult", "run"]
 
@@ -122,14 +123,14 @@ def run(
     steps: int,
     timestep: float,
     integrator=VelocityVerlet(),
-    rngs: Optional[Sequence] = None,
+    rngs: Sequence | None = None,
     seed: int = 0,
-    max_atoms: Optional[int] = None,
+    max_atoms: int | None = None,
     compile: bool = False,
     backend="inductor",
-    dtype: Optional[torch.dtype] = None,
+    dtype: torch.dtype | None = None,
     device=None,
-    observer: Optional[Callable[[int, List], None]] = None,
+    observer: Callable[[int, list], None] | None = None,
     progress: bool = False,
     keep_freed_memory: bool = True,
 ) -> DynamicsResult:
@@ -152,16 +153,27 @@ def run(
             evaluation (step 0) and after every step; each structure's calculator
             then holds its energy and forces (e.g. to write a trajectory).
         progress: show a tqdm bar of the steps.
-        keep_freed_memory: as for :class:`petfunc.ase_batch.BatchEvaluator`.
+        keep_freed_memory: as for :class:`petfunc.ase.batch.BatchEvaluator`.
     """
     if int(steps) != steps or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
     if not timestep > 0:
         raise ValueError(f"timestep must be positive, got {timestep!r}")
     if not isinstance(integrator, (VelocityVerlet, Langevin)):
-        raise TypeError(f"integrator must be petfunc.dynamics.VelocityVerlet() or Langevin(...), got {integrator!r}")
-    evaluate = BatchEvaluator(config, params, max_atoms=max_atoms, compile=compile, backend=backend, dtype=dtype,
-                              device=device, cache_tag="petfunc.dynamics", keep_freed_memory=keep_freed_memory)
+        raise TypeError(
+            f"integrator must be petfunc.dynamics.VelocityVerlet() or Langevin(...), got {integrator!r}"
+        )
+    evaluate = BatchEvaluator(
+        config,
+        params,
+        max_atoms=max_atoms,
+        compile=compile,
+        backend=backend,
+        dtype=dtype,
+        device=device,
+        cache_tag="petfunc.dynamics",
+        keep_freed_memory=keep_freed_memory,
+    )
     evaluate.check(frames)
     atoms_list = [atoms.copy() for atoms in frames]
     labels = [f"structure {i}" for i in range(len(atoms_list))]

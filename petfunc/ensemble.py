@@ -13,7 +13,7 @@ over that axis, with the data shared by all members:
   that shares the neighbour graph: per-member augmentation or label noise).
 
 All of them trace with :func:`petfunc.compile` into one graph that serves every
-batch shape: the vmap runs under :func:`petfunc._vmap_rules.symbolic_vmap_rules`,
+batch shape: the vmap runs under :func:`petfunc._torch.vmap_rules.symbolic_vmap_rules`,
 which replaces the few PyTorch batching rules that would otherwise bake the trace
 batch's sizes into the graph (compile note P7) and never lets an index operation
 write into an expanded tensor (note P6, the inductor miscompilation).
@@ -26,19 +26,21 @@ write into an expanded tensor (note P6, the inductor miscompilation).
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 from torch.func import vmap
 
-from . import tree
-from ._vmap_rules import symbolic_vmap_rules
-from .data import Batch
-from .derivatives import energy_forces_stress as _single_energy_forces_stress
-from .loss import LossWeights
-from .train import TrainState, init_state as _single_init_state
-from .train import make_train_step as _single_train_step
+from petfunc import tree
+from petfunc._torch.vmap_rules import symbolic_vmap_rules
+from petfunc.data.samples import Batch
+from petfunc.derivatives import energy_forces_stress as _single_energy_forces_stress
+from petfunc.train.loss import LossWeights
+from petfunc.train.step import TrainState
+from petfunc.train.step import init_state as _single_init_state
+from petfunc.train.step import make_train_step as _single_train_step
 
 
 # ---------------------------------------------------------------------------------------
@@ -104,7 +106,7 @@ def vmap_members(fn: Callable, n_shared: int = 3) -> Callable:
     """``vmap`` of ``fn(params, *data)`` over the member axis of ``params`` only.
 
     The data arguments (``n_shared`` of them, any pytrees) are shared by all members.
-    Runs under :func:`~petfunc._vmap_rules.symbolic_vmap_rules`, so the result
+    Runs under :func:`~petfunc._torch.vmap_rules.symbolic_vmap_rules`, so the result
     traces shape-generically with :func:`petfunc.compile`.
     """
     batched = vmap(fn, in_dims=(0,) + (None,) * n_shared)
@@ -181,7 +183,10 @@ def stack_batches(batches: Sequence[Batch]) -> Batch:
     first_leaves, first_spec = torch.utils._pytree.tree_flatten(first)
     for i, b in enumerate(batches[1:], start=1):
         leaves, spec = torch.utils._pytree.tree_flatten(b.neighbors)
-        same = [a is c is None or (a is not None and c is not None and torch.equal(a, c)) for a, c in zip(first_leaves, leaves)]
+        same = [
+            a is c is None or (a is not None and c is not None and torch.equal(a, c))
+            for a, c in zip(first_leaves, leaves)
+        ]
         if spec != first_spec or not all(same):
             raise ValueError(f"batch {i} has another neighbour graph than batch 0")
     fields = {
@@ -195,7 +200,7 @@ def make_train_step(
     energy_fn,
     optimizer,
     weights: LossWeights = LossWeights(),
-    grad_clip_norm: Optional[float] = 1.0,
+    grad_clip_norm: float | None = 1.0,
     member_batches: bool = False,
     train=None,
 ):

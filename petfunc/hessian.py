@@ -50,18 +50,18 @@ The Hessian is ``-dF/dx``: positive curvature at a minimum. Cell and strain are
 held fixed (no strain derivatives).
 
 **Derivatives of these functions.** Their parameter gradients (a Hessian- or
-HVP-matching loss written by hand; :mod:`petfunc.hessian_loss` is the packaged one)
+HVP-matching loss written by hand; :mod:`petfunc.train.hessian_loss` is the packaged one)
 are third derivatives of the layers. PyTorch's own third derivative of layer
 norm is wrong (10-40 % off on the first layer's weights of a default PET), so
 both modes run with layer norm decomposed into elementary operations
-(``decompose_layer_norm`` of :func:`~petfunc._vmap_rules.symbolic_vmap_rules`);
+(``decompose_layer_norm`` of :func:`~petfunc._torch.vmap_rules.symbolic_vmap_rules`);
 the Hessians themselves are the same to round-off, and took the same time.
-(:func:`petfunc.nn.layer_norm` also decomposes itself under three nested
+(:func:`petfunc.model.nn.layer_norm` also decomposes itself under three nested
 ``torch.func`` derivatives, or two with forward mode inside, so hand-written
 third derivatives are right without this module.)
 
 The functions trace with :func:`petfunc.compile` into one graph for every system
-size (the vmaps run under :func:`petfunc._vmap_rules.symbolic_vmap_rules`). The
+size (the vmaps run under :func:`petfunc._torch.vmap_rules.symbolic_vmap_rules`). The
 chunked Hessian loops in Python over chunks: compile its row function
 (:func:`hessian_rows`) and pass it to :func:`chunked_hessian`.
 """
@@ -74,12 +74,12 @@ import re
 import sys
 import tempfile
 import types
-from typing import Callable, List, Optional
+from collections.abc import Callable
 
 import torch
 from torch.func import grad, jvp, vjp, vmap
 
-from ._vmap_rules import symbolic_vmap_rules
+from petfunc._torch.vmap_rules import symbolic_vmap_rules
 
 
 _MODES = ("reverse", "forward")
@@ -111,8 +111,13 @@ def hvp(energy_fn: Callable, mode: str = "reverse") -> Callable:
     _check_mode(mode)
 
     def fn(params, positions, cell, neighbors, v):
-        if all(type(n) is int for n in tuple(v.shape) + tuple(positions.shape)) and v.shape != positions.shape:
-            raise ValueError(f"v must have the shape of positions {list(positions.shape)}, got {list(v.shape)}")
+        if (
+            all(type(n) is int for n in tuple(v.shape) + tuple(positions.shape))
+            and v.shape != positions.shape
+        ):
+            raise ValueError(
+                f"v must have the shape of positions {list(positions.shape)}, got {list(v.shape)}"
+            )
         with symbolic_vmap_rules(decompose_layer_norm=True):
             return _hvp(energy_fn, params, positions, cell, neighbors, v, mode)
 
@@ -179,7 +184,7 @@ def _rows_from(rows_fn: Callable, k: int, first: int, params, positions, cell, n
     """Rows ``first .. 3 n_atoms - 1`` of the Hessian, ``[3 n_atoms - first, n_atoms,
     3]``, ``k`` rows per call (the last call padded with zero directions)."""
     n = positions.shape[0]
-    rows: List[torch.Tensor] = []
+    rows: list[torch.Tensor] = []
     for start in range(first, 3 * n, k):
         directions = _unit_vectors(n, start, k, positions)
         rows.append(rows_fn(params, positions, cell, neighbors, directions))
@@ -221,7 +226,9 @@ def _working_memory_and_output(fn: Callable, *args):
 
     with _without_profiler_lines(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn(*args)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
     total = peak = 0
     for _, nbytes in events:
         total += nbytes
@@ -280,7 +287,9 @@ def _chunk_size_and_first_rows(rows_fn: Callable, params, positions, cell, neigh
     measured = {}
     for k in (2, 4):
         directions = _unit_vectors(n, 0, k, positions)
-        measured[k], first_rows = _working_memory_and_output(rows_fn, params, positions, cell, neighbors, directions)
+        measured[k], first_rows = _working_memory_and_output(
+            rows_fn, params, positions, cell, neighbors, directions
+        )
     per_row = max((measured[4] - measured[2]) / 2, 1.0)
     base = max(measured[2] - 2 * per_row, 0.0)
     k = int((memory_budget - result - base) // per_row)
@@ -293,8 +302,12 @@ def _chunk_size_and_first_rows(rows_fn: Callable, params, positions, cell, neigh
     return min(k, 3 * n), first_rows
 
 
-def hessian(energy_fn: Callable, chunk_size: Optional[int] = None, mode: str = "reverse",
-            memory_budget: Optional[int] = None) -> Callable:
+def hessian(
+    energy_fn: Callable,
+    chunk_size: int | None = None,
+    mode: str = "reverse",
+    memory_budget: int | None = None,
+) -> Callable:
     """``fn(params, positions, cell, neighbors) -> H [n_atoms, 3, n_atoms, 3]`` (eV/Å^2).
 
     ``H[i, a, j, b] = d2 E / dx_ia dx_jb`` of the total energy of the batch
@@ -335,7 +348,7 @@ def hessian(energy_fn: Callable, chunk_size: Optional[int] = None, mode: str = "
     return fn
 
 
-def structure_blocks(hessian_matrix: torch.Tensor, structure_index: torch.Tensor) -> List[torch.Tensor]:
+def structure_blocks(hessian_matrix: torch.Tensor, structure_index: torch.Tensor) -> list[torch.Tensor]:
     """Per-structure blocks ``[n_s, 3, n_s, 3]`` of a batch Hessian.
 
     Atoms of a structure must be contiguous (as :func:`petfunc.collate` builds them).

@@ -23,19 +23,26 @@ composes with ``grad``, ``vmap`` and :func:`petfunc.compile` like the energy.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from collections.abc import Callable
 
 import torch
 from torch.func import vjp, vmap
 
-from .config import PETConfig
-from .model import PET, last_layer_features
-
-__all__ = ["from_metatrain", "structure_features", "uncertainty", "energy_and_uncertainty", "ensemble",
-           "ensemble_offsets"]
+from petfunc.config import PETConfig
+from petfunc.model.pet import PET, last_layer_features
 
 
-def from_metatrain(source, dtype: Optional[torch.dtype] = None, target: Optional[str] = None):
+__all__ = [
+    "from_metatrain",
+    "structure_features",
+    "uncertainty",
+    "energy_and_uncertainty",
+    "ensemble",
+    "ensemble_offsets",
+]
+
+
+def from_metatrain(source, dtype: torch.dtype | None = None, target: str | None = None):
     """``(config, params, llpr)`` of a metatrain LLPR checkpoint wrapping a PET.
 
     ``llpr`` holds ``cholesky`` ``[F, F]`` (lower-triangular), ``multiplier`` (a
@@ -43,7 +50,7 @@ def from_metatrain(source, dtype: Optional[torch.dtype] = None, target: Optional
     ensemble), in ``dtype`` (default: the network's). ``target`` is the energy
     target whose uncertainty is read (default as for :func:`petfunc.from_metatrain`).
     """
-    from .io import _read_metatrain
+    from petfunc.io.params import _read_metatrain
 
     return _read_metatrain(source, dtype, target, llpr="required")
 
@@ -51,10 +58,12 @@ def from_metatrain(source, dtype: Optional[torch.dtype] = None, target: Optional
 def _uncertainty_of(checkpoint: dict, config: PETConfig, params, dtype, target: str, label: str) -> dict:
     """The LLPR quantities of ``target`` in an LLPR ``checkpoint`` whose PET is
     ``(config, params)`` (called by :func:`petfunc.io._read_metatrain`)."""
-    from .io import _llpr_state, network_dtype
+    from petfunc.io.params import _llpr_state, network_dtype
 
     state = _llpr_state(_upgraded(checkpoint, label))
-    name = "energy_uncertainty" if target == "energy" else f"mtt::aux::{target.replace('mtt::', '')}_uncertainty"
+    name = (
+        "energy_uncertainty" if target == "energy" else f"mtt::aux::{target.replace('mtt::', '')}_uncertainty"
+    )
     if f"cholesky_{name}" not in state:
         raise ValueError(f"{label} has no covariance for {name!r}; it holds {sorted(state)}")
     if f"multiplier_{name}" not in state:
@@ -87,7 +96,7 @@ def structure_features(config: PETConfig) -> Callable:
     return fn
 
 
-def uncertainty(llpr: Dict[str, torch.Tensor], features: torch.Tensor) -> torch.Tensor:
+def uncertainty(llpr: dict[str, torch.Tensor], features: torch.Tensor) -> torch.Tensor:
     """``[n_structures]`` calibrated standard deviations ``alpha |L^{-1} f_s|`` (eV)."""
     v = torch.linalg.solve_triangular(llpr["cholesky"], features.T, upper=False)
     return llpr["multiplier"] * torch.sqrt((v * v).sum(dim=0))
@@ -116,8 +125,8 @@ def ensemble_offsets(config: PETConfig, stress: bool = False) -> Callable:
     Member k adds ``(W_k - mean W) . f`` to the energy; the K force (and strain)
     offsets are the gradients of these, from one vmapped pullback of the features.
     """
-    from ._vmap_rules import symbolic_vmap_rules
-    from .derivatives import _identity_strain, _strained
+    from petfunc._torch.vmap_rules import symbolic_vmap_rules
+    from petfunc.derivatives import _identity_strain, _strained
 
     features_fn = structure_features(config)
 
@@ -148,7 +157,7 @@ def ensemble(config: PETConfig, stress: bool = False) -> Callable:
     the model's values plus :func:`ensemble_offsets`. The strain derivative (dE/d
     eps; stress = this / volume) only with ``stress=True``.
     """
-    from .derivatives import energy_forces_strain_derivative
+    from petfunc.derivatives import energy_forces_strain_derivative
 
     base = energy_forces_strain_derivative(PET(config).energy)
     offsets = ensemble_offsets(config, stress)
@@ -156,8 +165,11 @@ def ensemble(config: PETConfig, stress: bool = False) -> Callable:
     def fn(params, llpr, positions, cell, neighbors):
         energy, forces, strain = base(params, positions, cell, neighbors)
         _, d_energy, d_forces, d_strain = offsets(params, llpr, positions, cell, neighbors)
-        return (energy[:, None] + d_energy, forces[None] + d_forces,
-                strain[None] + d_strain if stress else None)
+        return (
+            energy[:, None] + d_energy,
+            forces[None] + d_forces,
+            strain[None] + d_strain if stress else None,
+        )
 
     return fn
 
@@ -170,15 +182,16 @@ def _upgraded(checkpoint: dict, label: str) -> dict:
     the inverse covariance instead of its Cholesky factor), upgraded by metatrain."""
     from metatrain.llpr import LLPRUncertaintyModel
 
-    from .io import _copy_checkpoint
+    from petfunc.io.params import _copy_checkpoint
 
     version = checkpoint.get("model_ckpt_version") or 1
     latest = LLPRUncertaintyModel.__checkpoint_version__
     if version > latest:
-        raise ValueError(f"{label} has LLPR model version {version}; the installed metatrain reads up to {latest}")
+        raise ValueError(
+            f"{label} has LLPR model version {version}; the installed metatrain reads up to {latest}"
+        )
     if version == latest:
         return checkpoint
     checkpoint = _copy_checkpoint(checkpoint)
     checkpoint["model_ckpt_version"] = version
     return LLPRUncertaintyModel.upgrade_checkpoint(checkpoint)
-

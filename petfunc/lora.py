@@ -16,13 +16,13 @@ plain parameters of the fine-tuned model.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from . import tree
-from .model import PET
-from .nn import init_linear
+from petfunc import tree
+from petfunc.model.nn import init_linear
+from petfunc.model.pet import PET
 
 
 KEY = "lora"
@@ -125,7 +125,7 @@ class LoRAPET(PET):
         return super().raw_energy(merge(params, self.scaling), positions, cell, neighbors)
 
 
-def config_of(finetune) -> Optional[dict]:
+def config_of(finetune) -> dict | None:
     """``{rank, alpha, targets}`` of a validated ``finetune`` options section with
     ``method: lora`` (metatrain's defaults filled in), else ``None``."""
     if finetune.get("method", "full") != "lora":

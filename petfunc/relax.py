@@ -25,15 +25,16 @@ steps, and leaves the batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
 from ase.calculators.singlepoint import SinglePointCalculator
 
-from .ase_batch import BatchEvaluator
-from .config import PETConfig
+from petfunc.ase.batch import BatchEvaluator
+from petfunc.config import PETConfig
+
 
 __all__ = ["FIRE", "RelaxResult", "fire"]
 
@@ -70,9 +71,9 @@ class RelaxResult:
     """
 
     atoms: list
-    converged: List[bool]
-    steps: List[int]
-    energies: List[float]
+    converged: list[bool]
+    steps: list[int]
+    energies: list[float]
     compiled_graphs: int = 0
 
 
@@ -128,10 +129,10 @@ def fire(
     frames: Sequence,
     fmax: float = 0.05,
     steps: int = 1000,
-    max_atoms: Optional[int] = None,
+    max_atoms: int | None = None,
     compile: bool = False,
     backend="inductor",
-    dtype: Optional[torch.dtype] = None,
+    dtype: torch.dtype | None = None,
     device=None,
     parameters: FIRE = FIRE(),
     cell_filter=None,
@@ -154,15 +155,24 @@ def fire(
             ``ase.filters.FrechetCellFilter``; a callable ``atoms -> filter``). Every
             structure must then have a cell of non-zero volume.
         progress: show a tqdm bar of the structures still moving.
-        keep_freed_memory: as for :class:`petfunc.ase_batch.BatchEvaluator`.
+        keep_freed_memory: as for :class:`petfunc.ase.batch.BatchEvaluator`.
     """
     if not fmax > 0:
         raise ValueError(f"fmax must be positive, got {fmax!r}")
     if int(steps) != steps or steps < 0:
         raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
-    evaluate = BatchEvaluator(config, params, stress=cell_filter is not None, max_atoms=max_atoms, compile=compile,
-                              backend=backend, dtype=dtype, device=device, cache_tag="petfunc.relax",
-                              keep_freed_memory=keep_freed_memory)
+    evaluate = BatchEvaluator(
+        config,
+        params,
+        stress=cell_filter is not None,
+        max_atoms=max_atoms,
+        compile=compile,
+        backend=backend,
+        dtype=dtype,
+        device=device,
+        cache_tag="petfunc.relax",
+        keep_freed_memory=keep_freed_memory,
+    )
     evaluate.check(frames)
     states = [_State(atoms.copy(), parameters, cell_filter) for atoms in frames]
     final = [None] * len(states)

@@ -39,6 +39,7 @@ import types
 import torch
 from torch.utils.checkpoint import checkpoint
 
+
 _ACTIVE = contextvars.ContextVar("petfunc_remat", default=False)
 
 

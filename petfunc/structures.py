@@ -8,14 +8,14 @@ place where shapes depend on the data.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from . import neighbors as nbl
-from .config import PETConfig
+from petfunc.config import PETConfig
+from petfunc.graph import neighbors as nbl
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Structure:
 def list_cutoff(config: PETConfig) -> float:
     """Radius of the flat neighbour list: the PET cutoff, or the ZBL range if larger."""
     if config.zbl:
-        from .zbl import zbl_cutoff
+        from petfunc.model.zbl import zbl_cutoff
 
         return max(config.cutoff, zbl_cutoff(config))
     return config.cutoff
@@ -96,13 +96,16 @@ def state_from_info(info, charge_key=None, spin_key=None):
     ``charge_key``/``spin_key`` replace the default keys :data:`CHARGE_KEYS` and
     :data:`SPIN_MULTIPLICITY_KEYS`.
     """
+
     def first(keys):
         for key in keys:
             if key in info:
                 return info[key]
         return None
 
-    return first([charge_key] if charge_key else CHARGE_KEYS), first([spin_key] if spin_key else SPIN_MULTIPLICITY_KEYS)
+    return first([charge_key] if charge_key else CHARGE_KEYS), first(
+        [spin_key] if spin_key else SPIN_MULTIPLICITY_KEYS
+    )
 
 
 def prepare(
@@ -139,16 +142,14 @@ def prepare(
         raise ValueError(f"{label}: has no atoms")
     nbl.check_structure(positions, cell, pbc, label)
     if positions.shape[0] != len(numbers):
-        raise ValueError(
-            f"{label}: {len(numbers)} atomic numbers but {positions.shape[0]} positions"
-        )
+        raise ValueError(f"{label}: {len(numbers)} atomic numbers but {positions.shape[0]} positions")
     try:
         species = nbl.species_index(numbers, config.atomic_types)
     except ValueError as error:
         raise ValueError(f"{label}: {error}") from None
     charge, spin_multiplicity = system_state(charge, spin_multiplicity, config, label)
     if config.long_range.enable:
-        from .long_range import check_periodicity
+        from petfunc.model.long_range import check_periodicity
 
         check_periodicity(pbc, label)
     cell[~pbc] = 0.0
@@ -162,8 +163,9 @@ def prepare(
     )
 
 
-def prepare_atoms(atoms, config: PETConfig, label: str = "structure", charge_key=None, spin_key=None,
-                  wrap: bool = False) -> Structure:
+def prepare_atoms(
+    atoms, config: PETConfig, label: str = "structure", charge_key=None, spin_key=None, wrap: bool = False
+) -> Structure:
     """:func:`prepare` for one ``ase.Atoms``; the charge and spin multiplicity of a
     conditioned model come from ``atoms.info`` (see :func:`state_from_info`)."""
     charge, spin = state_from_info(atoms.info, charge_key, spin_key)
@@ -196,7 +198,7 @@ def kept_edges(config: PETConfig, positions, cell, centers, neighbors, shifts, s
     lattice = torch.einsum("ea,eab->eb", s, cells[torch.as_tensor(structure_index)[c]])
     d = torch.linalg.vector_norm(pos[n] - pos[c] + lattice, dim=-1) + 1e-15
     if config.adaptive:
-        from .adaptive import atomic_cutoffs
+        from petfunc.model.adaptive import atomic_cutoffs
 
         radii = atomic_cutoffs(config, c, d, len(positions))
         r_cut = 0.5 * (radii[c] + radii[n])
@@ -208,12 +210,12 @@ def kept_edges(config: PETConfig, positions, cell, centers, neighbors, shifts, s
 def collate(
     structures: Sequence[Structure],
     config: PETConfig,
-    dtype: Optional[torch.dtype] = None,
+    dtype: torch.dtype | None = None,
     device=None,
-    positions: Optional[Sequence[np.ndarray]] = None,
-    cells: Optional[Sequence[np.ndarray]] = None,
+    positions: Sequence[np.ndarray] | None = None,
+    cells: Sequence[np.ndarray] | None = None,
     long_range: str = "p3m",
-) -> Tuple[torch.Tensor, torch.Tensor, nbl.Neighbors]:
+) -> tuple[torch.Tensor, torch.Tensor, nbl.Neighbors]:
     """Concatenate structures into ``(positions [n_atoms, 3], cell [n_structures, 3, 3],
     neighbors)``.
 
@@ -239,14 +241,24 @@ def collate(
     kept = kept_edges(config, all_positions, all_cells, centers, neighbors, shifts, structure_index)
     lr_inputs = None
     if config.long_range.enable:
-        from . import long_range as lr
+        from petfunc.model import long_range as lr
 
         lr_inputs = lr.build(
-            config, [len(s) for s in structures], all_cells, np.stack([s.pbc for s in structures]),
-            method=long_range, device=device,
+            config,
+            [len(s) for s in structures],
+            all_cells,
+            np.stack([s.pbc for s in structures]),
+            method=long_range,
+            device=device,
         )
     graph = nbl.build(
-        species, structure_index, centers, neighbors, shifts, kept, device=device,
+        species,
+        structure_index,
+        centers,
+        neighbors,
+        shifts,
+        kept,
+        device=device,
         charge=np.array([s.charge for s in structures], dtype=np.int64),
         spin_multiplicity=np.array([s.spin_multiplicity for s in structures], dtype=np.int64),
         long_range=lr_inputs,
@@ -258,7 +270,9 @@ def collate(
     )
 
 
-def from_atoms(frames, config: PETConfig, dtype: Optional[torch.dtype] = None, device=None, long_range: str = "p3m"):
+def from_atoms(
+    frames, config: PETConfig, dtype: torch.dtype | None = None, device=None, long_range: str = "p3m"
+):
     """PET inputs for one ``ase.Atoms`` or a list of them.
 
     A model with ``system_conditioning`` reads each structure's total charge and spin
@@ -267,11 +281,11 @@ def from_atoms(frames, config: PETConfig, dtype: Optional[torch.dtype] = None, d
 
     Returns:
         ``positions [n_atoms, 3]``, ``cell [n_structures, 3, 3]`` (dtype ``dtype`` or
-        torch's default) and the integer :class:`~petfunc.neighbors.Neighbors`.
+        torch's default) and the integer :class:`~petfunc.graph.neighbors.Neighbors`.
     """
     if not isinstance(frames, (list, tuple)):
         frames = [frames]
-    structures: List[Structure] = [
+    structures: list[Structure] = [
         prepare_atoms(atoms, config, label=f"structure {i}") for i, atoms in enumerate(frames)
     ]
     return collate(structures, config, dtype=dtype, device=device, long_range=long_range)

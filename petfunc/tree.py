@@ -8,17 +8,18 @@ A node whose keys are ``"0", "1", ...`` in order becomes a list on ``unflatten``
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 
-Params = Dict[str, Any]
+Params = dict[str, Any]
 
 
-def flatten(tree: Any, prefix: str = "") -> Dict[str, torch.Tensor]:
+def flatten(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     """Flat ``{dotted.path: tensor}`` view of a nested dict/list tree (insertion order)."""
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     if isinstance(tree, dict):
         items = tree.items()
     elif isinstance(tree, (list, tuple)):
@@ -30,7 +31,7 @@ def flatten(tree: Any, prefix: str = "") -> Dict[str, torch.Tensor]:
     return out
 
 
-def unflatten(flat: Dict[str, torch.Tensor]) -> Params:
+def unflatten(flat: dict[str, torch.Tensor]) -> Params:
     """Inverse of :func:`flatten`."""
     root: dict = {}
     for path, value in flat.items():
@@ -151,7 +152,7 @@ def pack(tree: Any) -> Any:
     memory layout differs, which lets :func:`ravel` return the buffer without a copy.
     """
     leaves, spec = torch.utils._pytree.tree_flatten(tree)
-    groups: Dict[Any, list] = {}
+    groups: dict[Any, list] = {}
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             groups.setdefault((leaf.dtype, leaf.device), []).append(index)

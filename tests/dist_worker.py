@@ -15,9 +15,9 @@ from ase.calculators.emt import EMT
 
 import petfunc
 from petfunc import distributed as pdist
-from petfunc.data import make_batch, sample_from_atoms
-from petfunc.loss import LossTerm, LossWeights
-from petfunc.train import init_state, make_optimizer, warmup_cosine
+from petfunc.data.samples import make_batch, sample_from_atoms
+from petfunc.train.loss import LossTerm, LossWeights
+from petfunc.train.step import init_state, make_optimizer, warmup_cosine
 
 
 CONFIG = petfunc.PETConfig(
@@ -34,8 +34,9 @@ CONFIG = petfunc.PETConfig(
 DTYPE = torch.float64
 WEIGHTS = LossWeights.make(energy=1.0, forces=1.0, stress=0.5)
 # summed terms next to a mean one: a summed term's ranks add up with factor 1
-SUM_WEIGHTS = LossWeights(LossTerm(1.0, reduction="sum"), LossTerm(1.0, "huber", delta=0.05, reduction="sum"),
-                          LossTerm(0.5))
+SUM_WEIGHTS = LossWeights(
+    LossTerm(1.0, reduction="sum"), LossTerm(1.0, "huber", delta=0.05, reduction="sum"), LossTerm(0.5)
+)
 SUM_STEPS = 2
 # global batches of 5 structures: rank 0 gets 3, rank 1 gets 2 (4- and 8-atom cells,
 # one structure without forces): unequal structure, atom and label counts per rank
@@ -75,8 +76,20 @@ def batch(data, w, c, indices):
     return make_batch([data[i] for i in indices], CONFIG, w, c, dtype=DTYPE)
 
 
-def run(state, optimizer, data, w, c, first, last, info, out=None, checkpoint=None, weights=WEIGHTS,
-        grad_clip_norm=1.0):
+def run(
+    state,
+    optimizer,
+    data,
+    w,
+    c,
+    first,
+    last,
+    info,
+    out=None,
+    checkpoint=None,
+    weights=WEIGHTS,
+    grad_clip_norm=1.0,
+):
     """Steps ``first..last-1`` (each rank on its shard); optional checkpoint."""
     dp = pdist.DataParallel(petfunc.PET(CONFIG), optimizer, weights, grad_clip_norm=grad_clip_norm, info=info)
     shards = pdist.shard_batches(GLOBAL_BATCHES, info.rank, info.world_size)
@@ -101,21 +114,49 @@ def main():
     try:
         if scenario == "fresh":
             # 5 steps from scratch, checkpoint (rank 0) after step 3
-            state, losses = run(init_state(params, optimizer), optimizer, data, w, c, 0, STEPS, info,
-                                checkpoint=os.path.join(out_dir, "dp.ckpt"))
-            torch.save({"params": petfunc.tree.flatten(state.params), "losses": losses,
-                        "diff": pdist.check_identical(state.params, info)},
-                       os.path.join(out_dir, f"fresh_rank{info.rank}.pt"))
+            state, losses = run(
+                init_state(params, optimizer),
+                optimizer,
+                data,
+                w,
+                c,
+                0,
+                STEPS,
+                info,
+                checkpoint=os.path.join(out_dir, "dp.ckpt"),
+            )
+            torch.save(
+                {
+                    "params": petfunc.tree.flatten(state.params),
+                    "losses": losses,
+                    "diff": pdist.check_identical(state.params, info),
+                },
+                os.path.join(out_dir, f"fresh_rank{info.rank}.pt"),
+            )
             # resume the one-process checkpoint in this 2-process run
             state, step, _ = pdist.load_checkpoint(sys.argv[3], optimizer)
             state, _ = run(state, optimizer, data, w, c, step, STEPS, info)
-            torch.save({"params": petfunc.tree.flatten(state.params)},
-                       os.path.join(out_dir, f"resumed_rank{info.rank}.pt"))
+            torch.save(
+                {"params": petfunc.tree.flatten(state.params)},
+                os.path.join(out_dir, f"resumed_rank{info.rank}.pt"),
+            )
             # summed loss terms, unclipped (a clip would hide a wrong scale of the gradient)
-            state, losses = run(init_state(setup()[3], optimizer), optimizer, data, w, c, 0, SUM_STEPS, info,
-                                weights=SUM_WEIGHTS, grad_clip_norm=None)
-            torch.save({"params": petfunc.tree.flatten(state.params), "losses": losses},
-                       os.path.join(out_dir, f"sum_rank{info.rank}.pt"))
+            state, losses = run(
+                init_state(setup()[3], optimizer),
+                optimizer,
+                data,
+                w,
+                c,
+                0,
+                SUM_STEPS,
+                info,
+                weights=SUM_WEIGHTS,
+                grad_clip_norm=None,
+            )
+            torch.save(
+                {"params": petfunc.tree.flatten(state.params), "losses": losses},
+                os.path.join(out_dir, f"sum_rank{info.rank}.pt"),
+            )
         elif scenario == "fail":
             run(init_state(params, optimizer), optimizer, data, w, c, 0, STEPS, info)
     except BaseException:

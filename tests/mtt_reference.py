@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import copy
 
-import torch
 import metatensor.torch as mts
+import torch
 from metatomic.torch import ModelOutput, System, systems_to_torch
-
 from metatrain.pet import PET as MttPET
 from metatrain.utils.architectures import get_default_hypers
 from metatrain.utils.data import DatasetInfo
@@ -54,9 +53,9 @@ def set_composition_and_scale(model, weights, scale):
     values = torch.as_tensor(weights, dtype=block.values.dtype).reshape(block.values.shape)
     new_block = mts.TensorBlock(values, block.samples, block.components, block.properties)
     comp.model.weights["energy"] = mts.TensorMap(tm.keys, [new_block])
-    comp.energy_composition_buffer = mts.save_buffer(
-        mts.make_contiguous(comp.model.weights["energy"])
-    ).to(comp.energy_composition_buffer.device)
+    comp.energy_composition_buffer = mts.save_buffer(mts.make_contiguous(comp.model.weights["energy"])).to(
+        comp.energy_composition_buffer.device
+    )
     scaler = model.scaler
     for name in ("energy_scaler_buffer", "energy_per_target_scaler_buffer"):
         buf = getattr(scaler, name)
@@ -90,7 +89,9 @@ def add_system_data(model, system, atoms):
     from metatensor.torch import Labels, TensorBlock, TensorMap
 
     # a wrapper (LLPR) forwards its inputs to the wrapped model
-    requested = model.requested_inputs() if hasattr(model, "requested_inputs") else model.model.requested_inputs()
+    requested = (
+        model.requested_inputs() if hasattr(model, "requested_inputs") else model.model.requested_inputs()
+    )
     for name in requested:
         if name == "charge":
             value = float(atoms.info.get("charge", 0))
@@ -132,9 +133,13 @@ def evaluate(model, frames, stress: bool = True):
     energies = out["energy"].block().values[:, 0]
     grads = torch.autograd.grad(energies.sum(), positions + strains)
     forces = -torch.cat(grads[: len(frames)])
-    de_deps = torch.stack(grads[len(frames):])
-    per_atom = model(
-        [s for s in new_systems],
-        {"energy": ModelOutput(quantity="energy", unit="eV", sample_kind="atom")},
-    )["energy"].block().values[:, 0]
+    de_deps = torch.stack(grads[len(frames) :])
+    per_atom = (
+        model(
+            [s for s in new_systems],
+            {"energy": ModelOutput(quantity="energy", unit="eV", sample_kind="atom")},
+        )["energy"]
+        .block()
+        .values[:, 0]
+    )
     return energies.detach(), per_atom.detach(), forces.detach(), de_deps.detach()

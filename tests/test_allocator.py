@@ -8,6 +8,7 @@ import pytest
 
 from petfunc import allocator
 
+
 # run in a fresh process: the before/after comparison needs glibc's defaults
 _PROBE = textwrap.dedent(
     """

@@ -13,13 +13,12 @@ The model is a small random PET (seed 1, which has a stable, relaxed diamond-lik
 
 import warnings
 
-import numpy as np
-import pytest
-import torch
-
 import ase
 import ase.build
 import ase.io
+import numpy as np
+import pytest
+import torch
 from ase import units
 from ase.calculators.calculator import PropertyNotImplementedError
 from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
@@ -27,7 +26,7 @@ from ase.md.verlet import VelocityVerlet
 from ase.optimize import BFGS
 
 import petfunc
-from petfunc.ase import PETCalculator
+from petfunc.ase.calculator import PETCalculator
 from petfunc.structures import prepare_atoms
 
 
@@ -122,7 +121,9 @@ def compare_with_metatomic(reference, calc, atoms, stress=True):
     comp = np.array(COMPOSITION)[[CONFIG.atomic_types.index(z) for z in atoms.numbers]]
     errors = {
         "energy": relative(b.get_potential_energy() - comp.sum(), a.get_potential_energy() - comp.sum()),
-        "free_energy": relative(b.calc.get_property("free_energy", b) - comp.sum(), a.get_potential_energy() - comp.sum()),
+        "free_energy": relative(
+            b.calc.get_property("free_energy", b) - comp.sum(), a.get_potential_energy() - comp.sum()
+        ),
         "energies": relative(b.get_potential_energies() - comp, a.get_potential_energies() - comp),
         "forces": relative(b.get_forces(), a.get_forces()),
     }
@@ -237,16 +238,27 @@ def test_implemented_properties_follow_the_model(params):
     everything, then raised); a committee offers them all, LLPR without ensemble
     weights only the energy's."""
     plain = PETCalculator(CONFIG, params)
-    assert "energy_uncertainty" not in plain.implemented_properties and "energies" in plain.implemented_properties
+    assert (
+        "energy_uncertainty" not in plain.implemented_properties
+        and "energies" in plain.implemented_properties
+    )
     atoms = carbon_cell()
     atoms.calc = plain
     with pytest.raises(PropertyNotImplementedError):
         atoms.calc.get_property("energy_uncertainty", atoms)
     committee_calc = PETCalculator(CONFIG, params, ensemble_params=committee())
-    assert {"energy_uncertainty", "forces_uncertainty", "stress_uncertainty", "energy_ensemble",
-            "forces_ensemble"} <= set(committee_calc.implemented_properties)
+    assert {
+        "energy_uncertainty",
+        "forces_uncertainty",
+        "stress_uncertainty",
+        "energy_ensemble",
+        "forces_ensemble",
+    } <= set(committee_calc.implemented_properties)
     llpr = PETCalculator(CONFIG, params, llpr={"covariance": torch.eye(3, dtype=torch.float64)})
-    assert llpr.implemented_properties[-1] == "energy_uncertainty" and "forces_uncertainty" not in llpr.implemented_properties
+    assert (
+        llpr.implemented_properties[-1] == "energy_uncertainty"
+        and "forces_uncertainty" not in llpr.implemented_properties
+    )
     assert PETCalculator.implemented_properties == ["energy", "free_energy", "energies", "forces", "stress"]
 
 
@@ -265,7 +277,7 @@ def test_float32_atoms_far_from_the_cell(params):
     assert np.abs(far.get_forces() - f64).max() < 2e-5
     assert np.abs(far.get_stress() - s64).max() < 1e-6
     assert np.allclose(far.positions, atoms.positions + np.array([100.5, -70, 30]) @ atoms.cell.array)
-    from petfunc.ase_batch import BatchEvaluator
+    from petfunc.ase.batch import BatchEvaluator
 
     (batched,) = BatchEvaluator(CONFIG, params32, stress=True)([far])
     assert np.abs(batched["forces"] - f64).max() < 2e-5 and np.abs(batched["stress"] - s64).max() < 1e-6
@@ -278,7 +290,9 @@ def test_float32_atoms_far_from_the_cell(params):
     structure = prepare_atoms(flat, CONFIG, wrap=True)
     frac = np.linalg.solve(atoms.cell.array.T, structure.positions.T).T
     assert frac[:, :2].min() > -1e-9 and frac[:, :2].max() < 1 + 1e-9
-    np.testing.assert_allclose(frac[:, 2], np.linalg.solve(atoms.cell.array.T, far.positions.T).T[:, 2], atol=1e-9)
+    np.testing.assert_allclose(
+        frac[:, 2], np.linalg.solve(atoms.cell.array.T, far.positions.T).T[:, 2], atol=1e-9
+    )
 
 
 def test_unknown_species(params):
@@ -456,9 +470,7 @@ def test_committee_uncertainty(params):
     mean.calc = PETCalculator(CONFIG, None, ensemble_params=members)
     assert mean.get_potential_energy() == pytest.approx(energies.mean(), rel=1e-12)
     np.testing.assert_allclose(mean.get_forces(), forces.mean(axis=0), rtol=0, atol=1e-11)
-    np.testing.assert_allclose(
-        mean.get_potential_energies().sum(), energies.mean(), rtol=1e-12
-    )
+    np.testing.assert_allclose(mean.get_potential_energies().sum(), energies.mean(), rtol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------
@@ -481,8 +493,13 @@ def test_from_checkpoint(tmp_path, params):
     flat = petfunc.tree.flatten(params)
     other = petfunc.tree.flatten(make_params(seed=5))
     torch.save(
-        {"format": "petfunc.checkpoint", "config": json.dumps(CONFIG.to_hypers()),
-         "params": other, "best_params": flat, "epoch": 3},
+        {
+            "format": "petfunc.checkpoint",
+            "config": json.dumps(CONFIG.to_hypers()),
+            "params": other,
+            "best_params": flat,
+            "epoch": 3,
+        },
         training,
     )
     atoms.calc = PETCalculator.from_checkpoint(training)
@@ -519,7 +536,9 @@ def test_md_example_smoke(tmp_path):
     output = tmp_path / "md.extxyz"
     result = subprocess.run(
         [sys.executable, str(script), "--smoke", "--output", str(output)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "RANDOM parameters" in result.stdout
@@ -534,8 +553,12 @@ def test_calculator_pickles_and_exports_properties(params):
     import pickle
 
     atoms = ase.build.molecule("CH3CH2OH")
-    for calc in (PETCalculator(CONFIG, params),
-                 PETCalculator(CONFIG, params, ensemble_params=[params, petfunc.PET(CONFIG).init(seed=5, dtype=torch.float64)])):
+    for calc in (
+        PETCalculator(CONFIG, params),
+        PETCalculator(
+            CONFIG, params, ensemble_params=[params, petfunc.PET(CONFIG).init(seed=5, dtype=torch.float64)]
+        ),
+    ):
         if calc.ensemble_params is not None:  # ASE's Properties refused energy_ensemble
             a = atoms.copy()
             a.calc = calc

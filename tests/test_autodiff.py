@@ -11,7 +11,7 @@ from ase.calculators.emt import EMT
 
 import petfunc
 import petfunc.hessian
-from petfunc.data import make_batch, sample_from_atoms
+from petfunc.data.samples import make_batch, sample_from_atoms
 from petfunc.derivatives import (
     energy_and_forces,
     energy_forces_strain_derivative,
@@ -24,7 +24,12 @@ from petfunc.derivatives import (
 F64 = torch.float64
 # adaptive cutoff on: its radii depend on positions, and both paths must see that
 CONFIG = petfunc.PETConfig(
-    atomic_types=(1, 6, 8, 13, 29), d_pet=8, d_node=16, d_head=8, d_feedforward=16, num_heads=2,
+    atomic_types=(1, 6, 8, 13, 29),
+    d_pet=8,
+    d_node=16,
+    d_head=8,
+    d_feedforward=16,
+    num_heads=2,
     num_neighbors_adaptive=6,
 )
 

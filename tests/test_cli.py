@@ -8,19 +8,27 @@ import pytest
 import torch
 import yaml
 
-from petfunc.cli import main, make_default_dataset
-from petfunc.trainer import evaluate
+from petfunc.cli.main import main, make_default_dataset
+from petfunc.trainer.fit import evaluate
 
 
 TINY = [
-    "--set", "architecture.model.d_pet=8",
-    "--set", "architecture.model.d_head=8",
-    "--set", "architecture.model.d_node=8",
-    "--set", "architecture.model.d_feedforward=8",
-    "--set", "architecture.model.num_heads=2",
-    "--set", "architecture.model.num_gnn_layers=1",
-    "--set", "architecture.model.cutoff=3.0",
-    "--batch-size", "4",
+    "--set",
+    "architecture.model.d_pet=8",
+    "--set",
+    "architecture.model.d_head=8",
+    "--set",
+    "architecture.model.d_node=8",
+    "--set",
+    "architecture.model.d_feedforward=8",
+    "--set",
+    "architecture.model.num_heads=2",
+    "--set",
+    "architecture.model.num_gnn_layers=1",
+    "--set",
+    "architecture.model.cutoff=3.0",
+    "--batch-size",
+    "4",
     "--no-progress",
 ]
 
@@ -35,7 +43,15 @@ def demo_run(tmp_path_factory):
 
 
 def test_demo_train_writes_everything(demo_run):
-    for name in ("dataset.xyz", "options.yaml", "last.ckpt", "best.ckpt", "best_params.pt", "metrics.csv", "parity.png"):
+    for name in (
+        "dataset.xyz",
+        "options.yaml",
+        "last.ckpt",
+        "best.ckpt",
+        "best_params.pt",
+        "metrics.csv",
+        "parity.png",
+    ):
         assert (demo_run / name).is_file(), f"{name} missing"
     assert (demo_run / "parity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = list(csv.DictReader(open(demo_run / "metrics.csv")))
@@ -49,7 +65,18 @@ def test_demo_train_writes_everything(demo_run):
 
 def test_restart_continues(demo_run, tmp_path, capsys):
     out = tmp_path / "more"
-    code = main(["train", "--restart", str(demo_run / "last.ckpt"), "--epochs", "2", "--output", str(out), "--no-progress"])
+    code = main(
+        [
+            "train",
+            "--restart",
+            str(demo_run / "last.ckpt"),
+            "--epochs",
+            "2",
+            "--output",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert [r["epoch"] for r in rows] == ["1", "2"]
@@ -74,31 +101,57 @@ def test_sigterm_puts_the_folder_back(demo_run, tmp_path):
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import os, signal\n"
-        "import petfunc.trainer as trainer\n"
+        "import petfunc.trainer.fit as trainer\n"
         "original = trainer.fit\n"
         "def fit(*args, **kwargs):\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return original(*args, **kwargs)\n"
-        "trainer.fit = fit\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
+        "trainer.fit = fit\n"
+    )
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+    )
     folder = tmp_path / "run"
     shutil.copytree(demo_run, folder)
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     command = [sys.executable, "-m", "petfunc", "train", "--no-progress"]
-    done = subprocess.run(command + ["--restart", str(folder / "last.ckpt"), "--epochs", "3", "--lr", "1e-4"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        command + ["--restart", str(folder / "last.ckpt"), "--epochs", "3", "--lr", "1e-4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 143 and "petfunc: terminated" in done.stderr, done.stderr[-2000:]
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # options.yaml put back
-    done = subprocess.run(command + ["--structures", "8", "-o", str(tmp_path / "fresh" / "run")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        command + ["--structures", "8", "-o", str(tmp_path / "fresh" / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 143, done.stderr[-2000:]
     assert not (tmp_path / "fresh").exists()
 
 
 def test_diverging_run_exits_with_1(demo_run, tmp_path, capsys):
-    args = ["train", "--restart", str(demo_run / "last.ckpt"), "--output", str(tmp_path), "--epochs", "3",
-            "--lr", "1e30", "--set", "architecture.training.warmup_fraction=0", "--no-progress"]
+    args = [
+        "train",
+        "--restart",
+        str(demo_run / "last.ckpt"),
+        "--output",
+        str(tmp_path),
+        "--epochs",
+        "3",
+        "--lr",
+        "1e30",
+        "--set",
+        "architecture.training.warmup_fraction=0",
+        "--no-progress",
+    ]
     assert main(args) == 1
     err = capsys.readouterr().err
     assert "training stopped" in err and "learning rate" in err
@@ -107,7 +160,15 @@ def test_diverging_run_exits_with_1(demo_run, tmp_path, capsys):
 
 def test_eval(demo_run, capsys):
     capsys.readouterr()
-    code = main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz"), "--json", str(demo_run / "m.json")])
+    code = main(
+        [
+            "eval",
+            str(demo_run / "best.ckpt"),
+            str(demo_run / "dataset.xyz"),
+            "--json",
+            str(demo_run / "m.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "16 structures" in out
@@ -124,8 +185,8 @@ def test_eval_writes_predictions(demo_run, tmp_path, capsys):
     import ase.io
     import numpy as np
 
-    from petfunc.ase import PETCalculator
-    from petfunc.trainer import load_model
+    from petfunc.ase.calculator import PETCalculator
+    from petfunc.trainer.fit import load_model
 
     frames = ase.io.read(demo_run / "dataset.xyz", ":3")
     molecule = ase.Atoms("Cu2", positions=[[0, 0, 0], [0, 0, 2.3]])
@@ -166,13 +227,33 @@ def test_eval_writes_predictions(demo_run, tmp_path, capsys):
         atoms.set_cell(atoms.cell / Bohr, scale_atoms=True)
         scaled.append(atoms)
     ase.io.write(tmp_path / "bohr.xyz", scaled)
-    assert main(["eval", str(demo_run / "best.ckpt"), str(tmp_path / "bohr.xyz"), "-o", str(tmp_path / "bohr_out.xyz"),
-                 "--energy-unit", "kcal/mol", "--length-unit", "bohr"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(demo_run / "best.ckpt"),
+                str(tmp_path / "bohr.xyz"),
+                "-o",
+                str(tmp_path / "bohr_out.xyz"),
+                "--energy-unit",
+                "kcal/mol",
+                "--length-unit",
+                "bohr",
+            ]
+        )
+        == 0
+    )
     for atoms, reference, original in zip(ase.io.read(tmp_path / "bohr_out.xyz", ":"), predicted, scaled):
         np.testing.assert_allclose(atoms.positions, original.positions, atol=1e-7)
-        assert atoms.get_potential_energy() == pytest.approx(reference.get_potential_energy() * mol / kcal, rel=1e-6)
-        np.testing.assert_allclose(atoms.get_forces(), reference.get_forces() * Bohr * mol / kcal, rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(atoms.get_stress(), reference.get_stress() * Bohr**3 * mol / kcal, rtol=1e-4, atol=1e-6)
+        assert atoms.get_potential_energy() == pytest.approx(
+            reference.get_potential_energy() * mol / kcal, rel=1e-6
+        )
+        np.testing.assert_allclose(
+            atoms.get_forces(), reference.get_forces() * Bohr * mol / kcal, rtol=1e-4, atol=1e-5
+        )
+        np.testing.assert_allclose(
+            atoms.get_stress(), reference.get_stress() * Bohr**3 * mol / kcal, rtol=1e-4, atol=1e-6
+        )
 
 
 def test_eval_reads_virials(demo_run, tmp_path, capsys):
@@ -193,9 +274,24 @@ def test_eval_reads_virials(demo_run, tmp_path, capsys):
     ase.io.write(tmp_path / "virials.xyz", with_virials)
     json_s, json_w = tmp_path / "s.json", tmp_path / "w.json"
     ase.io.write(tmp_path / "stresses.xyz", frames)
-    assert main(["eval", str(demo_run / "best.ckpt"), str(tmp_path / "stresses.xyz"), "--json", str(json_s)]) == 0
-    assert main(["eval", str(demo_run / "best.ckpt"), str(tmp_path / "virials.xyz"), "--virial-key", "virial",
-                 "--json", str(json_w)]) == 0
+    assert (
+        main(["eval", str(demo_run / "best.ckpt"), str(tmp_path / "stresses.xyz"), "--json", str(json_s)])
+        == 0
+    )
+    assert (
+        main(
+            [
+                "eval",
+                str(demo_run / "best.ckpt"),
+                str(tmp_path / "virials.xyz"),
+                "--virial-key",
+                "virial",
+                "--json",
+                str(json_w),
+            ]
+        )
+        == 0
+    )
     stress, virial = json.loads(json_s.read_text()), json.loads(json_w.read_text())
     assert virial["stress_count"] == stress["stress_count"] == 4 * 9
     np.testing.assert_allclose(virial["stress_rmse"], stress["stress_rmse"], rtol=1e-6)
@@ -223,11 +319,29 @@ def test_eval_reads_labels_as_the_model_was_trained(demo_run, tmp_path, capsys):
     capsys.readouterr()
     model = str(tmp_path / "run" / "best.ckpt")
     assert main(["eval", model, str(tmp_path / "kcal.xyz"), "--json", str(tmp_path / "a.json")]) == 0
-    assert "labels read as the model was trained: energy key 'U0', forces key 'F', energy unit 'kcal/mol'" \
+    assert (
+        "labels read as the model was trained: energy key 'U0', forces key 'F', energy unit 'kcal/mol'"
         in capsys.readouterr().out
+    )
     ase.io.write(tmp_path / "ev.xyz", frames)
-    assert main(["eval", model, str(tmp_path / "ev.xyz"), "--energy-key", "energy", "--forces-key", "forces",
-                 "--energy-unit", "eV", "--json", str(tmp_path / "b.json")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                model,
+                str(tmp_path / "ev.xyz"),
+                "--energy-key",
+                "energy",
+                "--forces-key",
+                "forces",
+                "--energy-unit",
+                "eV",
+                "--json",
+                str(tmp_path / "b.json"),
+            ]
+        )
+        == 0
+    )
     a, b = json.loads((tmp_path / "a.json").read_text()), json.loads((tmp_path / "b.json").read_text())
     assert a["forces_count"] == b["forces_count"] > 0 and "stress_rmse" not in a
     for key in ("energy_per_atom_rmse", "forces_rmse", "forces_mae"):
@@ -247,13 +361,30 @@ def test_eval_errors(demo_run, tmp_path, capsys):
     data = (demo_run / "best.ckpt").read_bytes()
     (tmp_path / "cut.ckpt").write_bytes(data[: len(data) // 2])
     assert main(["eval", str(tmp_path / "cut.ckpt"), str(demo_run / "dataset.xyz")]) == 2
-    assert "cut.ckpt' is not a readable petfunc or metatrain model file, damaged or truncated?" in capsys.readouterr().err
+    assert (
+        "cut.ckpt' is not a readable petfunc or metatrain model file, damaged or truncated?"
+        in capsys.readouterr().err
+    )
     # a label key given on the command line but in no structure (a typo): an error, not
     # a table without its energy row
-    assert main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz"), "--energy-key", "E"]) == 2
+    assert (
+        main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz"), "--energy-key", "E"]) == 2
+    )
     assert "no structure has labels under the key(s) ['E'] (keys in the file:" in capsys.readouterr().err
-    assert main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz"), "--stress-key", "stress",
-                 "--virial-key", "virial"]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                str(demo_run / "best.ckpt"),
+                str(demo_run / "dataset.xyz"),
+                "--stress-key",
+                "stress",
+                "--virial-key",
+                "virial",
+            ]
+        )
+        == 2
+    )
     assert "give --stress-key or --virial-key, not both" in capsys.readouterr().err
     # a negative batch size read no structure and exited 0 ("no labels in the file")
     with pytest.raises(SystemExit) as exit_info:
@@ -268,7 +399,11 @@ def test_train_errors(tmp_path, capsys):
     data = make_default_dataset(tmp_path / "d.xyz", n_structures=4)
     # unknown key in an options file
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({"training_set": str(data), "architecture": {"name": "pet", "training": {"learning_rat": 1e-3}}}))
+    bad.write_text(
+        yaml.safe_dump(
+            {"training_set": str(data), "architecture": {"name": "pet", "training": {"learning_rat": 1e-3}}}
+        )
+    )
     assert main(["train", str(bad), "--output", str(tmp_path / "o1")]) == 2
     err = capsys.readouterr().err
     assert "unknown option 'architecture.training.learning_rat'" in err and "learning_rate" in err
@@ -295,7 +430,9 @@ def test_failed_start_leaves_the_folder_as_it_was(demo_run, tmp_path, capsys):
 
     data = make_default_dataset(tmp_path / "d.xyz", n_structures=4)
     options = tmp_path / "o.yaml"
-    options.write_text(yaml.safe_dump({"training_set": str(data), "architecture": {"name": "pet", "model": {"cutoff": 0}}}))
+    options.write_text(
+        yaml.safe_dump({"training_set": str(data), "architecture": {"name": "pet", "model": {"cutoff": 0}}})
+    )
     assert main(["train", str(options), "--output", str(tmp_path / "a" / "b" / "c")]) == 2
     assert "removed the output folder" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
@@ -308,8 +445,16 @@ def test_failed_start_leaves_the_folder_as_it_was(demo_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(demo_run, run)
     before = {p.name: p.read_bytes() for p in run.iterdir()}
-    args = ["train", "--restart", str(run / "last.ckpt"), "--epochs", "2", "--set", "architecture.model.d_pet=16",
-            "--no-progress"]
+    args = [
+        "train",
+        "--restart",
+        str(run / "last.ckpt"),
+        "--epochs",
+        "2",
+        "--set",
+        "architecture.model.d_pet=16",
+        "--no-progress",
+    ]
     assert main(args) == 2
     assert "differs from the architecture of the restart checkpoint" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
@@ -330,15 +475,22 @@ def test_labels_missing_from_some_structures_are_errors(tmp_path, capsys):
     del frames[5].arrays["forces"]
     ase.io.write(tmp_path / "partial.xyz", frames)
     options = tmp_path / "o.yaml"
-    options.write_text(yaml.safe_dump({"training_set": str(tmp_path / "partial.xyz"), "validation_set": 0.25}))
+    options.write_text(
+        yaml.safe_dump({"training_set": str(tmp_path / "partial.xyz"), "validation_set": 0.25})
+    )
     assert main(["train", str(options), "--output", str(tmp_path / "o1"), "--epochs", "1", *TINY]) == 2
     err = capsys.readouterr().err
-    assert "partial.xyz': 2 of 8 structures have no energy label under the key 'energy' (structures 2, 6)" in err
+    assert (
+        "partial.xyz': 2 of 8 structures have no energy label under the key 'energy' (structures 2, 6)" in err
+    )
     # energies complete, forces missing from one structure: the whole file is checked, before the split
     frames[2].info["energy"] = frames[6].info["energy"] = 1.0
     ase.io.write(tmp_path / "partial.xyz", frames)
     assert main(["train", str(options), "--output", str(tmp_path / "o2"), "--epochs", "1", *TINY]) == 2
-    assert "1 of 8 structures has no forces label under the key 'forces' (structure 5)" in capsys.readouterr().err
+    assert (
+        "1 of 8 structures has no forces label under the key 'forces' (structure 5)"
+        in capsys.readouterr().err
+    )
     frames[5].arrays["forces"] = np.full((len(frames[5]), 3), np.nan)
     ase.io.write(tmp_path / "partial.xyz", frames)
     assert main(["train", str(options), "--output", str(tmp_path / "o3"), "--epochs", "1", *TINY]) == 0
@@ -356,10 +508,26 @@ def test_ctrl_c_in_the_first_epoch_leaves_no_folder(tmp_path):
     # stderr to a file: a full pipe that nobody reads would block the run
     with open(tmp_path / "stderr.txt", "w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-m", "petfunc", "train", "--structures", "320", "--no-progress", "--threads", "1",
-             "-o", str(out)],
-            stdout=subprocess.PIPE, stderr=stderr, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not ignored, as under a shell's '&'
+            [
+                sys.executable,
+                "-m",
+                "petfunc",
+                "train",
+                "--structures",
+                "320",
+                "--no-progress",
+                "--threads",
+                "1",
+                "-o",
+                str(out),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            preexec_fn=lambda: signal.signal(
+                signal.SIGINT, signal.SIG_DFL
+            ),  # not ignored, as under a shell's '&'
         )
         try:
             for line in process.stdout:
@@ -380,7 +548,9 @@ def test_python_dash_m(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "petfunc", "train", "--help"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "petfunc", "train", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and "--restart" in out.stdout
 
 
@@ -396,7 +566,7 @@ def test_example_options_are_the_defaults():
     from pathlib import Path
 
     from petfunc.config import PETConfig
-    from petfunc.options import TRAINING_DEFAULTS, resolve_options
+    from petfunc.trainer.options import TRAINING_DEFAULTS, resolve_options
 
     path = Path(__file__).resolve().parents[1] / "examples" / "options.yaml"
     options = resolve_options(yaml.safe_load(path.read_text()))
@@ -411,7 +581,16 @@ def test_example_options_are_the_defaults():
 def test_demo_options_on_own_data(demo_run, tmp_path):
     # No options file, but --set training_set=FILE: the demo's options on that file.
     out = tmp_path / "own"
-    args = ["train", "--output", str(out), "--epochs", "1", "--set", f"training_set={demo_run / 'dataset.xyz'}", *TINY]
+    args = [
+        "train",
+        "--output",
+        str(out),
+        "--epochs",
+        "1",
+        "--set",
+        f"training_set={demo_run / 'dataset.xyz'}",
+        *TINY,
+    ]
     assert main(args) == 0
     assert not (out / "dataset.xyz").exists() and (out / "best.ckpt").is_file()
 
@@ -420,8 +599,8 @@ def test_options_read_exponent_numbers_as_metatrain_does(tmp_path):
     """metatrain reads options with OmegaConf, where ``1e-3`` is a number; PyYAML's
     YAML 1.1 rules alone would give the string '1e-3' (a rejected learning rate, or a
     validation "file" named 1e-1)."""
-    from petfunc.cli import _overrides, _parser, _read_options_file
-    from petfunc.options import resolve_options
+    from petfunc.cli.main import _overrides, _parser, _read_options_file
+    from petfunc.trainer.options import resolve_options
 
     path = tmp_path / "options.yaml"
     path.write_text(
@@ -436,8 +615,9 @@ def test_options_read_exponent_numbers_as_metatrain_does(tmp_path):
     training = options["architecture"]["training"]
     assert training["learning_rate"] == 1e-3 and training["weight_decay"] == 5e-5
     assert options["architecture"]["model"]["cutoff"] == 4.5
-    args = _parser().parse_args(["train", "--set", "architecture.training.learning_rate=2e-3",
-                                      "--set", "seed='7'"])
+    args = _parser().parse_args(
+        ["train", "--set", "architecture.training.learning_rate=2e-3", "--set", "seed='7'"]
+    )
     assert dict(_overrides(args)) == {"architecture.training.learning_rate": 2e-3, "seed": "7"}
 
 
@@ -449,7 +629,13 @@ def test_training_checkpoint_in_python(demo_run):
     config, best = petfunc.load_model(demo_run / "best.ckpt")
     again, saved = petfunc.load_params(demo_run / "best_params.pt")
     assert config == again
-    assert all(torch.equal(a, b) for a, b in zip(petfunc.tree.flatten(best).values(), petfunc.tree.flatten(saved).values()))
-    with pytest.raises(ValueError, match=r"is a petfunc training checkpoint, not a parameter file: read it with "
-                                         r"petfunc.load_model"):
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(petfunc.tree.flatten(best).values(), petfunc.tree.flatten(saved).values())
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"is a petfunc training checkpoint, not a parameter file: read it with "
+        r"petfunc.load_model",
+    ):
         petfunc.load_params(demo_run / "best.ckpt")

@@ -66,7 +66,10 @@ def test_call_path_pytree_equals_python_pytree():
     order, a tensor where the example had None or a constant, another constant)
     goes to the Python path, which says what differs."""
     compile_module = sys.modules["petfunc.compile"]
-    example_tree = ({"b": torch.ones(2), "a": [torch.zeros(()), None, 3]}, _Pair(torch.ones(1), {"x": None, "y": 2.0}))
+    example_tree = (
+        {"b": torch.ones(2), "a": [torch.zeros(()), None, 3]},
+        _Pair(torch.ones(1), {"x": None, "y": 2.0}),
+    )
     leaves, spec = pytree.tree_flatten(example_tree)
     fast = compile_module._fast_tree(spec)
     if compile_module._cxx_pytree is None:
@@ -105,9 +108,13 @@ def test_views_and_strides_reuse_the_graph():
     compiled = petfunc.compile(scatter_energy, members[0], *example(4, 7), backend="aot_eager")
     positions, index = example(8, 20)
     for member in members:
-        torch.testing.assert_close(compiled(member, positions, index), scatter_energy(member, positions, index))
+        torch.testing.assert_close(
+            compiled(member, positions, index), scatter_energy(member, positions, index)
+        )
     transposed = positions.t().contiguous().t()  # same values, other strides
-    torch.testing.assert_close(compiled(members[0], transposed, index), scatter_energy(members[0], positions, index))
+    torch.testing.assert_close(
+        compiled(members[0], transposed, index), scatter_energy(members[0], positions, index)
+    )
     assert compiled.num_graphs == 1
 
 
@@ -155,9 +162,13 @@ def test_trace_cache_keeps_sizes_one_apart(tmp_path, monkeypatch):
     assert not many.from_cache
     y = example(9, 30, seed=9)
     torch.testing.assert_close(many(params, *y), scatter_energy(params, *y), rtol=1e-12, atol=1e-12)
-    again = petfunc.compile(scatter_energy, params, *example(1, 2, seed=3), backend="aot_eager", cache_key="toy")
+    again = petfunc.compile(
+        scatter_energy, params, *example(1, 2, seed=3), backend="aot_eager", cache_key="toy"
+    )
     assert again.from_cache
-    assert petfunc.compile(scatter_energy, params, *example(5, 9), backend="aot_eager", cache_key="toy").from_cache
+    assert petfunc.compile(
+        scatter_energy, params, *example(5, 9), backend="aot_eager", cache_key="toy"
+    ).from_cache
 
 
 def test_trace_cache_reloads_graphs_with_symbolic_size_lists(tmp_path, monkeypatch):
@@ -178,11 +189,14 @@ def test_trace_cache_reloads_graphs_with_symbolic_size_lists(tmp_path, monkeypat
         return (weights * rotated[1:]).sum(), rotated[::2].sum(0)
 
     params = {"w": torch.randn(3, dtype=torch.float64)}
-    first = petfunc.compile(fn, params, torch.randn(5, 3, dtype=torch.float64), backend="aot_eager", cache_key="sizes")
+    first = petfunc.compile(
+        fn, params, torch.randn(5, 3, dtype=torch.float64), backend="aot_eager", cache_key="sizes"
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="petfunc.compile")
-        second = petfunc.compile(fn, params, torch.randn(5, 3, dtype=torch.float64), backend="aot_eager",
-                                 cache_key="sizes")
+        second = petfunc.compile(
+            fn, params, torch.randn(5, 3, dtype=torch.float64), backend="aot_eager", cache_key="sizes"
+        )
     assert not first.from_cache and second.from_cache
     for n in (3, 5, 11):
         positions = torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
@@ -260,6 +274,7 @@ def test_trace_cache_write_failure_leaves_no_file(tmp_path, monkeypatch):
     assert not petfunc.compile(scatter_energy, params, *x, backend="aot_eager", cache_key="toy").from_cache
     assert [p.suffix for p in tmp_path.iterdir()] == [".pkl"]
 
+
 def test_float_sums_of_any_length_share_the_graph():
     """Inductor's C++ backend sums float32 reductions longer than 4096 elements with
     a cascade helper and guarded the length on the example's side of 4096: a graph
@@ -272,8 +287,12 @@ def test_float_sums_of_any_length_share_the_graph():
 
     params = {"w": torch.randn(3, 5, generator=torch.Generator().manual_seed(0))}
     # fx_graph_cache off: a cached graph hides the guard (its load does not add it)
-    compiled = petfunc.compile(fn, params, *[t.float() if t.is_floating_point() else t for t in example(30, 100)],
-                               options={"fx_graph_cache": False})
+    compiled = petfunc.compile(
+        fn,
+        params,
+        *[t.float() if t.is_floating_point() else t for t in example(30, 100)],
+        options={"fx_graph_cache": False},
+    )
     exact = {"w": params["w"].double()}
     for n_atoms, n_edges in ((30, 100), (300, 9000), (20, 50)):
         positions, index = example(n_atoms, n_edges, seed=n_atoms)
@@ -333,8 +352,11 @@ def test_cpu_addmm_split_before_inductor(monkeypatch):
         return (x + hidden @ params["w2"]).square().sum()
 
     g = torch.Generator().manual_seed(0)
-    params = {"w1": torch.randn(6, 4, generator=g), "b1": torch.randn(6, generator=g),
-              "w2": torch.randn(6, 4, generator=g)}
+    params = {
+        "w1": torch.randn(6, 4, generator=g),
+        "b1": torch.randn(6, generator=g),
+        "w2": torch.randn(6, 4, generator=g),
+    }
     x = torch.randn(9, 4, generator=g)
     for early, expected in (("1", [1, 0]), ("0", [2])):
         monkeypatch.setenv("PETFUNC_EARLY_ADDMM_SPLIT", early)
@@ -467,7 +489,7 @@ def test_inductor_without_aotautograd(monkeypatch):
         update = update.sub_(0.01 * p)
         out = torch.zeros(2 * p.shape[0], dtype=p.dtype)
         out[: p.shape[0]].copy_(p + update)
-        out[p.shape[0]:].add_(m)
+        out[p.shape[0] :].add_(m)
         return (out[: p.shape[0]], m, v, count), out.softmax(0)
 
     def aot_calls():
@@ -481,8 +503,9 @@ def test_inductor_without_aotautograd(monkeypatch):
     results = {}
     for aot in (False, True):
         before = aot_calls()
-        compiled = petfunc.compile(fn, *inputs(7, 0), static_argnums=(), options={"fx_graph_cache": False},
-                                   aot_autograd=aot)
+        compiled = petfunc.compile(
+            fn, *inputs(7, 0), static_argnums=(), options={"fx_graph_cache": False}, aot_autograd=aot
+        )
         results[aot] = []
         for n in (7, 30, 1000):
             got, want = compiled(*inputs(n, n)), fn(*inputs(n, n))
@@ -499,7 +522,9 @@ def test_inductor_without_aotautograd(monkeypatch):
 
 def _accumulate_into_atoms(positions, values, index):
     """Edge values summed into their atoms (an ``index_put`` with accumulation)."""
-    return torch.zeros(positions.shape[0], dtype=values.dtype).index_put((index,), values.sin(), accumulate=True)
+    return torch.zeros(positions.shape[0], dtype=values.dtype).index_put(
+        (index,), values.sin(), accumulate=True
+    )
 
 
 def test_inductor_scatter_into_one_atom():
@@ -509,15 +534,23 @@ def test_inductor_scatter_into_one_atom():
     constant there), which crashed ``petfunc.compile`` on such a structure alone.
     The graph is compiled again with scalar kernels; the numbers are eager's."""
     g = torch.Generator().manual_seed(0)
-    positions, values = torch.randn(1, 3, generator=g, dtype=torch.float64), torch.randn(7, generator=g, dtype=torch.float64)
+    positions, values = (
+        torch.randn(1, 3, generator=g, dtype=torch.float64),
+        torch.randn(7, generator=g, dtype=torch.float64),
+    )
     index = torch.zeros(7, dtype=torch.long)
-    compiled = petfunc.compile(_accumulate_into_atoms, positions, values, index, static_argnums=(),
-                               options={"fx_graph_cache": False})
+    compiled = petfunc.compile(
+        _accumulate_into_atoms, positions, values, index, static_argnums=(), options={"fx_graph_cache": False}
+    )
     for n_edges in (7, 30):
         values = torch.randn(n_edges, generator=g, dtype=torch.float64)
         index = torch.zeros(n_edges, dtype=torch.long)
-        torch.testing.assert_close(compiled(positions, values, index), _accumulate_into_atoms(positions, values, index),
-                                   rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(
+            compiled(positions, values, index),
+            _accumulate_into_atoms(positions, values, index),
+            rtol=1e-14,
+            atol=1e-14,
+        )
     assert compiled.num_graphs == 1
 
 
@@ -551,7 +584,9 @@ def test_inductor_codegen_assertion_is_retried_without_vectors(monkeypatch, wher
     monkeypatch.setattr(compile_module, "_compile_inductor_direct", failing_once)
     positions, values = torch.randn(4, 3, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
     index = torch.arange(9) % 4
-    compiled = petfunc.compile(_accumulate_into_atoms, positions, values, index, static_argnums=(), aot_autograd=False)
+    compiled = petfunc.compile(
+        _accumulate_into_atoms, positions, values, index, static_argnums=(), aot_autograd=False
+    )
     if where == "elsewhere.py":
         with pytest.raises(torch._inductor.exc.InductorError, match="index.is_vec"):
             compiled(positions, values, index)
@@ -613,7 +648,10 @@ def momentum_step(state, positions, index):
 
 def _packed_state(seed=0):
     g = torch.Generator().manual_seed(seed)
-    params = {"w": torch.randn(3, 5, generator=g, dtype=torch.float64), "v": torch.randn(4, generator=g, dtype=torch.float64)}
+    params = {
+        "w": torch.randn(3, 5, generator=g, dtype=torch.float64),
+        "v": torch.randn(4, generator=g, dtype=torch.float64),
+    }
     moment = {k: 0.1 * torch.randn(t.shape, generator=g, dtype=t.dtype) for k, t in params.items()}
     return (petfunc.tree.pack(params), petfunc.tree.pack(moment))
 
@@ -687,7 +725,10 @@ def test_donation_never_writes_memory_the_caller_keeps():
     expected_twice, _ = momentum_step(_clone(twice), *x)
     out, _ = compiled(twice, *x)
     _assert_state_close(out, expected_twice)
-    assert petfunc.tree.ravel(pytree.tree_leaves(out[0])).data_ptr() != petfunc.tree.ravel(pytree.tree_leaves(out[1])).data_ptr()
+    assert (
+        petfunc.tree.ravel(pytree.tree_leaves(out[0])).data_ptr()
+        != petfunc.tree.ravel(pytree.tree_leaves(out[1])).data_ptr()
+    )
     # no donation: the inputs are untouched
     state = _packed_state(1)
     plain = petfunc.compile(momentum_step, state, *example(4, 7), backend="aot_eager")
@@ -707,17 +748,24 @@ def test_donation_survives_the_trace_cache(tmp_path, monkeypatch):
     state = _packed_state(2)
     expected, _ = momentum_step(_clone(state), *x)
     for _ in range(2):
-        plain = petfunc.compile(momentum_step, state, *example(4, 7), backend="aot_eager", cache_key="momentum")
+        plain = petfunc.compile(
+            momentum_step, state, *example(4, 7), backend="aot_eager", cache_key="momentum"
+        )
     assert plain.from_cache
-    first = petfunc.compile(momentum_step, state, *example(4, 7), backend="aot_eager", cache_key="momentum",
-                            donate_argnums=(0,))
+    first = petfunc.compile(
+        momentum_step, state, *example(4, 7), backend="aot_eager", cache_key="momentum", donate_argnums=(0,)
+    )
     assert not first.from_cache
-    second = petfunc.compile(momentum_step, state, *example(4, 7), backend="aot_eager", cache_key="momentum",
-                             donate_argnums=(0,))
+    second = petfunc.compile(
+        momentum_step, state, *example(4, 7), backend="aot_eager", cache_key="momentum", donate_argnums=(0,)
+    )
     assert second.from_cache
     out, _ = second(state, *x)
     _assert_state_close(out, expected)
-    assert petfunc.tree.ravel(pytree.tree_leaves(out[0])).data_ptr() == petfunc.tree.ravel(pytree.tree_leaves(state[0])).data_ptr()
+    assert (
+        petfunc.tree.ravel(pytree.tree_leaves(out[0])).data_ptr()
+        == petfunc.tree.ravel(pytree.tree_leaves(state[0])).data_ptr()
+    )
 
 
 def test_donated_state_with_inductor():
@@ -728,8 +776,14 @@ def test_donated_state_with_inductor():
         state = _packed_state(4)
         reference = _clone(state)
         buffers = {petfunc.tree.ravel(pytree.tree_leaves(part)).data_ptr() for part in state}
-        compiled = petfunc.compile(momentum_step, state, *example(4, 7), options={"fx_graph_cache": False},
-                                   aot_autograd=aot, donate_argnums=(0,))
+        compiled = petfunc.compile(
+            momentum_step,
+            state,
+            *example(4, 7),
+            options={"fx_graph_cache": False},
+            aot_autograd=aot,
+            donate_argnums=(0,),
+        )
         for n_atoms, n_edges in ((4, 7), (9, 30), (40, 300)):
             x = example(n_atoms, n_edges, seed=n_atoms)
             reference, expected_energy = momentum_step(reference, *x)
@@ -749,11 +803,21 @@ def test_graph_traced_on_the_cpu_moves_to_another_device():
     import importlib
 
     compile_module = importlib.import_module("petfunc.compile")
-    config = petfunc.PETConfig(atomic_types=(1, 6, 8), d_pet=4, d_node=4, d_head=4, d_feedforward=4, num_heads=1,
-                               cutoff=4.0, num_gnn_layers=1, num_attention_layers=1, num_neighbors_adaptive=6.0)
+    config = petfunc.PETConfig(
+        atomic_types=(1, 6, 8),
+        d_pet=4,
+        d_node=4,
+        d_head=4,
+        d_feedforward=4,
+        num_heads=1,
+        cutoff=4.0,
+        num_gnn_layers=1,
+        num_attention_layers=1,
+        num_neighbors_adaptive=6.0,
+    )
     import ase.build
 
-    from petfunc.data import make_batch, sample_from_atoms
+    from petfunc.data.samples import make_batch, sample_from_atoms
 
     samples = []
     for k, name in enumerate(["CH3CH2OH", "H2O", "CH4", "CH3OH"]):
@@ -772,7 +836,11 @@ def test_graph_traced_on_the_cpu_moves_to_another_device():
 
     assert compile_module._trace_device([torch.zeros(1), torch.zeros(1)]) is None
     assert compile_module._trace_device([torch.zeros(1, device="meta")]) is None
-    inputs, _ = compiled._call_inputs(compiled._checked_tensors((state, make_batch(samples[1:], config, [0.0] * 3, 1.0, dtype=torch.float64))))
+    inputs, _ = compiled._call_inputs(
+        compiled._checked_tensors(
+            (state, make_batch(samples[1:], config, [0.0] * 3, 1.0, dtype=torch.float64))
+        )
+    )
     on_meta = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in inputs]
     creates = [n for n in compiled.graph.graph.nodes if n.kwargs.get("device") == torch.device("cpu")]
     assert len(creates) >= 3
@@ -780,9 +848,14 @@ def test_graph_traced_on_the_cpu_moves_to_another_device():
         compiled.graph(*on_meta)
 
     def values_on_cpu():
-        return [n for n in compiled.graph.graph.nodes
-                if any(isinstance(v, torch.Tensor) and v.device.type == "cpu"
-                       for v in pytree.tree_leaves(n.meta.get("val")))]
+        return [
+            n
+            for n in compiled.graph.graph.nodes
+            if any(
+                isinstance(v, torch.Tensor) and v.device.type == "cpu"
+                for v in pytree.tree_leaves(n.meta.get("val"))
+            )
+        ]
 
     assert any(n.op == "placeholder" for n in values_on_cpu())
     compile_module._move_graph(compiled.graph, torch.device("cpu"), torch.device("meta"))
@@ -795,7 +868,7 @@ def test_graph_traced_on_the_cpu_moves_to_another_device():
 
 
 class _Twice(torch.autograd.Function):
-    """``2 x``, whose derivative is written with ``cat`` (as petfunc.bmm's are
+    """``2 x``, whose derivative is written with ``cat`` (as petfunc.ops.bmm's are
     written with products): under vmap, torch runs it as a vmap of the backward."""
 
     generate_vmap_rule = True
@@ -818,12 +891,12 @@ def test_vmap_inside_grad_keeps_sizes_symbolic():
     backward of an autograd.Function as a vmap again, in the backward of the outer
     grad, after the function's own ``symbolic_vmap_rules`` block has exited. torch's
     C++ batching rule of ``cat`` reads sizes as integers, which fixed the data sizes
-    of the trace to the example's (torch 2.12 did so with ``bmm``, in petfunc.bmm's
+    of the trace to the example's (torch 2.12 did so with ``bmm``, in petfunc.ops.bmm's
     derivatives); petfunc.compile keeps its symbolic rules in place for the whole
     trace."""
     from torch.func import grad, vmap
 
-    from petfunc._vmap_rules import symbolic_vmap_rules
+    from petfunc._torch.vmap_rules import symbolic_vmap_rules
 
     def loss(w, x):
         def row(r):
@@ -839,7 +912,9 @@ def test_vmap_inside_grad_keeps_sizes_symbolic():
     g = torch.Generator().manual_seed(0)
 
     def example(rows):
-        return torch.randn(7, generator=g, dtype=torch.float64), torch.randn(rows, 7, generator=g, dtype=torch.float64)
+        return torch.randn(7, generator=g, dtype=torch.float64), torch.randn(
+            rows, 7, generator=g, dtype=torch.float64
+        )
 
     compiled = petfunc.compile(fn, *example(3), backend="aot_eager")
     for rows in (3, 4, 9):

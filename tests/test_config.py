@@ -15,7 +15,10 @@ def test_defaults_are_metatrains():
     assert (c.d_pet, c.d_head, c.d_node, c.d_feedforward, c.num_heads) == (128, 128, 256, 256, 8)
     assert (c.num_attention_layers, c.num_gnn_layers) == (2, 2)
     assert (c.normalization, c.activation, c.transformer_type, c.featurizer_type) == (
-        "RMSNorm", "SwiGLU", "PreLN", "feedforward",
+        "RMSNorm",
+        "SwiGLU",
+        "PreLN",
+        "feedforward",
     )
     assert c.num_neighbors_adaptive is None and c.adaptive_cutoff_method == "solver"
     assert c.cutoff_width_adaptive == 1.0 and c.attention_temperature == 1.0
@@ -74,7 +77,9 @@ def test_bad_choice_names_field_and_value(field, value):
 @pytest.mark.parametrize("field", ["d_pet", "d_head", "d_node", "d_feedforward", "num_heads"])
 @pytest.mark.parametrize("value", [0, -2, 2.5, True, "8"])
 def test_bad_sizes_name_field_and_value(field, value):
-    with pytest.raises(ValueError, match=rf"^{field} must be a positive integer, got {re.escape(repr(value))}$"):
+    with pytest.raises(
+        ValueError, match=rf"^{field} must be a positive integer, got {re.escape(repr(value))}$"
+    ):
         PETConfig(**{field: value})
 
 
@@ -90,15 +95,21 @@ def test_bad_layer_counts_name_field_and_value(field, value):
         PETConfig(num_gnn_layers=0, featurizer_type="residual")
 
 
-@pytest.mark.parametrize("field", ["cutoff", "cutoff_width", "cutoff_width_adaptive", "attention_temperature"])
+@pytest.mark.parametrize(
+    "field", ["cutoff", "cutoff_width", "cutoff_width_adaptive", "attention_temperature"]
+)
 @pytest.mark.parametrize("value", [0, -1.0, "4.5", None])
 def test_bad_lengths_name_field_and_value(field, value):
-    with pytest.raises(ValueError, match=rf"^{field} must be a positive number, got {re.escape(repr(value))}$"):
+    with pytest.raises(
+        ValueError, match=rf"^{field} must be a positive number, got {re.escape(repr(value))}$"
+    ):
         PETConfig(**{field: value})
 
 
 def test_other_errors_name_fields_and_values():
-    with pytest.raises(ValueError, match="d_pet must be divisible by num_heads, got d_pet=20 and num_heads=8"):
+    with pytest.raises(
+        ValueError, match="d_pet must be divisible by num_heads, got d_pet=20 and num_heads=8"
+    ):
         PETConfig(d_pet=20)
     PETConfig(cutoff_width=5.0)  # wider than the cutoff: every edge is switched (metatrain builds it)
     with pytest.raises(ValueError, match=r"num_neighbors_adaptive must be a number >= 0 or None, got -3"):
@@ -153,11 +164,13 @@ def test_check_partial():
     PETConfig.check_partial({"d_pet": 6})  # num_heads comes from a checkpoint
     PETConfig.check_partial({"cutoff_width": 9.0})
     PETConfig.check_partial({})
-    for bad, message in (({"d_pet": 6, "num_heads": 4}, "d_pet must be divisible by num_heads"),
-                         ({"num_gnn_layers": 0, "featurizer_type": "residual"}, "num_gnn_layers 0 needs"),
-                         ({"num_heads": 0}, "num_heads must be a positive integer"),
-                         ({"cutoff": -1.0}, "cutoff must be a positive number"),
-                         ({"activation": "tanh"}, "activation must be one of"),
-                         ({"d_pett": 8}, r"unknown PET hyperparameters: \['d_pett'\]")):
+    for bad, message in (
+        ({"d_pet": 6, "num_heads": 4}, "d_pet must be divisible by num_heads"),
+        ({"num_gnn_layers": 0, "featurizer_type": "residual"}, "num_gnn_layers 0 needs"),
+        ({"num_heads": 0}, "num_heads must be a positive integer"),
+        ({"cutoff": -1.0}, "cutoff must be a positive number"),
+        ({"activation": "tanh"}, "activation must be one of"),
+        ({"d_pett": 8}, r"unknown PET hyperparameters: \['d_pett'\]"),
+    ):
         with pytest.raises(ValueError, match=message):
             PETConfig.check_partial(bad)

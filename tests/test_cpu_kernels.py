@@ -1,4 +1,4 @@
-"""Inductor's C++ kernels built a few per library (petfunc._cpu_kernels).
+"""Inductor's C++ kernels built a few per library (petfunc._torch.cpu_kernels).
 
 The grouped library must call every kernel with its own arguments (pointers, sizes,
 floats), and the whole compiled function must give the numbers it gives when
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import petfunc
-from petfunc import _cpu_kernels
+from petfunc._torch import cpu_kernels as _cpu_kernels
+
 
 SCALE = """#include <torch/csrc/inductor/cpp_prefix.h>
 extern "C"  void  kernel(const float* in_ptr0,
@@ -40,8 +41,12 @@ def test_only_plain_kernels_are_grouped():
     assert not _cpu_kernels.groupable(["const float*", "float*", "const int64_t", "const float"], helper)
     assert not _cpu_kernels.groupable(["const float*"], SCALE + SCALE)  # two entry points
     assert not _cpu_kernels.groupable(["at::Tensor"], SCALE)  # an argument parse_arg cannot convert
-    source = _cpu_kernels.group_source([(["const float*", "float*", "const int64_t", "const float"], SCALE),
-                                        (["const double*", "double*", "const int64_t"], SHIFT)])
+    source = _cpu_kernels.group_source(
+        [
+            (["const float*", "float*", "const int64_t", "const float"], SCALE),
+            (["const double*", "double*", "const int64_t"], SHIFT),
+        ]
+    )
     assert source.count('extern "C" void kernel_0(') == 1 and source.count('extern "C" void kernel_1(') == 1
     assert "petfunc_arg<float>(args, 3)" in source and "petfunc_arg<double*>(args, 1)" in source
 
@@ -49,10 +54,14 @@ def test_only_plain_kernels_are_grouped():
 def test_grouped_library_calls_each_kernel_with_its_arguments():
     # built with inductor's flags and precompiled header, loaded as inductor loads
     # its own kernels (a few seconds: one g++ run)
-    library = _cpu_kernels._code_cache().load(_cpu_kernels.group_source([
-        (["const float*", "float*", "const int64_t", "const float"], SCALE),
-        (["const double*", "double*", "const int64_t"], SHIFT),
-    ]))
+    library = _cpu_kernels._code_cache().load(
+        _cpu_kernels.group_source(
+            [
+                (["const float*", "float*", "const int64_t", "const float"], SCALE),
+                (["const double*", "double*", "const int64_t"], SHIFT),
+            ]
+        )
+    )
     x = torch.arange(5, dtype=torch.float32)
     out = torch.empty_like(x)
     library.kernel_0(x, out, 5, 2.5)
@@ -76,8 +85,10 @@ def test_grouped_compile_equals_separate_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(3, 6, generator=g, dtype=torch.float64)}
-    args = [(torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randint(0, n, (e,), generator=g))
-            for n, e in [(5, 17), (11, 40)]]
+    args = [
+        (torch.randn(n, 3, generator=g, dtype=torch.float64), torch.randint(0, n, (e,), generator=g))
+        for n, e in [(5, 17), (11, 40)]
+    ]
     results = {}
     for grouped in ("1", "0"):
         monkeypatch.setenv("PETFUNC_GROUP_KERNELS", grouped)
@@ -97,7 +108,10 @@ def test_a_group_that_fails_to_build_falls_back_to_single_kernels(tmp_path, monk
     monkeypatch.setattr(_cpu_kernels, "group_source", lambda kernels: "this is not C++;\n")
     g = torch.Generator().manual_seed(1)
     params = {"w": torch.randn(3, 5, generator=g, dtype=torch.float64)}
-    positions, index = torch.randn(7, 3, generator=g, dtype=torch.float64), torch.randint(0, 7, (19,), generator=g)
+    positions, index = (
+        torch.randn(7, 3, generator=g, dtype=torch.float64),
+        torch.randint(0, 7, (19,), generator=g),
+    )
     with pytest.warns(RuntimeWarning, match="building this one alone"):
         compiled = petfunc.compile(_energy, params, positions, index, backend="inductor")
         out = compiled(params, positions, index)
@@ -147,9 +161,11 @@ def test_groups_start_while_code_is_generated(monkeypatch):
     monkeypatch.setattr(_cpu_kernels, "GROUP_CHARS", len(SCALE) + len(SHIFT))
     monkeypatch.setattr(_cpu_kernels, "_defined", [])
     monkeypatch.setattr(_cpu_kernels, "_started", {})
-    for argtypes, source in ((["const float*", "float*", "const int64_t", "const float"], SCALE),
-                             (["const double*", "double*", "const int64_t"], SHIFT),
-                             (["const double*", "double*", "const int64_t"], SHIFT + "// another\n")):
+    for argtypes, source in (
+        (["const float*", "float*", "const int64_t", "const float"], SCALE),
+        (["const double*", "double*", "const int64_t"], SHIFT),
+        (["const double*", "double*", "const int64_t"], SHIFT + "// another\n"),
+    ):
         # what inductor's C++ scheduling passes to the wrapper's define_kernel
         _cpu_kernels._on_definition(f"async_compile.cpp_pybinding({argtypes!r}, r'''\n{source}\n''')\n")
     _cpu_kernels._on_definition("some_triton_kernel = async_compile.triton(...)")  # ignored
@@ -162,9 +178,11 @@ def test_groups_start_while_code_is_generated(monkeypatch):
     owner = Owner()
     owner._petfunc_pending = [
         _cpu_kernels._Pending(owner, a, "\n" + s + "\n", None)
-        for a, s in ((["const float*", "float*", "const int64_t", "const float"], SCALE),
-                     (["const double*", "double*", "const int64_t"], SHIFT),
-                     (["const double*", "double*", "const int64_t"], SHIFT + "// another\n"))
+        for a, s in (
+            (["const float*", "float*", "const int64_t", "const float"], SCALE),
+            (["const double*", "double*", "const int64_t"], SHIFT),
+            (["const double*", "double*", "const int64_t"], SHIFT + "// another\n"),
+        )
     ]
     pending = list(owner._petfunc_pending)
     _cpu_kernels._build(owner)
@@ -186,7 +204,9 @@ def test_vector_isa_probe_runs_once_in_the_background(monkeypatch):
     import torch._inductor.cpu_vec_isa as cpu_vec_isa
 
     calls = []
-    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: calls.append(threading.current_thread().name))
+    monkeypatch.setattr(
+        cpu_vec_isa, "valid_vec_isa_list", lambda: calls.append(threading.current_thread().name)
+    )
     monkeypatch.setattr(_cpu_kernels, "_probe", None)
     x = torch.randn(4, 3)
 
@@ -204,8 +224,11 @@ def test_vector_isa_probe_runs_once_in_the_background(monkeypatch):
     assert _cpu_kernels._probe is probe
     waited = []
     monkeypatch.setattr(_cpu_kernels, "wait_isa_probe", lambda: waited.append("wait"))
-    monkeypatch.setattr(sys.modules["petfunc.compile"], "_compile_inductor_direct",
-                        lambda *args: waited.append("compile") or (lambda *inputs: inputs[0].sin()))
+    monkeypatch.setattr(
+        sys.modules["petfunc.compile"],
+        "_compile_inductor_direct",
+        lambda *args: waited.append("compile") or (lambda *inputs: inputs[0].sin()),
+    )
     compiled(x)
     assert waited == ["wait", "compile"]  # joined before inductor compiles
     probe.join()
@@ -234,5 +257,7 @@ def test_vector_isa_probe_does_not_race_the_callers_imports(tmp_path):
     )
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     for _ in range(2):
-        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+        run = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+        )
         assert run.returncode == 0 and "imports ok" in run.stdout, run.stderr[-2000:]

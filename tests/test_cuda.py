@@ -11,15 +11,13 @@ import os
 import ase.build
 import numpy as np
 import pytest
+import test_train_step as cpu_tests
 import torch
 import torch.utils._pytree as pytree
+from test_train_step import _relative, dataset, fitted  # noqa: F401 (fixtures)
 
 import petfunc
 import petfunc.ensemble as ensemble
-
-import test_train_step as cpu_tests
-from test_train_step import _relative
-from test_train_step import dataset, fitted  # noqa: F401 (fixtures)
 
 
 DEVICE = torch.device(os.environ.get("PETFUNC_TEST_DEVICE", "cuda"))
@@ -66,7 +64,9 @@ def test_energy_forces_stress_equal_cpu():
     # the autograd path (the trainer's and the calculator's eager one) agrees too
     positions, cell, neighbors = petfunc.from_atoms(frames, ADAPTIVE, dtype=F64, device=DEVICE)
     params = model.init(seed=1, dtype=F64, device=DEVICE)
-    autograd = petfunc.energy_forces_stress(model.energy, autodiff="autograd")(params, positions, cell, neighbors)
+    autograd = petfunc.energy_forces_stress(model.energy, autodiff="autograd")(
+        params, positions, cell, neighbors
+    )
     assert _relative(autograd[1], dev[1]) < 1e-10
 
 
@@ -85,7 +85,10 @@ def test_forces_are_finite_differences_of_the_energy():
             p[atom, axis] += sign * h
             shifted.append(model.energy(params, p, cell, neighbors).sum())
         numeric = -(shifted[0] - shifted[1]) / (2 * h)
-        assert abs(forces[atom, axis].item() - numeric.item()) < 1e-6 * max(1.0, abs(numeric.item())), (atom, axis)
+        assert abs(forces[atom, axis].item() - numeric.item()) < 1e-6 * max(1.0, abs(numeric.item())), (
+            atom,
+            axis,
+        )
 
 
 def test_parameter_gradients_match_metatrain_on_device(dataset, fitted):
@@ -112,7 +115,9 @@ def test_ensemble_equals_members():
     frames = _molecules()
     positions, cell, neighbors = petfunc.from_atoms(frames, ADAPTIVE, dtype=F64, device=DEVICE)
     stacked = ensemble.init(model, [0, 1, 2], dtype=F64, device=DEVICE)
-    energies, forces, stress = ensemble.energy_forces_stress(model.energy)(stacked, positions, cell, neighbors)
+    energies, forces, stress = ensemble.energy_forces_stress(model.energy)(
+        stacked, positions, cell, neighbors
+    )
     efs = petfunc.energy_forces_stress(model.energy)
     for k, member in enumerate(ensemble.unstack(stacked)):
         e, f, s = efs(member, positions, cell, neighbors)
@@ -124,8 +129,16 @@ def test_ensemble_equals_members():
 def test_hessian_equals_cpu():
     """The Hessian (reverse over reverse) on the device equals the CPU's; it is
     symmetric."""
-    config = petfunc.PETConfig(atomic_types=(1, 6, 8), d_pet=16, d_node=16, d_head=8, d_feedforward=16,
-                               num_heads=2, cutoff=4.0, num_neighbors_adaptive=6.0)
+    config = petfunc.PETConfig(
+        atomic_types=(1, 6, 8),
+        d_pet=16,
+        d_node=16,
+        d_head=8,
+        d_feedforward=16,
+        num_heads=2,
+        cutoff=4.0,
+        num_neighbors_adaptive=6.0,
+    )
     model = petfunc.PET(config)
     frames = [ase.build.molecule("CH3CH2OH")]
     frames[0].rattle(0.05, seed=3)
@@ -144,17 +157,24 @@ def test_hessian_equals_cpu():
 def test_calculator_equals_cpu(compile):
     """The ASE calculator on the device (eager, and compiled with aot_eager) gives the
     CPU's energy, forces and stress."""
-    from petfunc.ase import PETCalculator
+    from petfunc.ase.calculator import PETCalculator
 
-    config = petfunc.PETConfig(atomic_types=(6,), d_pet=16, d_node=16, d_head=8, d_feedforward=16,
-                               num_heads=2, cutoff=4.0)
+    config = petfunc.PETConfig(
+        atomic_types=(6,), d_pet=16, d_node=16, d_head=8, d_feedforward=16, num_heads=2, cutoff=4.0
+    )
     params = petfunc.PET(config).init(seed=5, dtype=F64)
     atoms = ase.build.bulk("C", "diamond", a=3.57, cubic=True).repeat((2, 1, 1))
     atoms.rattle(0.05, seed=1)
     results = {}
     for device, compiled in ((torch.device("cpu"), False), (DEVICE, compile)):  # the reference: CPU, eager
-        calc = PETCalculator(config, pytree.tree_map(lambda t: t.to(device), params), device=device,
-                             dtype=F64, compile=compiled, backend="aot_eager")
+        calc = PETCalculator(
+            config,
+            pytree.tree_map(lambda t: t.to(device), params),
+            device=device,
+            dtype=F64,
+            compile=compiled,
+            backend="aot_eager",
+        )
         a = atoms.copy()
         a.calc = calc
         results[compiled, str(device)] = (a.get_potential_energy(), a.get_forces(), a.get_stress())
@@ -174,14 +194,43 @@ def test_train_cli_compiled(tmp_path):
     epochs, with one training and one validation graph, and a restart resumes."""
     import csv
 
-    from petfunc.cli import main
+    from petfunc.cli.main import main
 
-    tiny = ["--set", "architecture.model.d_pet=16", "--set", "architecture.model.d_node=16",
-            "--set", "architecture.model.d_head=8", "--set", "architecture.model.d_feedforward=16",
-            "--set", "architecture.model.num_gnn_layers=1", "--batch-size", "4", "--no-progress"]
+    tiny = [
+        "--set",
+        "architecture.model.d_pet=16",
+        "--set",
+        "architecture.model.d_node=16",
+        "--set",
+        "architecture.model.d_head=8",
+        "--set",
+        "architecture.model.d_feedforward=16",
+        "--set",
+        "architecture.model.num_gnn_layers=1",
+        "--batch-size",
+        "4",
+        "--no-progress",
+    ]
     out = tmp_path / "run"
-    code = main(["train", "--output", str(out), "--structures", "24", "--epochs", "2", "--device", str(DEVICE),
-                 "--compile", "--backend", "aot_eager", "--dtype", "float64", *tiny])
+    code = main(
+        [
+            "train",
+            "--output",
+            str(out),
+            "--structures",
+            "24",
+            "--epochs",
+            "2",
+            "--device",
+            str(DEVICE),
+            "--compile",
+            "--backend",
+            "aot_eager",
+            "--dtype",
+            "float64",
+            *tiny,
+        ]
+    )
     assert code == 0
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert [r["epoch"] for r in rows] == ["1", "2"]
@@ -189,8 +238,21 @@ def test_train_cli_compiled(tmp_path):
     ckpt = torch.load(out / "last.ckpt", weights_only=True, map_location="cpu")
     assert ckpt["epoch"] == 2
     more = tmp_path / "more"
-    assert main(["train", "--restart", str(out / "last.ckpt"), "--epochs", "3", "--output", str(more),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--restart",
+                str(out / "last.ckpt"),
+                "--epochs",
+                "3",
+                "--output",
+                str(more),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert [r["epoch"] for r in csv.DictReader(open(more / "metrics.csv"))] == ["1", "2", "3"]
 
 
@@ -203,18 +265,26 @@ CUDA_AOTI = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("aoti", [False, pytest.param(True, marks=[pytest.mark.slow, CUDA_AOTI])],
-                         ids=["program", "aoti"])
+@pytest.mark.parametrize(
+    "aoti", [False, pytest.param(True, marks=[pytest.mark.slow, CUDA_AOTI])], ids=["program", "aoti"]
+)
 def test_export_equals_eager(tmp_path, aoti):
     """`petfunc export` for the device (the exported program, and its AOTInductor
     build) gives the eager energies, forces and strain derivatives on three sizes,
     adaptive cutoff included (float64)."""
     from petfunc import export as pexport
-    from petfunc.data import padding_sample
+    from petfunc.data.samples import padding_sample
     from petfunc.structures import collate, prepare_atoms
 
-    config = petfunc.PETConfig(atomic_types=(1, 6, 8), num_neighbors_adaptive=12.0, d_pet=16, d_node=32, d_head=16,
-                               d_feedforward=32, num_heads=2)
+    config = petfunc.PETConfig(
+        atomic_types=(1, 6, 8),
+        num_neighbors_adaptive=12.0,
+        d_pet=16,
+        d_node=32,
+        d_head=16,
+        d_feedforward=32,
+        num_heads=2,
+    )
     params = petfunc.init(config, seed=3, dtype=F64)
     path = pexport.export(config, params, tmp_path / "model.pt2", dtype=F64, device=DEVICE, aoti=aoti)
     model = pexport.load(path)
@@ -224,30 +294,51 @@ def test_export_equals_eager(tmp_path, aoti):
     for repeat in ((1, 1, 1), (2, 1, 1), (2, 2, 1)):
         atoms = ase.build.bulk("C", "diamond", a=3.57, cubic=True).repeat(repeat)
         atoms.rattle(0.05, seed=1)
-        inputs = collate([prepare_atoms(atoms, config), padding_sample(config).structure], config, dtype=F64,
-                         device=DEVICE)
+        inputs = collate(
+            [prepare_atoms(atoms, config), padding_sample(config).structure], config, dtype=F64, device=DEVICE
+        )
         for name, a, b in zip(pexport.OUTPUTS, model(*inputs), fn(on_device, *inputs)):
             assert a.device.type == DEVICE.type, name
             assert _relative(a, b) < 1e-10, name
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)],
-                         ids=["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize(
+    "backend",
+    [None, "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)],
+    ids=["eager", "aot_eager", "inductor"],
+)
 def test_long_range_calculator_equals_cpu(backend):
     """A long-range PET (P3M: the FFTs of the mesh on the device) in the calculator
     on the device, eager and compiled, gives the CPU's eager energy, forces and
     stress over MD-like moves whose edge counts change, with one graph."""
-    from petfunc.ase import PETCalculator
+    from petfunc.ase.calculator import PETCalculator
 
-    config = petfunc.PETConfig(atomic_types=(1, 6, 8), d_pet=16, d_node=24, d_head=8, d_feedforward=16, num_heads=2,
-                               long_range=dict(enable=True))
+    config = petfunc.PETConfig(
+        atomic_types=(1, 6, 8),
+        d_pet=16,
+        d_node=24,
+        d_head=8,
+        d_feedforward=16,
+        num_heads=2,
+        long_range=dict(enable=True),
+    )
     params = petfunc.PET(config).init(seed=6, dtype=F64)
     cpu = PETCalculator(config, params, dtype=F64)
-    dev = PETCalculator(config, pytree.tree_map(lambda t: t.to(DEVICE), params), device=DEVICE, dtype=F64,
-                        compile=backend is not None, backend=backend or "inductor")
+    dev = PETCalculator(
+        config,
+        pytree.tree_map(lambda t: t.to(DEVICE), params),
+        device=DEVICE,
+        dtype=F64,
+        compile=backend is not None,
+        backend=backend or "inductor",
+    )
     cell = [[4.2, 0.1, 0.3], [0.8, 4.6, 0.0], [0.2, 0.5, 5.1]]
-    atoms = ase.Atoms("CHOCH", positions=[[0, 0, 0], [1.1, 0.3, 0.2], [0.5, 1.4, 0.9], [2.5, 2.2, 2.4],
-                                          [3.1, 3.0, 2.0]], cell=cell, pbc=True)
+    atoms = ase.Atoms(
+        "CHOCH",
+        positions=[[0, 0, 0], [1.1, 0.3, 0.2], [0.5, 1.4, 0.9], [2.5, 2.2, 2.4], [3.1, 3.0, 2.0]],
+        cell=cell,
+        pbc=True,
+    )
     edges = set()
     for k in range(3):
         atoms.positions += np.random.default_rng(k).normal(scale=0.08, size=atoms.positions.shape)

@@ -13,10 +13,11 @@ import torch
 
 import petfunc
 from petfunc import distributed as pdist
-from petfunc.train import init_state, make_train_step
+from petfunc.train.step import init_state, make_train_step
+
 
 sys.path.insert(0, str(Path(__file__).parent))
-import dist_worker as W  # noqa: E402
+import dist_worker as W
 
 
 WORKER = Path(__file__).parent / "dist_worker.py"
@@ -36,10 +37,25 @@ def _launch(args, world_size=2, timeout=120, extra_env=None, only_rank0=False):
     procs = []
     t0 = time.perf_counter()
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", **(extra_env or {}))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            **(extra_env or {}),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     results = []
     try:
         for p in procs:
@@ -86,8 +102,15 @@ def reference(tmp_path_factory):
     for i in range(W.SUM_STEPS):
         summed, metrics = summed_step(summed, W.batch(data, w, c, W.GLOBAL_BATCHES[i]))
         summed_losses.append(float(metrics["loss"]))
-    return {"state3": state3, "state5": state, "losses": losses, "dir": out, "setup": (data, w, c, optimizer),
-            "summed": summed, "summed_losses": summed_losses}
+    return {
+        "state3": state3,
+        "state5": state,
+        "losses": losses,
+        "dir": out,
+        "setup": (data, w, c, optimizer),
+        "summed": summed,
+        "summed_losses": summed_losses,
+    }
 
 
 def test_shard_batches_cover_union_with_equal_steps():
@@ -147,8 +170,11 @@ def test_two_processes_equal_union_batch_and_checkpoints_cross_world_sizes(refer
 
 
 def test_failing_rank_stops_the_run(tmp_path):
-    results, seconds = _launch(["fail", str(tmp_path)], timeout=90,
-                               extra_env={"PETFUNC_TEST_FAIL_RANK": "1", "PETFUNC_DIST_TIMEOUT": "20"})
+    results, seconds = _launch(
+        ["fail", str(tmp_path)],
+        timeout=90,
+        extra_env={"PETFUNC_TEST_FAIL_RANK": "1", "PETFUNC_DIST_TIMEOUT": "20"},
+    )
     (rc0, err0), (rc1, err1) = results
     assert rc1 != 0 and "injected failure on rank 1" in err1
     assert rc0 != 0 and "DistributedError" in err0 and "another rank stopped" in err0, err0[-3000:]
@@ -158,8 +184,12 @@ def test_failing_rank_stops_the_run(tmp_path):
 
 def test_stuck_rank_times_out(tmp_path):
     """A rank that never reaches the collective: the others raise after the timeout."""
-    results, seconds = _launch(["fail", str(tmp_path)], timeout=90, only_rank0=True,
-                               extra_env={"PETFUNC_TEST_HANG_RANK": "1", "PETFUNC_DIST_TIMEOUT": "5"})
+    results, seconds = _launch(
+        ["fail", str(tmp_path)],
+        timeout=90,
+        only_rank0=True,
+        extra_env={"PETFUNC_TEST_HANG_RANK": "1", "PETFUNC_DIST_TIMEOUT": "5"},
+    )
     rc0, err0 = results[0]
     assert rc0 != 0 and "DistributedError" in err0 and "5 s timeout" in err0, err0[-3000:]
     assert seconds < 80
@@ -171,16 +201,43 @@ def test_ranks_with_other_options_are_refused(tmp_path):
     and the seed) stop before training with the same error naming the differences;
     they trained a different model without a word."""
     port = _free_port()
-    common = [sys.executable, "-m", "petfunc", "train", "--structures", "12", "--epochs", "1", "--no-progress",
-              "--threads", "1", "-o", str(tmp_path / "run"), "-s", "architecture.model.d_pet=8",
-              "-s", "architecture.model.num_gnn_layers=1"]
+    common = [
+        sys.executable,
+        "-m",
+        "petfunc",
+        "train",
+        "--structures",
+        "12",
+        "--epochs",
+        "1",
+        "--no-progress",
+        "--threads",
+        "1",
+        "-o",
+        str(tmp_path / "run"),
+        "-s",
+        "architecture.model.d_pet=8",
+        "-s",
+        "architecture.model.num_gnn_layers=1",
+    ]
     extra = [["--lr", "1e-3"], ["--lr", "3e-3", "--seed", "5"]]
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", PETFUNC_DIST_TIMEOUT="60")
-        procs.append(subprocess.Popen(common + extra[rank], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PETFUNC_DIST_TIMEOUT="60",
+        )
+        procs.append(
+            subprocess.Popen(
+                common + extra[rank], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     try:
         errors = [p.communicate(timeout=180)[1] for p in procs]
     finally:
@@ -191,7 +248,9 @@ def test_ranks_with_other_options_are_refused(tmp_path):
         assert p.returncode == 2, err[-2000:]
         assert "the processes do not train the same run" in err, err[-2000:]
     # rank 0 names the differences, the others point to it
-    assert "rank 1: seed: 0 -> 5; architecture.training.learning_rate: 0.001 -> 0.003" in errors[0], errors[0][-3000:]
+    assert "rank 1: seed: 0 -> 5; architecture.training.learning_rate: 0.001 -> 0.003" in errors[0], errors[
+        0
+    ][-3000:]
     assert "rank 0's error names the differences" in errors[1] and "learning_rate" not in errors[1]
     assert not (tmp_path / "run" / "last.ckpt").exists()
 
@@ -201,8 +260,13 @@ def test_partial_environment_is_an_error():
     rank 0 and wait for the others until the timeout, without a word."""
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     env.pop("RANK", None)
-    done = subprocess.run([sys.executable, "-c", "import petfunc.distributed as d; d.init_from_env(device='cpu')"],
-                          env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", "import petfunc.distributed.process as d; d.init_from_env(device='cpu')"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode != 0 and "RANK not set: start with torchrun" in done.stderr, done.stderr[-2000:]
 
 
@@ -214,7 +278,7 @@ def test_petfunc_train_under_torchrun_equals_one_process(tmp_path):
     import inspect
     import shutil
 
-    import petfunc.cli
+    import petfunc.cli.main
 
     if "petfunc.distributed" not in inspect.getsource(petfunc.cli):
         pytest.skip("petfunc.cli is not wired to petfunc.distributed")
@@ -223,26 +287,75 @@ def test_petfunc_train_under_torchrun_equals_one_process(tmp_path):
         pytest.skip("no torchrun")
     # 40 structures, 5 for validation: an odd count, so the ranks' validation shards
     # differ (3 and 2) and every structure must still be evaluated once
-    common = ["train", "--structures", "40", "-s", "validation_set=0.125", "--epochs", "2", "--dtype", "float64", "--no-compile",
-              "--no-progress", "--threads", "1",
-              "-s", "architecture.model.d_pet=8", "-s", "architecture.model.d_head=8",
-              "-s", "architecture.model.d_node=16", "-s", "architecture.model.d_feedforward=16",
-              "-s", "architecture.model.num_gnn_layers=1"]
+    common = [
+        "train",
+        "--structures",
+        "40",
+        "-s",
+        "validation_set=0.125",
+        "--epochs",
+        "2",
+        "--dtype",
+        "float64",
+        "--no-compile",
+        "--no-progress",
+        "--threads",
+        "1",
+        "-s",
+        "architecture.model.d_pet=8",
+        "-s",
+        "architecture.model.d_head=8",
+        "-s",
+        "architecture.model.d_node=16",
+        "-s",
+        "architecture.model.d_feedforward=16",
+        "-s",
+        "architecture.model.num_gnn_layers=1",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    two = subprocess.run([torchrun, "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-                          "-m", "petfunc", *common, "--batch-size", "4", "-o", str(tmp_path / "two")],
-                         env=env, capture_output=True, text=True, timeout=300)
+    two = subprocess.run(
+        [
+            torchrun,
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}",
+            "-m",
+            "petfunc",
+            *common,
+            "--batch-size",
+            "4",
+            "-o",
+            str(tmp_path / "two"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
-    one = subprocess.run([sys.executable, "-m", "petfunc", *common, "--batch-size", "8", "-o", str(tmp_path / "one")],
-                         env=env, capture_output=True, text=True, timeout=300)
+    one = subprocess.run(
+        [sys.executable, "-m", "petfunc", *common, "--batch-size", "8", "-o", str(tmp_path / "one")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     a = torch.load(tmp_path / "one" / "last.ckpt", weights_only=True)
     b = torch.load(tmp_path / "two" / "last.ckpt", weights_only=True)
     assert a["step"] == b["step"]
     _assert_close(b["params"], a["params"])
     for row_a, row_b in zip(a["history"], b["history"]):
-        for key in ("train_loss", "train_energy_rmse", "train_forces_rmse", "train_stress_rmse", "val_loss",
-                    "val_energy_rmse", "val_forces_rmse", "val_stress_rmse"):
+        for key in (
+            "train_loss",
+            "train_energy_rmse",
+            "train_forces_rmse",
+            "train_stress_rmse",
+            "val_loss",
+            "val_energy_rmse",
+            "val_forces_rmse",
+            "val_stress_rmse",
+        ):
             assert abs(row_a[key] - row_b[key]) <= 1e-10 * abs(row_a[key]), key
     # rank 0 alone wrote: one output folder, no other
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]

@@ -3,23 +3,31 @@ petfunc calculator, step for step."""
 
 import warnings
 
+import ase.build
 import numpy as np
 import pytest
 import torch
-
-import ase.build
 from ase import units
 from ase.constraints import FixAtoms
 from ase.md.langevin import Langevin as AseLangevin
 from ase.md.verlet import VelocityVerlet as AseVerlet
 
 import petfunc
-from petfunc.ase import PETCalculator
+from petfunc.ase.calculator import PETCalculator
 from petfunc.dynamics import Langevin, run
 
 
-CONFIG = petfunc.PETConfig(atomic_types=(1, 6, 8, 29), cutoff=4.0, d_pet=8, d_head=8, d_node=16,
-                           d_feedforward=16, num_heads=2, num_gnn_layers=1, num_attention_layers=1)
+CONFIG = petfunc.PETConfig(
+    atomic_types=(1, 6, 8, 29),
+    cutoff=4.0,
+    d_pet=8,
+    d_head=8,
+    d_node=16,
+    d_feedforward=16,
+    num_heads=2,
+    num_gnn_layers=1,
+    num_attention_layers=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +76,15 @@ def test_velocity_verlet_follows_ase(params, max_atoms):
     stays put; the observer sees every step."""
     frames = _structures()
     seen = []
-    result = run(CONFIG, params, frames, steps=25, timestep=0.5 * units.fs, max_atoms=max_atoms,
-                 observer=lambda step, atoms: seen.append((step, atoms[1].get_potential_energy())))
+    result = run(
+        CONFIG,
+        params,
+        frames,
+        steps=25,
+        timestep=0.5 * units.fs,
+        max_atoms=max_atoms,
+        observer=lambda step, atoms: seen.append((step, atoms[1].get_potential_energy())),
+    )
     references = [_ase_run(a, params, lambda x: AseVerlet(x, 0.5 * units.fs), 25) for a in frames]
     _compare(result, references)
     assert [s for s, _ in seen] == list(range(26))
@@ -78,7 +93,7 @@ def test_velocity_verlet_follows_ase(params, max_atoms):
     assert not np.allclose(result.atoms[0].positions, frames[0].positions, atol=1e-3)
     total = result.potential_energy + result.kinetic_energy
     assert np.abs(total[:, 1] - total[0, 1]).max() < 1e-8  # NVE: the copper cell's total energy
-    assert np.ptp(result.kinetic_energy[:, 1]) > 1e-5           # while its kinetic energy moves
+    assert np.ptp(result.kinetic_energy[:, 1]) > 1e-5  # while its kinetic energy moves
 
 
 @pytest.mark.parametrize("fix_com", [False, True])
@@ -86,14 +101,31 @@ def test_langevin_follows_ase(params, fix_com):
     """Langevin with the same random generators as ASE's takes its trajectory."""
     frames = _structures()[:2]
     thermostat = Langevin(temperature_K=500, friction=0.02 / units.fs, fix_com=fix_com)
-    result = run(CONFIG, params, frames, steps=20, timestep=0.5 * units.fs, integrator=thermostat,
-                 rngs=[np.random.default_rng(i) for i in range(2)])
+    result = run(
+        CONFIG,
+        params,
+        frames,
+        steps=20,
+        timestep=0.5 * units.fs,
+        integrator=thermostat,
+        rngs=[np.random.default_rng(i) for i in range(2)],
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # ASE's fixcm deprecation
         references = [
-            _ase_run(a, params, lambda x, i=i: AseLangevin(x, 0.5 * units.fs, temperature_K=500,
-                                                           friction=0.02 / units.fs, fixcm=fix_com,
-                                                           rng=np.random.default_rng(i)), 20)
+            _ase_run(
+                a,
+                params,
+                lambda x, i=i: AseLangevin(
+                    x,
+                    0.5 * units.fs,
+                    temperature_K=500,
+                    friction=0.02 / units.fs,
+                    fixcm=fix_com,
+                    rng=np.random.default_rng(i),
+                ),
+                20,
+            )
             for i, a in enumerate(frames)
         ]
     _compare(result, references)
@@ -108,17 +140,28 @@ def test_compiled_dynamics_one_graph(params):
     pytest.importorskip("torch._dynamo")
     frames = _structures()
     eager = run(CONFIG, params, frames, steps=8, timestep=0.5 * units.fs)
-    compiled = run(CONFIG, params, frames, steps=8, timestep=0.5 * units.fs, compile=True, backend="aot_eager",
-                   max_atoms=10)
+    compiled = run(
+        CONFIG,
+        params,
+        frames,
+        steps=8,
+        timestep=0.5 * units.fs,
+        compile=True,
+        backend="aot_eager",
+        max_atoms=10,
+    )
     assert compiled.compiled_graphs == 1 and eager.compiled_graphs == 0
     np.testing.assert_allclose(compiled.potential_energy, eager.potential_energy, atol=1e-9)
 
 
 def test_dynamics_arguments(params):
     frames = _structures()[:1]
-    for bad, error in (({"steps": -1}, ValueError), ({"timestep": 0.0}, ValueError),
-                       ({"integrator": "langevin"}, TypeError),
-                       ({"integrator": Langevin(300, 0.01), "rngs": [np.random.default_rng(0)] * 2}, ValueError)):
+    for bad, error in (
+        ({"steps": -1}, ValueError),
+        ({"timestep": 0.0}, ValueError),
+        ({"integrator": "langevin"}, TypeError),
+        ({"integrator": Langevin(300, 0.01), "rngs": [np.random.default_rng(0)] * 2}, ValueError),
+    ):
         with pytest.raises(error):
             run(CONFIG, params, frames, **{"steps": 2, "timestep": 1.0, **bad})
     with pytest.raises(ValueError, match="temperature_K"):

@@ -8,19 +8,17 @@ single-model evaluations or training steps, in float64.
 """
 
 import dataclasses
-
 import warnings
 
 import pytest
 import torch
 import torch.utils._pytree as pytree
+import toy
 from torch.func import grad, vmap
 
 import petfunc
 import petfunc.ensemble as ensemble
-from petfunc import _vmap_rules
-
-import toy
+from petfunc._torch import vmap_rules as _vmap_rules
 
 
 F64 = torch.float64
@@ -28,13 +26,28 @@ RTOL = 1e-9
 
 # two GNN layers, a node stream wider than the edges, SwiGLU: every PET code path
 TINY = petfunc.PETConfig(
-    atomic_types=(1, 6, 7, 8), d_pet=4, d_node=8, d_head=4, d_feedforward=4, num_heads=2,
-    cutoff=4.0, num_gnn_layers=2, num_attention_layers=1,
+    atomic_types=(1, 6, 7, 8),
+    d_pet=4,
+    d_node=8,
+    d_head=4,
+    d_feedforward=4,
+    num_heads=2,
+    cutoff=4.0,
+    num_gnn_layers=2,
+    num_attention_layers=1,
 )
 # the smallest PET, for traced and compiled checks (their cost grows with the graph)
 MINI = petfunc.PETConfig(
-    atomic_types=(1, 6, 7, 8), d_pet=4, d_node=4, d_head=4, d_feedforward=4, num_heads=1,
-    cutoff=4.0, num_gnn_layers=1, num_attention_layers=1, activation="SiLU",
+    atomic_types=(1, 6, 7, 8),
+    d_pet=4,
+    d_node=4,
+    d_head=4,
+    d_feedforward=4,
+    num_heads=1,
+    cutoff=4.0,
+    num_gnn_layers=1,
+    num_attention_layers=1,
+    activation="SiLU",
 )
 SHAPES = [(3, 0), (2, 1), (5, 2)]  # (structures, seed): different atom/edge/width counts
 
@@ -104,12 +117,20 @@ def test_rules_equal_pytorch_rules():
         # scatter_add / gather: every combination of batched self, index, src
         (lambda x: torch.zeros(4, 6).scatter_add(1, index, x), (a,), (0,)),
         (lambda s, x: s.scatter_add(1, index, x), (torch.randn(3, 4, 6, generator=g), a), (0, 0)),
-        (lambda s, i: s.scatter_add(1, i, a[0]), (torch.randn(4, 6), index[None].expand(3, 4, 5) % 6), (None, 0)),
+        (
+            lambda s, i: s.scatter_add(1, i, a[0]),
+            (torch.randn(4, 6), index[None].expand(3, 4, 5) % 6),
+            (None, 0),
+        ),
         (lambda x: x.gather(1, index), (torch.randn(3, 4, 6, generator=g),), (0,)),
         (lambda i: a[0].gather(1, i), (index[None].expand(3, 4, 5) % 5,), (0,)),
         # slice_backward and the layer-norm pair, through a gradient
         (lambda x: grad(lambda y: (y[:, 1:3] ** 3).sum())(x), (a,), (0,)),
-        (lambda w: torch.nn.functional.layer_norm(a[0], (5,), w, None), (torch.randn(3, 5, generator=g),), (0,)),
+        (
+            lambda w: torch.nn.functional.layer_norm(a[0], (5,), w, None),
+            (torch.randn(3, 5, generator=g),),
+            (0,),
+        ),
         (lambda x: grad(lambda y: torch.nn.functional.layer_norm(y, (5,)).pow(3).sum())(x), (a,), (0,)),
         # mm and bmm (torch 2.11's rules call matmul, which reads integer sizes):
         # batched on either side, both, a batch dimension that is not first
@@ -119,7 +140,11 @@ def test_rules_equal_pytorch_rules():
         (lambda x, w: torch.addmm(c[0, :2], x, w), (a, torch.randn(3, 5, 2, generator=g)), (0, 0)),
         (lambda x: torch.bmm(x, a.transpose(1, 2)), (torch.randn(2, 3, 7, 5, generator=g),), (0,)),
         (lambda w: torch.bmm(a, w), (torch.randn(3, 2, 5, 6, generator=g),), (1,)),
-        (lambda x, w: torch.bmm(x, w), (torch.randn(2, 3, 7, 5, generator=g), a.transpose(1, 2)[None].expand(2, 3, 5, 4)), (0, 0)),
+        (
+            lambda x, w: torch.bmm(x, w),
+            (torch.randn(2, 3, 7, 5, generator=g), a.transpose(1, 2)[None].expand(2, 3, 5, 4)),
+            (0, 0),
+        ),
     ]
     for i, (fn, args, dims) in enumerate(cases):
         ours, theirs = _vmapped(fn, *args, in_dims=dims)
@@ -164,7 +189,9 @@ def test_init_stack_unstack():
     state = petfunc.TrainState(params, (torch.zeros(2),))
     doubled = petfunc.tree.tree_map(lambda t: 2 * t, state)
     assert type(doubled) is petfunc.TrainState and isinstance(doubled.opt_state, tuple)
-    assert torch.equal(petfunc.tree.flatten(doubled.params)["energy_scale"], 2 * petfunc.tree.flatten(params)["energy_scale"])
+    assert torch.equal(
+        petfunc.tree.flatten(doubled.params)["energy_scale"], 2 * petfunc.tree.flatten(params)["energy_scale"]
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -241,7 +268,9 @@ def test_member_batches():
         ref_state, ref_metrics = step(ensemble.member_state(state, i), batches[i])
         _assert_trees_close(
             (ensemble.member_state(new, i), {k: v[i] for k, v in metrics.items()}),
-            (ref_state, ref_metrics), 1e-12, f"member {i}",
+            (ref_state, ref_metrics),
+            1e-12,
+            f"member {i}",
         )
     other = toy.labelled_batch(TINY, 3, seed=5)
     with pytest.raises(ValueError, match="neighbour graph"):
@@ -273,12 +302,21 @@ def _check_compiled_ensemble(config_or_toy, backend, traced_only=False, train=Tr
     if efs:
         fn = ensemble.energy_forces_stress(energy_fn)
         compiled = petfunc.compile(fn, params, b0.positions, b0.cell, b0.neighbors, backend=backend)
-        checks.append(("E/F/S", compiled, lambda c, b: (params, b.positions, b.cell, b.neighbors),
-                       lambda b: _members_efs(energy_fn, params, b)))
+        checks.append(
+            (
+                "E/F/S",
+                compiled,
+                lambda c, b: (params, b.positions, b.cell, b.neighbors),
+                lambda b: _members_efs(energy_fn, params, b),
+            )
+        )
     if train:
-        compiled = petfunc.compile(ensemble.make_train_step(train_fn, optimizer, weights), state, b0, backend=backend)
-        checks.append(("train step", compiled, lambda c, b: (state, b),
-                       lambda b: _members_step(single_step, state, b)))
+        compiled = petfunc.compile(
+            ensemble.make_train_step(train_fn, optimizer, weights), state, b0, backend=backend
+        )
+        checks.append(
+            ("train step", compiled, lambda c, b: (state, b), lambda b: _members_step(single_step, state, b))
+        )
     worst = {}
     for name, compiled, args, reference in checks:
         worst[name] = 0.0
@@ -320,7 +358,9 @@ def test_compiled_pet_ensemble(backend):
 def test_compiled_long_range_ensemble(backend):
     """Long-range features (Ewald for the cells, direct sums for the molecules of
     these batches) in the compiled vmap'd E/F/S and training step."""
-    config = dataclasses.replace(MINI, d_head=32, long_range=petfunc.config.LongRangeConfig(enable=True, kspace_resolution=1.0))
+    config = dataclasses.replace(
+        MINI, d_head=32, long_range=petfunc.config.LongRangeConfig(enable=True, kspace_resolution=1.0)
+    )
     assert toy.labelled_batch(config, 3, 0).neighbors.long_range.periodic.tolist() == [True, False, True]
     worst = _check_compiled_ensemble(config, backend)
     print(f"long-range PET ensemble {backend}: max relative errors {worst}")

@@ -14,14 +14,14 @@ import ase.build
 import numpy as np
 import pytest
 import torch
+from test_long_range import _params as perturbed_params  # random weights with non-trivial charges
 
 import petfunc
 from petfunc import export as pexport
-from petfunc.ase import PETCalculator
-from petfunc.cli import main
-from petfunc.data import padding_sample
+from petfunc.ase.calculator import PETCalculator
+from petfunc.cli.main import main
+from petfunc.data.samples import padding_sample
 from petfunc.structures import collate, prepare_atoms
-from test_long_range import _params as perturbed_params  # random weights with non-trivial charges
 
 
 SMALL = dict(d_pet=16, d_node=32, d_head=16, d_feedforward=32, num_heads=2)
@@ -60,7 +60,9 @@ def exported(tmp_path_factory):
 
 
 def reference(params, atoms):
-    inputs = collate([prepare_atoms(atoms, CONFIG), padding_sample(CONFIG).structure], CONFIG, dtype=torch.float64)
+    inputs = collate(
+        [prepare_atoms(atoms, CONFIG), padding_sample(CONFIG).structure], CONFIG, dtype=torch.float64
+    )
     fn = petfunc.derivatives.energy_terms_forces_strain_derivative(petfunc.PET(CONFIG).energy_terms)
     return inputs, fn(params, *inputs)
 
@@ -89,7 +91,9 @@ def test_exported_calculator_equals_eager_calculator(exported):
         for calc in (exported_calc, eager_calc):
             calc.calculate(atoms.copy(), properties)
         for key in properties:
-            np.testing.assert_allclose(exported_calc.results[key], eager_calc.results[key], rtol=1e-11, atol=1e-11, err_msg=key)
+            np.testing.assert_allclose(
+                exported_calc.results[key], eager_calc.results[key], rtol=1e-11, atol=1e-11, err_msg=key
+            )
 
 
 def test_export_errors(exported, tmp_path):
@@ -105,7 +109,9 @@ def test_export_errors(exported, tmp_path):
     with pytest.raises(ValueError, match="no AOTInductor"):
         pexport.load(path, aoti=True)
     # a lone structure without the padding molecule has sizes below 2
-    positions, cell, neighbors = collate([prepare_atoms(ase.build.molecule("H2O"), CONFIG)], CONFIG, dtype=torch.float64)
+    positions, cell, neighbors = collate(
+        [prepare_atoms(ase.build.molecule("H2O"), CONFIG)], CONFIG, dtype=torch.float64
+    )
     with pytest.raises(ValueError, match="at least 2"):
         model(positions, cell, neighbors)
     calc = PETCalculator(CONFIG, exported=model)
@@ -117,7 +123,7 @@ def test_export_errors(exported, tmp_path):
         PETCalculator(CONFIG, exported=model, dtype=torch.float32)  # it was ignored
     # an export given to the loaders of other files: they named torch's "corrupted
     # checkpoint" error or metatrain, not from_exported
-    from petfunc.trainer import load_model
+    from petfunc.trainer.fit import load_model
 
     for load in (petfunc.load_params, petfunc.from_metatrain, load_model, PETCalculator.from_checkpoint):
         with pytest.raises(ValueError, match=r"is a model written by petfunc export.*from_exported"):
@@ -191,12 +197,18 @@ def test_export_for_another_device_is_traced_on_the_cpu(monkeypatch):
 
     compile_module = importlib.import_module("petfunc.compile")
     own = compile_module._trace_device
-    monkeypatch.setattr(compile_module, "_trace_device",
-                        lambda tensors: torch.device("cpu") if tensors[0].device.type == "meta" else own(tensors))
+    monkeypatch.setattr(
+        compile_module,
+        "_trace_device",
+        lambda tensors: torch.device("cpu") if tensors[0].device.type == "meta" else own(tensors),
+    )
     program, example = pexport.trace(CONFIG, make_params(), torch.float64, "meta")
     assert {t.device.type for t in example} == {"meta"}
-    constants = [v for v in list(program.constants.values()) + list(program.state_dict.values())
-                 if isinstance(v, torch.Tensor)]
+    constants = [
+        v
+        for v in list(program.constants.values()) + list(program.state_dict.values())
+        if isinstance(v, torch.Tensor)
+    ]
     assert constants and all(v.device.type == "meta" for v in constants)
     out = program.module()(*example)
     assert len(out) == len(pexport.OUTPUTS) and all(t.device.type == "meta" for t in out)
@@ -213,7 +225,16 @@ def test_aoti_build_is_the_default_on_the_cpu_only(monkeypatch, tmp_path):
     assert not pexport.default_aoti("cuda") and not pexport.default_aoti("cuda:1")
     asked = []
 
-    def recorder(config, params, path, dtype=torch.float32, device="cpu", aoti=None, inductor_configs=None, long_range=None):
+    def recorder(
+        config,
+        params,
+        path,
+        dtype=torch.float32,
+        device="cpu",
+        aoti=None,
+        inductor_configs=None,
+        long_range=None,
+    ):
         asked.append((str(device), aoti))
         path = Path(path)
         path.write_bytes(b"")
@@ -221,8 +242,12 @@ def test_aoti_build_is_the_default_on_the_cpu_only(monkeypatch, tmp_path):
 
     monkeypatch.setattr(pexport, "export", recorder)
     monkeypatch.setattr("petfunc.trainer.load_model", lambda *args, **kwargs: (CONFIG, make_params()))
-    for flags, expected in (([], ("cpu", True)), (["--device", "cuda"], ("cuda", False)),
-                            (["--device", "cuda", "--aoti"], ("cuda", True)), (["--no-aoti"], ("cpu", False))):
+    for flags, expected in (
+        ([], ("cpu", True)),
+        (["--device", "cuda"], ("cuda", False)),
+        (["--device", "cuda", "--aoti"], ("cuda", True)),
+        (["--no-aoti"], ("cpu", False)),
+    ):
         assert cli.main(["export", "model.ckpt", str(tmp_path / "m.pt2"), *flags]) == 0
         assert asked[-1] == expected, flags
     with pytest.raises(SystemExit):
@@ -248,8 +273,12 @@ def lr_structures():
     longer = ase.build.bulk("C", "diamond", a=3.6, cubic=True).repeat((3, 1, 1))  # 32 x 8 x 8
     longer.rattle(0.1, seed=2)
     # a chain along a short c vector (1.9 Å: 4 mesh points), triclinic
-    chain = ase.Atoms("CO", positions=[[0.1, 0.2, 0.0], [0.3, -0.1, 0.95]],
-                      cell=[[5.0, 0.3, 0.0], [0.4, 5.5, 0.2], [0.1, 0.0, 1.9]], pbc=True)
+    chain = ase.Atoms(
+        "CO",
+        positions=[[0.1, 0.2, 0.0], [0.3, -0.1, 0.95]],
+        cell=[[5.0, 0.3, 0.0], [0.4, 5.5, 0.2], [0.1, 0.0, 1.9]],
+        pbc=True,
+    )
     methanol = ase.build.molecule("CH3OH")
     methanol.rattle(0.03, seed=3)
     water = ase.build.molecule("H2O")
@@ -319,8 +348,9 @@ def test_long_range_export_errors_and_calculator(lr_exported):
             for calc in (exported_calc, eager_calc):
                 calc.calculate(atoms.copy(), properties)
             for key in properties:
-                np.testing.assert_allclose(exported_calc.results[key], eager_calc.results[key],
-                                           rtol=1e-11, atol=1e-11, err_msg=key)
+                np.testing.assert_allclose(
+                    exported_calc.results[key], eager_calc.results[key], rtol=1e-11, atol=1e-11, err_msg=key
+                )
     else:
         # the calculator on an Ewald artifact builds Ewald inputs
         calc = PETCalculator.from_exported(path)
@@ -328,7 +358,9 @@ def test_long_range_export_errors_and_calculator(lr_exported):
             calc.calculate(atoms.copy(), ["energy", "forces"])
             _, (energy, _, forces, _) = lr_reference(params, [atoms], "ewald")
             np.testing.assert_allclose(calc.results["energy"], float(energy[0]), rtol=1e-11)
-            np.testing.assert_allclose(calc.results["forces"], forces[: len(atoms)].numpy(), rtol=1e-10, atol=1e-11)
+            np.testing.assert_allclose(
+                calc.results["forces"], forces[: len(atoms)].numpy(), rtol=1e-10, atol=1e-11
+            )
     positions, cell, neighbors = collate(structures, LR_CONFIG, dtype=torch.float64)
     with pytest.raises(ValueError, match="carry no long-range inputs"):
         model(positions, cell, neighbors._replace(long_range=None))
@@ -342,7 +374,7 @@ def test_long_range_aoti_artifact_equals_eager(tmp_path):
     2.13, whose AOTInductor miscompiles the P3M strain derivative (measured on 2.11:
     wrong by about 100 % for a crystal, also after the fixes that made petfunc.compile
     right there), the build is refused and not the default."""
-    from petfunc.long_range import P3M_AOTI_CORRECT
+    from petfunc.model.long_range import P3M_AOTI_CORRECT
 
     params = lr_params()
     if not P3M_AOTI_CORRECT:

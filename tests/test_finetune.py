@@ -23,12 +23,12 @@ import torch
 
 import petfunc
 from petfunc import lora, tree
-from petfunc.cli import make_default_dataset
-from petfunc.data import make_batch, sample_from_atoms
+from petfunc.cli.main import make_default_dataset
+from petfunc.data.samples import make_batch, sample_from_atoms
+from petfunc.train.step import HEADS, trainable
+from petfunc.trainer.fit import fit, load_model
+from petfunc.trainer.options import resolve_options, trained_parameters
 
-from petfunc.options import resolve_options, trained_parameters
-from petfunc.train import HEADS, trainable
-from petfunc.trainer import fit, load_model
 
 try:  # the metatrain comparisons need the test extra
     import mtt_reference as ref
@@ -66,7 +66,9 @@ def _batch_and_labels():
         s.energy = float(labels.normal())
         s.forces = labels.normal(size=(len(atoms), 3))
         samples.append(s)
-    batch = make_batch(samples, CONFIG, params["composition_weights"].numpy(), 1.0, dtype=torch.float64, pad=False)
+    batch = make_batch(
+        samples, CONFIG, params["composition_weights"].numpy(), 1.0, dtype=torch.float64, pad=False
+    )
     return frames, params, batch
 
 
@@ -84,13 +86,16 @@ def _metatrain_step(model, frames, batch):
 
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    systems = [get_system_with_neighbor_lists(s, model.requested_neighbor_lists())
-               for s in systems_to_torch(frames, dtype=torch.float64)]
+    systems = [
+        get_system_with_neighbor_lists(s, model.requested_neighbor_lists())
+        for s in systems_to_torch(frames, dtype=torch.float64)
+    ]
     info = get_energy_target_info("energy", {"quantity": "energy", "unit": "eV"}, add_position_gradients=True)
     out = evaluate_model(model, systems, {"energy": info}, is_training=True)["energy"].block()
     n = torch.tensor([len(a) for a in frames], dtype=torch.float64)
     loss = ((out.values[:, 0] - batch.energy) / n).pow(2).mean() + (
-        out.gradient("positions").values[:, :, 0] + batch.forces).pow(2).mean()
+        out.gradient("positions").values[:, :, 0] + batch.forces
+    ).pow(2).mean()
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     optimizer.step()
@@ -103,7 +108,11 @@ def _compare_updates(model, before, after, metrics, loss, norm):
     assert abs(norm.item() - metrics["grad_norm"].item()) <= 1e-10 * norm.item()
     moved = 0
     for name, parameter in model.named_parameters():
-        key = name.removeprefix("backend.").replace(".linear.weight", ".weight").replace(".linear.bias", ".bias")
+        key = (
+            name.removeprefix("backend.")
+            .replace(".linear.weight", ".weight")
+            .replace(".linear.bias", ".bias")
+        )
         if ".lora_" in key:
             key = "lora." + key
         if parameter.requires_grad:
@@ -127,17 +136,28 @@ def test_heads_step_equals_metatrain():
     assert float(metrics["grad_norm"]) > CLIP
     assert set(state.opt_state.mu) == {k for k in tree.flatten(params) if k.startswith(HEADS)}
     # the data-parallel step (one process here) takes the same selection
-    from petfunc.distributed import DataParallel
+    from petfunc.distributed.process import DataParallel
 
     dp_state, _ = DataParallel(petfunc.PET(CONFIG), optimizer, WEIGHTS, CLIP, train=HEADS).step(state, batch)
     for key, value in tree.flatten(dp_state.params).items():
-        torch.testing.assert_close(value, tree.flatten(new_state.params)[key], rtol=1e-12, atol=1e-15, msg=key)
+        torch.testing.assert_close(
+            value, tree.flatten(new_state.params)[key], rtol=1e-12, atol=1e-15, msg=key
+        )
 
     model = ref.make_model(CONFIG)
     ref.load_params(model, params)
-    model = apply_finetuning_strategy(model, {"method": "heads", "read_from": "-", "inherit_heads": {}, "config": {
-        "head_modules": ["node_heads", "edge_heads"], "last_layer_modules": ["node_last_layers", "edge_last_layers"],
-    }})
+    model = apply_finetuning_strategy(
+        model,
+        {
+            "method": "heads",
+            "read_from": "-",
+            "inherit_heads": {},
+            "config": {
+                "head_modules": ["node_heads", "edge_heads"],
+                "last_layer_modules": ["node_last_layers", "edge_last_layers"],
+            },
+        },
+    )
     loss, norm = _metatrain_step(model, frames, batch)
     moved = _compare_updates(model, tree.flatten(params), tree.flatten(new_state.params), metrics, loss, norm)
     assert moved >= 8
@@ -154,19 +174,26 @@ def test_lora_step_equals_metatrain(targets):
     ref.load_params(model, params)
     config = {"rank": rank, "alpha": alpha, **({"target_modules": targets} if targets else {})}
     torch.manual_seed(0)
-    model = apply_finetuning_strategy(model, {"method": "lora", "read_from": "-", "inherit_heads": {}, "config": config})
+    model = apply_finetuning_strategy(
+        model, {"method": "lora", "read_from": "-", "inherit_heads": {}, "config": config}
+    )
     # metatrain draws B like any nn.Linear weight (not zero), so the adapters change
     # the energy from the start: copy its adapter weights
     params = lora.attach(params, rank, tuple(targets or lora.DEFAULT_TARGETS))
-    adapters = {"lora." + k.removeprefix("backend."): v.detach().clone()
-                for k, v in model.state_dict().items() if ".lora_" in k}
+    adapters = {
+        "lora." + k.removeprefix("backend."): v.detach().clone()
+        for k, v in model.state_dict().items()
+        if ".lora_" in k
+    }
     assert set(adapters) == set(tree.flatten({"lora": params["lora"]})) and adapters
     params = {**params, "lora": tree.unflatten({k.removeprefix("lora."): v for k, v in adapters.items()})}
 
     pet = lora.LoRAPET(CONFIG, alpha / rank)
     optimizer = petfunc.make_optimizer(LR)
     state = petfunc.init_state(params, optimizer, lora.TRAIN)
-    new_state, metrics = petfunc.make_train_step(pet, optimizer, WEIGHTS, CLIP, train=lora.TRAIN)(state, batch)
+    new_state, metrics = petfunc.make_train_step(pet, optimizer, WEIGHTS, CLIP, train=lora.TRAIN)(
+        state, batch
+    )
     assert float(metrics["grad_norm"]) > CLIP
     loss, norm = _metatrain_step(model, frames, batch)
     moved = _compare_updates(model, tree.flatten(params), tree.flatten(new_state.params), metrics, loss, norm)
@@ -174,8 +201,12 @@ def test_lora_step_equals_metatrain(targets):
     # the merged parameters are a plain PET with the adapted function
     merged = lora.merge(params, alpha / rank)
     positions, cell, neighbors = batch.positions, batch.cell, batch.neighbors
-    torch.testing.assert_close(petfunc.PET(CONFIG).energy(merged, positions, cell, neighbors),
-                               pet.energy(params, positions, cell, neighbors), rtol=1e-13, atol=0.0)
+    torch.testing.assert_close(
+        petfunc.PET(CONFIG).energy(merged, positions, cell, neighbors),
+        pet.energy(params, positions, cell, neighbors),
+        rtol=1e-13,
+        atol=0.0,
+    )
 
 
 @needs_metatrain
@@ -187,7 +218,7 @@ def test_lora_on_a_lora_checkpoint_trains_its_adapters_on(tmp_path):
     from metatrain.pet.modules.finetuning import apply_finetuning_strategy
     from metatrain.utils.io import model_from_checkpoint
 
-    from petfunc.trainer import _load_model
+    from petfunc.trainer.fit import _load_model
 
     frames, params, batch = _batch_and_labels()
     model = ref.make_model(CONFIG)
@@ -207,27 +238,39 @@ def test_lora_on_a_lora_checkpoint_trains_its_adapters_on(tmp_path):
     assert len(wrapped) == 24  # 8 adapted linears (4 attention layers): base weight, A, B
     for key in wrapped:
         name = key.removeprefix("backend.").replace(".linear.weight", ".weight")
-        assert torch.equal(flat["lora." + name if ".lora_" in key else name], model.state_dict()[key].double()), key
+        assert torch.equal(
+            flat["lora." + name if ".lora_" in key else name], model.state_dict()[key].double()
+        ), key
     # the same function as the merged weights (which equal metatrain's, tests/test_io.py)
     _, merged = load_model(path, dtype=torch.float64)
     positions, cell, neighbors = batch.positions, batch.cell, batch.neighbors
-    torch.testing.assert_close(lora.LoRAPET(config, 3.0 / 2).energy(start, positions, cell, neighbors),
-                               petfunc.PET(config).energy(merged, positions, cell, neighbors), rtol=1e-13, atol=0.0)
+    torch.testing.assert_close(
+        lora.LoRAPET(config, 3.0 / 2).energy(start, positions, cell, neighbors),
+        petfunc.PET(config).energy(merged, positions, cell, neighbors),
+        rtol=1e-13,
+        atol=0.0,
+    )
 
     # metatrain fine-tunes it again with other LoRA settings: no new adapters
     again = model_from_checkpoint(checkpoint, "finetune").to(torch.float64)
     again = apply_finetuning_strategy(again, {**strategy, "config": {"rank": 4, "alpha": 8.0}})
-    assert sorted(k for k, p in again.named_parameters() if p.requires_grad) == \
-        sorted(k for k in model.state_dict() if ".lora_" in k)
+    assert sorted(k for k, p in again.named_parameters() if p.requires_grad) == sorted(
+        k for k in model.state_dict() if ".lora_" in k
+    )
     before = {k: v.clone() for k, v in flat.items()}
     start["composition_weights"] = params["composition_weights"]  # the batch's training units
     start["energy_scale"] = torch.ones((), dtype=torch.float64)
     optimizer = petfunc.make_optimizer(LR)
     state = petfunc.init_state(start, optimizer, lora.TRAIN)
     pet = lora.LoRAPET(config, source["alpha"] / source["rank"])
-    new_state, metrics = petfunc.make_train_step(pet, optimizer, WEIGHTS, CLIP, train=lora.TRAIN)(state, batch)
+    new_state, metrics = petfunc.make_train_step(pet, optimizer, WEIGHTS, CLIP, train=lora.TRAIN)(
+        state, batch
+    )
     loss, norm = _metatrain_step(again, frames, batch)
-    before["composition_weights"], before["energy_scale"] = start["composition_weights"], start["energy_scale"]
+    before["composition_weights"], before["energy_scale"] = (
+        start["composition_weights"],
+        start["energy_scale"],
+    )
     moved = _compare_updates(again, before, tree.flatten(new_state.params), metrics, loss, norm)
     assert moved == 16
 
@@ -245,10 +288,21 @@ def test_lora_on_a_lora_checkpoint_trains_its_adapters_on(tmp_path):
     data = tmp_path / "hco.xyz"
     ase.io.write(data, written)
     lines = []
-    options = {"seed": 2, "base_precision": 64, "training_set": str(data), "validation_set": 0.25,
-               "architecture": {"name": "pet", "training": {
-                   "batch_size": 4, "num_epochs": 1, "atomic_baseline": {"energy": 0.0},
-                   "finetune": {"read_from": str(path), "method": "lora", "config": {"rank": 4, "alpha": 8}}}}}
+    options = {
+        "seed": 2,
+        "base_precision": 64,
+        "training_set": str(data),
+        "validation_set": 0.25,
+        "architecture": {
+            "name": "pet",
+            "training": {
+                "batch_size": 4,
+                "num_epochs": 1,
+                "atomic_baseline": {"energy": 0.0},
+                "finetune": {"read_from": str(path), "method": "lora", "config": {"rank": 4, "alpha": 8}},
+            },
+        },
+    }
     fit(options, tmp_path / "run", progress=False, log=lines.append)
     assert any("training them on (rank 2, alpha 3)" in m for m in lines), lines
     assert any("LoRA adapters of rank 2 (alpha 3) on 8 layers" in m for m in lines), lines
@@ -267,9 +321,18 @@ def base(tmp_path_factory):
     options = {
         "seed": 1,
         "base_precision": 64,
-        "architecture": {"name": "pet", "model": {"d_pet": 8, "d_node": 8, "d_head": 8, "d_feedforward": 8,
-                                                  "num_heads": 2, "num_gnn_layers": 1},
-                         "training": {"batch_size": 4, "num_epochs": 1}},
+        "architecture": {
+            "name": "pet",
+            "model": {
+                "d_pet": 8,
+                "d_node": 8,
+                "d_head": 8,
+                "d_feedforward": 8,
+                "num_heads": 2,
+                "num_gnn_layers": 1,
+            },
+            "training": {"batch_size": 4, "num_epochs": 1},
+        },
         "training_set": str(data),
         "validation_set": 0.25,
     }
@@ -281,9 +344,16 @@ def _heads_options(data, checkpoint, **finetune):
     return {
         "seed": 2,
         "base_precision": 64,
-        "architecture": {"name": "pet", "training": {
-            "batch_size": 4, "num_epochs": 3, "learning_rate": 1e-2, "checkpoint_interval": 1,
-            "finetune": {"read_from": str(checkpoint), "method": "heads", **finetune}}},
+        "architecture": {
+            "name": "pet",
+            "training": {
+                "batch_size": 4,
+                "num_epochs": 3,
+                "learning_rate": 1e-2,
+                "checkpoint_interval": 1,
+                "finetune": {"read_from": str(checkpoint), "method": "heads", **finetune},
+            },
+        },
         "training_set": str(data),
         "validation_set": 0.25,
     }
@@ -294,14 +364,21 @@ def test_heads_finetuning_trains_only_the_heads_and_resumes(base, tmp_path):
     _, start = load_model(checkpoint, dtype=torch.float64)
     lines = []
     result = fit(_heads_options(data, checkpoint), tmp_path / "run", progress=False, log=lines.append)
-    assert any("fine-tuning node_heads, edge_heads, node_last_layers, edge_last_layers only" in m for m in lines)
+    assert any(
+        "fine-tuning node_heads, edge_heads, node_last_layers, edge_last_layers only" in m for m in lines
+    )
     before, after = tree.flatten(trainable(start)), tree.flatten(result.last_params)
     moved = [k for k in before if not torch.equal(before[k], after[k])]
     assert moved and all(k.startswith(HEADS) for k in moved), moved
     assert len(moved) == len([k for k in before if k.startswith(HEADS)])
     # resuming from epoch 1 gives the uninterrupted run's weights, bit for bit
-    resumed = fit(None, tmp_path / "resumed", restart=tmp_path / "run" / "epoch_1.ckpt", progress=False,
-                  log=lambda m: None)
+    resumed = fit(
+        None,
+        tmp_path / "resumed",
+        restart=tmp_path / "run" / "epoch_1.ckpt",
+        progress=False,
+        log=lambda m: None,
+    )
     a, b = tree.flatten(result.last_params), tree.flatten(resumed.last_params)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -321,12 +398,18 @@ def test_finetuning_keeps_the_composition_and_scale(base, tmp_path):
         result = fit(options, tmp_path / method, progress=False, log=lines.append)
         for key in ("composition_weights", "energy_scale"):
             assert torch.equal(result.last_params[key], start[key]), key
-        assert any("composition weights of the fine-tuning checkpoint, energy scale of the fine-tuning checkpoint"
-                   in line and "atomic_baseline given as weights are not used" in line for line in lines), lines
+        assert any(
+            "composition weights of the fine-tuning checkpoint, energy scale of the fine-tuning checkpoint"
+            in line
+            and "atomic_baseline given as weights are not used" in line
+            for line in lines
+        ), lines
     # atomic types the options add to the checkpoint's were ignored; metatrain refuses them
     options = _heads_options(data, checkpoint)
     options["architecture"]["atomic_types"] = [1, 6, 7, 8, 29, 79]
-    with pytest.raises(ValueError, match=r"'architecture.atomic_types' has type\(s\) \[.*79\] that the model of"):
+    with pytest.raises(
+        ValueError, match=r"'architecture.atomic_types' has type\(s\) \[.*79\] that the model of"
+    ):
         fit(options, None, progress=False, log=lambda m: None)
 
 
@@ -334,7 +417,10 @@ def test_heads_selection_from_options(base, tmp_path):
     data, checkpoint = base
     custom = {"config": {"head_modules": ["backend.node_heads"], "last_layer_modules": ["node_last_layers"]}}
     options = resolve_options(_heads_options(data, checkpoint, **custom))
-    assert trained_parameters(options["architecture"]["training"]["finetune"]) == ("node_heads", "node_last_layers")
+    assert trained_parameters(options["architecture"]["training"]["finetune"]) == (
+        "node_heads",
+        "node_last_layers",
+    )
     default = resolve_options(_heads_options(data, checkpoint))
     assert trained_parameters(default["architecture"]["training"]["finetune"]) == HEADS
 
@@ -346,7 +432,9 @@ def test_lora_finetuning_writes_plain_models_and_resumes(base, tmp_path):
     options = _heads_options(data, checkpoint, method="lora", config={"rank": 2, "alpha": 4})
     result = fit(options, tmp_path / "run", progress=False, log=lines.append)
     adapted = lora.target_layers(start)  # 2 attention layers, input and output linear
-    assert len(adapted) == 4 and all(k.endswith(("attention.input_linear", "attention.output_linear")) for k in adapted)
+    assert len(adapted) == 4 and all(
+        k.endswith(("attention.input_linear", "attention.output_linear")) for k in adapted
+    )
     assert any("LoRA adapters of rank 2 (alpha 4) on 4 layers" in m for m in lines), lines
     assert "lora" not in result.last_params and "lora" not in result.params
     before, after = tree.flatten(trainable(start)), tree.flatten(result.last_params)
@@ -357,39 +445,63 @@ def test_lora_finetuning_writes_plain_models_and_resumes(base, tmp_path):
         _, loaded = load_model(path, dtype=torch.float64)
         a, b = tree.flatten(loaded), tree.flatten(result.params)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    resumed = fit(None, tmp_path / "resumed", restart=tmp_path / "run" / "epoch_1.ckpt", progress=False,
-                  log=lambda m: None)
+    resumed = fit(
+        None,
+        tmp_path / "resumed",
+        restart=tmp_path / "run" / "epoch_1.ckpt",
+        progress=False,
+        log=lambda m: None,
+    )
     a, b = tree.flatten(result.last_params), tree.flatten(resumed.last_params)
     assert all(torch.equal(a[k], b[k]) for k in a)
     # options with another rank and alpha: the checkpoint's adapters and scaling go on
     # (the adapters stayed rank 2 and were scaled by the new alpha over the old rank)
     lines = []
     other = _heads_options(data, checkpoint, method="lora", config={"rank": 3, "alpha": 5})
-    resumed = fit(other, tmp_path / "resumed_other", restart=tmp_path / "run" / "epoch_1.ckpt", progress=False,
-                  log=lines.append)
+    resumed = fit(
+        other,
+        tmp_path / "resumed_other",
+        restart=tmp_path / "run" / "epoch_1.ckpt",
+        progress=False,
+        log=lines.append,
+    )
     b = tree.flatten(resumed.last_params)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any("has LoRA adapters of rank 2 (alpha 4" in line for line in lines), lines
     # another method: a clear error (it failed on the optimizer state's keys)
-    with pytest.raises(ValueError, match=r"is of a run with fine-tuning method 'lora', the options ask for "
-                                         r"fine-tuning method 'heads'"):
-        fit(_heads_options(data, checkpoint), tmp_path / "resumed_heads", restart=tmp_path / "run" / "epoch_1.ckpt",
-            progress=False, log=lambda m: None)
+    with pytest.raises(
+        ValueError,
+        match=r"is of a run with fine-tuning method 'lora', the options ask for "
+        r"fine-tuning method 'heads'",
+    ):
+        fit(
+            _heads_options(data, checkpoint),
+            tmp_path / "resumed_heads",
+            restart=tmp_path / "run" / "epoch_1.ckpt",
+            progress=False,
+            log=lambda m: None,
+        )
 
 
-@pytest.mark.parametrize("finetune, match", [
-    ({"method": "adapters"}, r"must be 'full', 'heads' or 'lora', got 'adapters'"),
-    ({"method": "lora", "config": {"rank": 0}}, r"finetune.config.rank' must be positive"),
-    ({"method": "lora", "config": {"alpha": "big"}}, r"finetune.config.alpha' must be a number"),
-    ({"method": "lora", "config": {"ranks": 2}}, r"did you mean 'rank'"),
-    ({"method": "lora", "config": {"target_modules": "w_in"}}, r"target_modules' must be a list"),
-    ({"method": "full", "config": {"rank": 2}}, r"only used with methods 'heads' and 'lora'"),
-    ({"config": {"head_module": ["node_heads"]}}, r"finetune.config.head_module' .*did you mean 'head_modules'"),
-    ({"config": {"head_modules": "node_heads"}}, r"must be a list of module names"),
-    ({"inherit_heads": {"energy2": "energy"}}, r"unknown option .*inherit_heads.energy2'"),
-    ({"inherit_heads": {"energy": 3}}, r"inherit_heads.energy' must be the name of a target"),
-    ({"read_from": None}, r"method: heads' needs .*finetune.read_from"),
-])
+@pytest.mark.parametrize(
+    "finetune, match",
+    [
+        ({"method": "adapters"}, r"must be 'full', 'heads' or 'lora', got 'adapters'"),
+        ({"method": "lora", "config": {"rank": 0}}, r"finetune.config.rank' must be positive"),
+        ({"method": "lora", "config": {"alpha": "big"}}, r"finetune.config.alpha' must be a number"),
+        ({"method": "lora", "config": {"ranks": 2}}, r"did you mean 'rank'"),
+        ({"method": "lora", "config": {"target_modules": "w_in"}}, r"target_modules' must be a list"),
+        ({"method": "full", "config": {"rank": 2}}, r"only used with methods 'heads' and 'lora'"),
+        (
+            {"config": {"head_module": ["node_heads"]}},
+            r"finetune.config.head_module' .*did you mean 'head_modules'",
+        ),
+        ({"config": {"head_modules": "node_heads"}}, r"must be a list of module names"),
+        ({"inherit_heads": {"energy2": "energy"}}, r"unknown option .*inherit_heads.energy2'"),
+        ({"inherit_heads": {"energy": 3}}, r"inherit_heads.energy' must be the name of a target"),
+        ({"read_from": None}, r"method: heads' needs .*finetune.read_from"),
+    ],
+)
 def test_bad_finetune_sections(base, finetune, match):
     data, checkpoint = base
     with pytest.raises(ValueError, match=match):
@@ -405,11 +517,14 @@ def test_inherit_heads_picks_the_source_target(base, tmp_path):
     from metatrain.utils.data import DatasetInfo
     from metatrain.utils.data.target_info import get_energy_target_info
 
-    from petfunc.trainer import _initial_model
+    from petfunc.trainer.fit import _initial_model
 
     data, checkpoint = base
     config, _ = load_model(checkpoint)
-    targets = {name: get_energy_target_info(name, {"quantity": "energy", "unit": "eV"}) for name in ("mtt::a", "mtt::b")}
+    targets = {
+        name: get_energy_target_info(name, {"quantity": "energy", "unit": "eV"})
+        for name in ("mtt::a", "mtt::b")
+    }
     info = DatasetInfo(length_unit="angstrom", atomic_types=list(config.atomic_types), targets=targets)
     model = MetatrainPET(ref.make_model(config).hypers, info)
     path = tmp_path / "two_targets.ckpt"
@@ -420,34 +535,58 @@ def test_inherit_heads_picks_the_source_target(base, tmp_path):
     lines = []
     _, params = _initial_model(options, {}, [], torch.float64, "cpu", 0, lines.append)
     flat = tree.flatten(params)
-    assert torch.equal(flat["node_heads.energy.0.0.weight"], state["backend.node_heads.mtt::b.0.0.weight"].double())
-    assert not torch.equal(flat["node_heads.energy.0.0.weight"], state["backend.node_heads.mtt::a.0.0.weight"].double())
+    assert torch.equal(
+        flat["node_heads.energy.0.0.weight"], state["backend.node_heads.mtt::b.0.0.weight"].double()
+    )
+    assert not torch.equal(
+        flat["node_heads.energy.0.0.weight"], state["backend.node_heads.mtt::a.0.0.weight"].double()
+    )
     assert "heads of its target 'mtt::b'" in lines[-1]
     # a metatrain checkpoint is fine-tuned, not restarted
-    with pytest.raises(ValueError, match="is a metatrain checkpoint, not a petfunc training checkpoint.*--finetune"):
+    with pytest.raises(
+        ValueError, match="is a metatrain checkpoint, not a petfunc training checkpoint.*--finetune"
+    ):
         fit(None, tmp_path / "restart", restart=path, progress=False, log=lambda m: None)
-    result = fit(_heads_options(data, path, inherit_heads={"energy": "mtt::b"}), None, progress=False,
-                 log=lambda m: None)
+    result = fit(
+        _heads_options(data, path, inherit_heads={"energy": "mtt::b"}),
+        None,
+        progress=False,
+        log=lambda m: None,
+    )
     assert np.isfinite(result.history[-1]["val_loss"])
     with pytest.raises(ValueError, match=r"inherit_heads: \{energy: NAME\}"):
         fit(_heads_options(data, path), None, progress=False, log=lambda m: None)
     with pytest.raises(ValueError, match=r"no target 'mtt::c'"):
-        fit(_heads_options(data, path, inherit_heads={"energy": "mtt::c"}), None, progress=False, log=lambda m: None)
+        fit(
+            _heads_options(data, path, inherit_heads={"energy": "mtt::c"}),
+            None,
+            progress=False,
+            log=lambda m: None,
+        )
     # petfunc eval --target reads that head too
-    from petfunc.cli import main
+    from petfunc.cli.main import main
 
     assert main(["eval", str(path), str(data), "--target", "mtt::b", "--json", str(tmp_path / "m.json")]) == 0
     assert main(["eval", str(path), str(data)]) == 2
     with pytest.raises(ValueError, match=r"only target is 'energy', not 'mtt::b'"):
-        fit(_heads_options(data, checkpoint, inherit_heads={"energy": "mtt::b"}), None, progress=False,
-            log=lambda m: None)
+        fit(
+            _heads_options(data, checkpoint, inherit_heads={"energy": "mtt::b"}),
+            None,
+            progress=False,
+            log=lambda m: None,
+        )
     # a dataset target named like one of the checkpoint's: that target is fine-tuned,
     # its heads and its composition and scale kept, as metatrain does
     named = _heads_options(data, path)
-    named["training_set"] = {"systems": str(data), "targets": {"mtt::b": {"key": "energy", "quantity": "energy"}}}
+    named["training_set"] = {
+        "systems": str(data),
+        "targets": {"mtt::b": {"key": "energy", "quantity": "energy"}},
+    }
     _, params = _initial_model(resolve_options(named), {}, [], torch.float64, "cpu", 0, lambda m: None)
-    assert torch.equal(tree.flatten(params)["node_heads.energy.0.0.weight"],
-                       state["backend.node_heads.mtt::b.0.0.weight"].double())
+    assert torch.equal(
+        tree.flatten(params)["node_heads.energy.0.0.weight"],
+        state["backend.node_heads.mtt::b.0.0.weight"].double(),
+    )
     result = fit(named, None, progress=False, log=lambda m: None)
     _, source = load_model(path, dtype=torch.float64, target="mtt::b")
     assert torch.equal(result.params["composition_weights"], source["composition_weights"])
@@ -479,22 +618,43 @@ def test_command_line_flags(base, tmp_path, capsys):
     """`petfunc train options.yaml --finetune MODEL --finetune-method lora`."""
     import yaml
 
-    from petfunc.cli import main
+    from petfunc.cli.main import main
 
     data, checkpoint = base
     options = _heads_options(data, checkpoint)
     del options["architecture"]["training"]["finetune"]
     options["architecture"]["training"]["num_epochs"] = 1
     (tmp_path / "options.yaml").write_text(yaml.safe_dump(options))
-    args = ["train", str(tmp_path / "options.yaml"), "--finetune", str(checkpoint), "--finetune-method", "lora",
-            "--output", str(tmp_path / "run"), "--no-progress"]
+    args = [
+        "train",
+        str(tmp_path / "options.yaml"),
+        "--finetune",
+        str(checkpoint),
+        "--finetune-method",
+        "lora",
+        "--output",
+        str(tmp_path / "run"),
+        "--no-progress",
+    ]
     assert main(args) == 0, capsys.readouterr().err
     saved = json.loads(torch.load(tmp_path / "run" / "last.ckpt", weights_only=True)["options"])
     assert saved["architecture"]["training"]["finetune"]["method"] == "lora"
     assert "LoRA adapters of rank 4 (alpha 8)" in capsys.readouterr().out
     # without an options file: the model is the checkpoint's (the demo's architecture
     # was compared with it: "d_pet: 32 here, 8 in it")
-    args = ["train", "--set", f"training_set={data}", "--finetune", str(checkpoint), "--finetune-method", "heads",
-            "--epochs", "1", "--output", str(tmp_path / "bare"), "--no-progress"]
+    args = [
+        "train",
+        "--set",
+        f"training_set={data}",
+        "--finetune",
+        str(checkpoint),
+        "--finetune-method",
+        "heads",
+        "--epochs",
+        "1",
+        "--output",
+        str(tmp_path / "bare"),
+        "--no-progress",
+    ]
     assert main(args) == 0, capsys.readouterr().err
     assert json.loads(torch.load(tmp_path / "bare" / "last.ckpt", weights_only=True)["config"])["d_pet"] == 8

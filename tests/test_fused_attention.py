@@ -5,19 +5,19 @@ step with ``fused_attention=True`` against the eager step."""
 import math
 
 import pytest
+import test_train_step as tts
 import torch
+from test_train_step import dataset, fitted  # noqa: F401 (fixtures)
 
 import petfunc
-from petfunc import fused_attention
+from petfunc.ops import fused_attention
 
-import test_train_step as tts
-from test_train_step import dataset, fitted  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(fused_attention.library() is None, reason="no C++ compiler for the kernels")
 
 
 def _decomposed(qkv, bias, heads, scale):
-    """The attention of petfunc.transformer, written out: [A, t, 3d] -> [A, t, d]."""
+    """The attention of petfunc.model.transformer, written out: [A, t, 3d] -> [A, t, d]."""
     a, t, three_d = qkv.shape
     d = three_d // 3
     q, k, v = qkv.reshape(a, t, 3, heads, d // heads).unbind(2)
@@ -122,7 +122,9 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"qkv \[A, t, 3d\]"):
         fused_attention.attention_op(torch.zeros(2, 3, 10), torch.zeros(2, 3), 2, 1.0)
     with pytest.raises(ValueError, match=r"shape \(2, 3, 4\)"):
-        fused_attention.attention_backward_op(torch.zeros(2, 3, 12), torch.zeros(2, 3), torch.zeros(2, 4, 4), 2, 1.0)
+        fused_attention.attention_backward_op(
+            torch.zeros(2, 3, 12), torch.zeros(2, 3), torch.zeros(2, 4, 4), 2, 1.0
+        )
     with pytest.raises(TypeError, match="float32/float64"):
         fused_attention.attention_op(torch.zeros(2, 3, 12, dtype=torch.float16), torch.zeros(2, 3), 2, 1.0)
 
@@ -130,7 +132,9 @@ def test_errors_name_the_problem():
 def _check_fused_train_step(dataset, fitted, backend):
     """The compiled step with the fused kernels equals the eager step on every batch
     shape of test_train_step (float64, 1e-9), from one graph; returns the graph's ops."""
-    step, compiled, state = tts._warmed_up_compiled_step(dataset, fitted, backend=backend, fused_attention=True)
+    step, compiled, state = tts._warmed_up_compiled_step(
+        dataset, fitted, backend=backend, fused_attention=True
+    )
     assert compiled.fused_attention
     tts._check_compiled_train_step(step, compiled, state, dataset, fitted)
     return {str(n.target) for n in compiled.graph.graph.nodes}
@@ -139,8 +143,11 @@ def _check_fused_train_step(dataset, fitted, backend):
 def test_compiled_train_step_with_fused_attention_equals_eager(dataset, fitted):
     """aot_eager; the graph has the three kernels and no softmax."""
     ops = _check_fused_train_step(dataset, fitted, "aot_eager")
-    assert {"petfunc.attention.default", "petfunc.attention_backward.default",
-            "petfunc.attention_backward2.default"} <= ops
+    assert {
+        "petfunc.attention.default",
+        "petfunc.attention_backward.default",
+        "petfunc.attention_backward2.default",
+    } <= ops
     assert not any("softmax" in op for op in ops)
 
 
@@ -173,8 +180,12 @@ def test_fused_attention_is_for_the_cpu(dataset, fitted):
     batch = tts._batch(dataset, fitted, [0, 1]).to("meta")
     model = petfunc.PET(tts.CONFIG)
     with pytest.raises(ValueError, match="on the CPU"):
-        petfunc.compile(lambda p, b: model.energy(p, b.positions, b.cell, b.neighbors), params, batch,
-                        fused_attention=True)
+        petfunc.compile(
+            lambda p, b: model.energy(p, b.positions, b.cell, b.neighbors),
+            params,
+            batch,
+            fused_attention=True,
+        )
 
 
 @pytest.mark.slow

@@ -7,21 +7,35 @@ import ase.build
 import numpy as np
 import pytest
 import torch
+import toy
 
 import petfunc
 from petfunc.hessian import chunked_hessian, hessian, hessian_rows, hvp, mass_weighted, structure_blocks
 
-import toy
-
 
 F64 = torch.float64
 TINY = petfunc.PETConfig(
-    atomic_types=(1, 6, 7, 8), d_pet=4, d_node=8, d_head=4, d_feedforward=4, num_heads=2,
-    cutoff=4.0, num_gnn_layers=2, num_attention_layers=1,
+    atomic_types=(1, 6, 7, 8),
+    d_pet=4,
+    d_node=8,
+    d_head=4,
+    d_feedforward=4,
+    num_heads=2,
+    cutoff=4.0,
+    num_gnn_layers=2,
+    num_attention_layers=1,
 )
 MINI = petfunc.PETConfig(
-    atomic_types=(1, 6, 7, 8), d_pet=4, d_node=4, d_head=4, d_feedforward=4, num_heads=1,
-    cutoff=4.0, num_gnn_layers=1, num_attention_layers=1, activation="SiLU",
+    atomic_types=(1, 6, 7, 8),
+    d_pet=4,
+    d_node=4,
+    d_head=4,
+    d_feedforward=4,
+    num_heads=1,
+    cutoff=4.0,
+    num_gnn_layers=1,
+    num_attention_layers=1,
+    activation="SiLU",
 )
 
 
@@ -189,8 +203,12 @@ def test_memory_budget_picks_the_chunk_size(monkeypatch):
     assert calls[:2] == [2, 4] and set(calls[2:]) == {k}
     assert sum(calls) == 2 + 4 + -(-(3 * n - 4) // k) * k  # rows 0-3 only once
     one_atom = _setup([ase.Atoms("C", positions=[[0.1, 0.2, 0.3]], cell=np.eye(3) * 2.6, pbc=True)])
-    assert torch.allclose(hessian(energy_fn, memory_budget=100 * budget)(params, *one_atom[2]),
-                          hessian(energy_fn)(params, *one_atom[2]), rtol=1e-12, atol=1e-14)
+    assert torch.allclose(
+        hessian(energy_fn, memory_budget=100 * budget)(params, *one_atom[2]),
+        hessian(energy_fn)(params, *one_atom[2]),
+        rtol=1e-12,
+        atol=1e-14,
+    )
     with pytest.raises(ValueError, match=r"memory_budget 0.0 MiB is too small for the Hessian of \d+ atoms"):
         hessian(energy_fn, memory_budget=1000)(params, x, cell, nbrs)
     with pytest.raises(ValueError, match="chunk_size or memory_budget"):
@@ -236,7 +254,9 @@ def _check_compiled_hessian(energy_fn, params, config, backend, chunk_size=4, wi
     chunked = chunked_hessian(rows, chunk_size)
     compiled = [full, rows]
     if with_hvp:
-        products = petfunc.compile(hvp(energy_fn), params, x0, cell0, nbrs0, torch.zeros_like(x0), backend=backend)
+        products = petfunc.compile(
+            hvp(energy_fn), params, x0, cell0, nbrs0, torch.zeros_like(x0), backend=backend
+        )
         compiled.append(products)
     worst = 0.0
     for x, cell, nbrs in inputs:
@@ -244,7 +264,9 @@ def _check_compiled_hessian(energy_fn, params, config, backend, chunk_size=4, wi
         worst = max(worst, _rel(full(params, x, cell, nbrs), ref), _rel(chunked(params, x, cell, nbrs), ref))
         if with_hvp:
             v = torch.randn_like(x)
-            worst = max(worst, _rel(products(params, x, cell, nbrs, v), hvp(energy_fn)(params, x, cell, nbrs, v)))
+            worst = max(
+                worst, _rel(products(params, x, cell, nbrs, v), hvp(energy_fn)(params, x, cell, nbrs, v))
+            )
     assert worst < 1e-9, f"compiled Hessian: relative error {worst:.1e}"
     graphs = [c.num_graphs for c in compiled]
     assert graphs == [1] * len(compiled), f"graphs compiled: {graphs}"
@@ -299,8 +321,9 @@ def test_parameter_gradient_of_hvp_and_hessian():
 
     losses["torch.func jvp(grad)"] = lambda p: (torch.func.jvp(gradient(p), (x,), (v,))[1] ** 2).sum()
     losses["torch.func vjp(grad)"] = lambda p: (torch.func.vjp(gradient(p), x)[1](v)[0] ** 2).sum()
-    losses["torch.func jacfwd(jacfwd)"] = lambda p: (torch.func.jacfwd(torch.func.jacfwd(
-        lambda y: energy_fn(p, y, cell, nbrs).sum()))(x) ** 2).sum()
+    losses["torch.func jacfwd(jacfwd)"] = lambda p: (
+        torch.func.jacfwd(torch.func.jacfwd(lambda y: energy_fn(p, y, cell, nbrs).sum()))(x) ** 2
+    ).sum()
     for name, loss in losses.items():
         g = petfunc.tree.flatten(torch.func.grad(loss)(params))
         analytic = sum((g[k] * direction[k]).sum() for k in g)

@@ -4,10 +4,11 @@ gradient against finite differences, and compiled == eager."""
 import pytest
 import torch
 import torch.utils._pytree as pytree
+import toy
 
 import petfunc
 from petfunc.hessian import hessian
-from petfunc.hessian_loss import (
+from petfunc.train.hessian_loss import (
     hessian_batch,
     hvp_targets,
     make_hessian_grad_step,
@@ -15,13 +16,19 @@ from petfunc.hessian_loss import (
     make_hessian_train_step,
 )
 
-import toy
-
 
 F64 = torch.float64
 MINI = petfunc.PETConfig(
-    atomic_types=(1, 6, 7, 8), d_pet=4, d_node=4, d_head=4, d_feedforward=4, num_heads=1,
-    cutoff=4.0, num_gnn_layers=1, num_attention_layers=1, activation="SiLU",
+    atomic_types=(1, 6, 7, 8),
+    d_pet=4,
+    d_node=4,
+    d_head=4,
+    d_feedforward=4,
+    num_heads=1,
+    cutoff=4.0,
+    num_gnn_layers=1,
+    num_attention_layers=1,
+    activation="SiLU",
 )
 WEIGHTS = petfunc.LossWeights.make(1.0, 10.0, 1.0)
 
@@ -61,7 +68,9 @@ def test_parameter_gradient_matches_finite_differences():
     # central differences along a random direction of the trainable parameters
     g = torch.Generator().manual_seed(0)
     direction = pytree.tree_map(lambda t: torch.randn(t.shape, generator=g, dtype=F64), grads)
-    analytic = sum(float((a * d).sum()) for a, d in zip(pytree.tree_leaves(grads), pytree.tree_leaves(direction)))
+    analytic = sum(
+        float((a * d).sum()) for a, d in zip(pytree.tree_leaves(grads), pytree.tree_leaves(direction))
+    )
 
     def loss_at(step):
         moved = pytree.tree_map(lambda p, d: p + step * d, petfunc.train.trainable(params), direction)
@@ -91,7 +100,9 @@ def test_hessian_batch_checks_shapes():
     batch = toy.labelled_batch(MINI, 2, 0)
     with pytest.raises(ValueError, match="n_probes"):
         hessian_batch(batch, torch.zeros(3, 2), torch.zeros(3, 2))
-    one = hessian_batch(batch, torch.ones_like(batch.positions), 2 * torch.ones_like(batch.positions), scale=2.0)
+    one = hessian_batch(
+        batch, torch.ones_like(batch.positions), 2 * torch.ones_like(batch.positions), scale=2.0
+    )
     assert one.directions.shape == (1,) + tuple(batch.positions.shape)
     assert torch.equal(one.hvp, torch.ones_like(one.directions))
 
@@ -117,5 +128,7 @@ def test_compiled_toy_hessian_loss_aot_eager():
 @pytest.mark.slow
 def test_compiled_pet_hessian_loss_aot_eager():
     model = petfunc.PET(MINI)
-    worst = _check_compiled(model.raw_energy, model.init(seed=0, dtype=F64), model.init(seed=1, dtype=F64), "aot_eager")
+    worst = _check_compiled(
+        model.raw_energy, model.init(seed=0, dtype=F64), model.init(seed=1, dtype=F64), "aot_eager"
+    )
     print(f"PET Hessian loss aot_eager: max relative error {worst:.1e}")

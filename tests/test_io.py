@@ -18,8 +18,6 @@ import petfunc
 SMALL = dict(d_pet=8, d_node=16, d_head=8, d_feedforward=16, num_heads=2)
 
 
-
-
 def _config(**kw):
     return petfunc.PETConfig(atomic_types=(1, 6, 8), **{**SMALL, **kw})
 
@@ -123,9 +121,14 @@ def test_load_corrupt_and_truncated_files(tmp_path):
     broken[start + 3] ^= 0xFF
     (tmp_path / "directory").write_bytes(bytes(broken))
     assert zipfile.is_zipfile(tmp_path / "directory")
-    from petfunc.trainer import load_model
+    from petfunc.trainer.fit import load_model
 
-    for load in (petfunc.load_params, petfunc.from_metatrain, load_model, petfunc.ase.PETCalculator.from_exported):
+    for load in (
+        petfunc.load_params,
+        petfunc.from_metatrain,
+        load_model,
+        petfunc.ase.PETCalculator.from_exported,
+    ):
         with pytest.raises(ValueError, match="not a readable"):
             load(tmp_path / "directory")
 
@@ -200,7 +203,9 @@ def test_from_metatrain_reads_back_a_fresh_model(module):
     extra = {
         None: {},
         "conditioning": dict(system_conditioning=True, max_charge=4, max_spin_multiplicity=6),
-        "long_range": dict(long_range=dict(enable=True, smearing=1.2, kspace_resolution=0.8, interpolation_nodes=3)),
+        "long_range": dict(
+            long_range=dict(enable=True, smearing=1.2, kspace_resolution=0.8, interpolation_nodes=3)
+        ),
     }[module]
     if module == "long_range":
         pytest.importorskip("torchpme")
@@ -217,8 +222,13 @@ def test_from_metatrain_reads_back_a_fresh_model(module):
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected
     # torch-pme's buffers (smearing, prefactor, ...) are settings, not weights
-    buffers = ("additive_models.", "scaler.", "long_range_featurizer.ewald_calculator.",
-               "long_range_featurizer.p3m_calculator.", "long_range_featurizer.direct_calculator.")
+    buffers = (
+        "additive_models.",
+        "scaler.",
+        "long_range_featurizer.ewald_calculator.",
+        "long_range_featurizer.p3m_calculator.",
+        "long_range_featurizer.direct_calculator.",
+    )
     assert all(k.startswith(buffers) for k in missing), missing
 
 
@@ -234,7 +244,11 @@ def test_from_metatrain_keeps_the_zbl_flag():
 # (length unit, energy unit, hypers in those units): metatrain works in its data's units
 UNIT_CASES = [
     ("angstrom", "kcal/mol", dict(num_neighbors_adaptive=6)),
-    ("bohr", "Hartree", dict(cutoff=8.5, cutoff_width=0.9, num_neighbors_adaptive=6, cutoff_width_adaptive=1.9)),
+    (
+        "bohr",
+        "Hartree",
+        dict(cutoff=8.5, cutoff_width=0.9, num_neighbors_adaptive=6, cutoff_width_adaptive=1.9),
+    ),
     ("nm", "kJ/mol", dict(cutoff=0.45, cutoff_width=0.05, cutoff_function="Cosine")),
 ]
 
@@ -248,7 +262,8 @@ def test_from_metatrain_converts_other_units_to_angstrom_and_ev(tmp_path, length
     import ase.build
     import ase.io
     import numpy as np
-    from petfunc.ase import PETCalculator
+
+    from petfunc.ase.calculator import PETCalculator
 
     config = _config(**hypers)
     model = ref.make_model(config, length_unit=length_unit, energy_unit=energy_unit)
@@ -276,8 +291,8 @@ def test_from_metatrain_converts_other_units_to_angstrom_and_ev(tmp_path, length
 
     # petfunc eval reads a file without units in the model's units, as mtt eval does:
     # metatomic's predictions written in those units evaluate to zero errors
-    from petfunc.cli import main
-    from petfunc.options import energy_unit_factor, length_unit_factor
+    from petfunc.cli.main import main
+    from petfunc.units import energy_unit_factor, length_unit_factor
 
     to_energy, to_length = 1 / energy_unit_factor(energy_unit), 1 / length_unit_factor(length_unit)
     labelled = []
@@ -285,20 +300,39 @@ def test_from_metatrain_converts_other_units_to_angstrom_and_ev(tmp_path, length
         atoms = atoms.copy()
         atoms.calc = reference
         energy, forces = atoms.get_potential_energy(), atoms.get_forces()
-        scaled = ase.Atoms(atoms.numbers, positions=atoms.positions * to_length, cell=atoms.cell[:] * to_length,
-                           pbc=atoms.pbc)
+        scaled = ase.Atoms(
+            atoms.numbers,
+            positions=atoms.positions * to_length,
+            cell=atoms.cell[:] * to_length,
+            pbc=atoms.pbc,
+        )
         scaled.info["energy"] = energy * to_energy
         scaled.arrays["forces"] = forces * to_energy / to_length
         labelled.append(scaled)
     ase.io.write(tmp_path / "labels.xyz", labelled)
-    assert main(["eval", str(tmp_path / "model.ckpt"), str(tmp_path / "labels.xyz"), "--dtype", "float64",
-                 "--json", str(tmp_path / "errors.json")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(tmp_path / "model.ckpt"),
+                str(tmp_path / "labels.xyz"),
+                "--dtype",
+                "float64",
+                "--json",
+                str(tmp_path / "errors.json"),
+            ]
+        )
+        == 0
+    )
     errors = json.loads((tmp_path / "errors.json").read_text())
     assert errors["energy_per_atom_rmse"] < 1e-6 and errors["forces_rmse"] < 1e-5
 
     if length_unit == "bohr":  # the grid method probes from a fixed 0.5 length units
-        grid = ref.make_model(_config(**{**hypers, "adaptive_cutoff_method": "grid"}),
-                              length_unit=length_unit, energy_unit=energy_unit)
+        grid = ref.make_model(
+            _config(**{**hypers, "adaptive_cutoff_method": "grid"}),
+            length_unit=length_unit,
+            energy_unit=energy_unit,
+        )
         with pytest.raises(ValueError, match="works in lengths of 'bohr'.*'grid' adaptive cutoff"):
             petfunc.from_metatrain(grid.get_checkpoint())
 
@@ -310,7 +344,7 @@ def test_unit_factors_are_metatomics():
     _metatrain()
     from metatomic.torch import unit_conversion_factor
 
-    from petfunc.options import energy_unit_factor, length_unit_factor
+    from petfunc.units import energy_unit_factor, length_unit_factor
 
     for unit in ("eV", "meV", "Hartree", "Ry", "kcal/mol", "kJ/mol"):
         assert energy_unit_factor(unit) == float(unit_conversion_factor(unit, "eV")), unit
@@ -399,7 +433,9 @@ def test_from_metatrain_runs_no_pickled_code(tmp_path, monkeypatch):
     monkeypatch.delenv("PETFUNC_TRUST_CHECKPOINTS", raising=False)
     marker = tmp_path / "ran"
     path = _saved_with(tmp_path, _RunsCode(marker))
-    with pytest.raises(ValueError, match=r"model.ckpt' holds pickled objects .*builtins.exec.*PETFUNC_TRUST_CHECKPOINTS=1"):
+    with pytest.raises(
+        ValueError, match=r"model.ckpt' holds pickled objects .*builtins.exec.*PETFUNC_TRUST_CHECKPOINTS=1"
+    ):
         petfunc.from_metatrain(path)
     with pytest.raises(ValueError, match="builtins.exec"):
         petfunc.trainer.load_model(path)
@@ -453,7 +489,11 @@ def test_from_metatrain_exported_long_range_model(tmp_path):
     pytest.importorskip("torchpme")
     from metatrain.utils.io import model_from_checkpoint
 
-    config = _config(long_range=dict(enable=True, use_ewald=True, smearing=1.1, kspace_resolution=0.9, interpolation_nodes=4))
+    config = _config(
+        long_range=dict(
+            enable=True, use_ewald=True, smearing=1.1, kspace_resolution=0.9, interpolation_nodes=4
+        )
+    )
     params = _params(config)
     model = ref.make_model(config)
     ref.load_params(model, params)
@@ -509,7 +549,8 @@ def test_from_metatrain_other_target_name():
     config = _config()
     base = ref.make_model(config)
     info = DatasetInfo(
-        length_unit="angstrom", atomic_types=[1, 6, 8],
+        length_unit="angstrom",
+        atomic_types=[1, 6, 8],
         targets={"mtt::U0": get_energy_target_info("mtt::U0", {"quantity": "energy", "unit": "eV"})},
     )
     model = MetatrainPET(base.hypers, info)
@@ -575,7 +616,7 @@ def test_which_picks_best_or_last_weights_of_a_metatrain_checkpoint(tmp_path):
     """metatrain checkpoints hold the best and the last weights; ``which`` (``petfunc
     eval/export --which``) picks one, as it does for petfunc's own checkpoints."""
     ref = _metatrain()
-    from petfunc.trainer import load_model
+    from petfunc.trainer.fit import load_model
 
     config = _config()
     model = ref.make_model(config)
@@ -589,8 +630,10 @@ def test_which_picks_best_or_last_weights_of_a_metatrain_checkpoint(tmp_path):
     _, best = load_model(tmp_path / "model.ckpt", which="best")
     _, latest = load_model(tmp_path / "model.ckpt", which="last")
     name = "gnn_layers.0.edge_embedder.weight"
-    torch.testing.assert_close(petfunc.tree.flatten(latest)[name] - petfunc.tree.flatten(best)[name],
-                               torch.ones_like(petfunc.tree.flatten(best)[name]))
+    torch.testing.assert_close(
+        petfunc.tree.flatten(latest)[name] - petfunc.tree.flatten(best)[name],
+        torch.ones_like(petfunc.tree.flatten(best)[name]),
+    )
     model.export().save(str(tmp_path / "model.pt"))
     load_model(tmp_path / "model.pt")
     with pytest.raises(ValueError, match="exported model, with one set of weights"):
@@ -600,7 +643,7 @@ def test_which_picks_best_or_last_weights_of_a_metatrain_checkpoint(tmp_path):
 def test_float32_hypers_of_an_export_read_as_written():
     """An exported float32 long-range model keeps its smearing as a float32 tensor;
     read back as 1.100000023841858 its config would differ from the checkpoint's."""
-    from petfunc.io import _as_written
+    from petfunc.io.params import _as_written
 
     assert _as_written(torch.tensor(1.1, dtype=torch.float32)) == 1.1
     assert _as_written(torch.tensor(0.9, dtype=torch.float32)) == 0.9

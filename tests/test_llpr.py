@@ -10,23 +10,31 @@ import numpy as np
 import pytest
 import torch
 
+
 pytest.importorskip("metatrain")
 
-import ase.build  # noqa: E402
-from metatomic.torch import ModelOutput, System, systems_to_torch  # noqa: E402
-from metatrain.llpr import LLPRUncertaintyModel  # noqa: E402
-from metatrain.utils.io import model_from_checkpoint  # noqa: E402
-from metatrain.utils.neighbor_lists import get_requested_neighbor_lists, get_system_with_neighbor_lists  # noqa: E402
+import ase.build
+import mtt_reference as ref
+from metatomic.torch import ModelOutput, System, systems_to_torch
+from metatrain.llpr import LLPRUncertaintyModel
+from metatrain.utils.io import model_from_checkpoint
+from metatrain.utils.neighbor_lists import get_requested_neighbor_lists, get_system_with_neighbor_lists
 
-import mtt_reference as ref  # noqa: E402
-import petfunc  # noqa: E402
-from petfunc import llpr  # noqa: E402
-from petfunc.ase import PETCalculator  # noqa: E402
+import petfunc
+from petfunc import llpr
+from petfunc.ase.calculator import PETCalculator
 
 
-CHECKPOINTS = sorted(glob.glob(os.path.join(
-    os.path.dirname(__import__("metatrain.llpr", fromlist=["_"]).__file__), "tests", "checkpoints", "*.ckpt.gz"
-)))
+CHECKPOINTS = sorted(
+    glob.glob(
+        os.path.join(
+            os.path.dirname(__import__("metatrain.llpr", fromlist=["_"]).__file__),
+            "tests",
+            "checkpoints",
+            "*.ckpt.gz",
+        )
+    )
+)
 SMALL = dict(d_pet=16, d_node=32, d_head=16, d_feedforward=32, num_heads=2)
 
 
@@ -47,22 +55,32 @@ def _metatrain_outputs(model, frames):
     for system in systems:
         x = system.positions.clone().requires_grad_(True)
         eps = torch.eye(3, dtype=torch.float64, requires_grad=True)
-        inputs.append(get_system_with_neighbor_lists(
-            System(types=system.types, positions=x @ eps, cell=system.cell @ eps, pbc=system.pbc), requested
-        ))
+        inputs.append(
+            get_system_with_neighbor_lists(
+                System(types=system.types, positions=x @ eps, cell=system.cell @ eps, pbc=system.pbc),
+                requested,
+            )
+        )
         positions.append(x)
         strains.append(eps)
-    outputs = {name: ModelOutput(quantity="energy", unit="eV", sample_kind="system")
-               for name in ("energy", "energy_uncertainty", "energy_ensemble")}
+    outputs = {
+        name: ModelOutput(quantity="energy", unit="eV", sample_kind="system")
+        for name in ("energy", "energy_uncertainty", "energy_ensemble")
+    }
     out = model(inputs, outputs)
     members = out["energy_ensemble"].block().values
     forces, strain = [], []
     for k in range(members.shape[1]):
         grads = torch.autograd.grad(members[:, k].sum(), positions + strains, retain_graph=True)
         forces.append(-torch.cat(grads[: len(frames)]))
-        strain.append(torch.stack(grads[len(frames):]))
-    return (out["energy"].block().values[:, 0].detach(), out["energy_uncertainty"].block().values[:, 0].detach(),
-            members.detach(), torch.stack(forces), torch.stack(strain))
+        strain.append(torch.stack(grads[len(frames) :]))
+    return (
+        out["energy"].block().values[:, 0].detach(),
+        out["energy_uncertainty"].block().values[:, 0].detach(),
+        members.detach(),
+        torch.stack(forces),
+        torch.stack(strain),
+    )
 
 
 def _compare(config, params, uncertainty, model, frames):
@@ -94,7 +112,10 @@ def test_llpr_checkpoint(path):
     # petfunc.from_metatrain reads the wrapped PET
     plain_config, plain = petfunc.from_metatrain(path, dtype=torch.float64)
     assert plain_config == config
-    assert all(torch.equal(a, b) for a, b in zip(petfunc.tree.flatten(plain).values(), petfunc.tree.flatten(params).values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(petfunc.tree.flatten(plain).values(), petfunc.tree.flatten(params).values())
+    )
     _compare(config, params, uncertainty, model, _frames())
 
 
@@ -103,8 +124,9 @@ def test_random_llpr(featurizer, layers):
     """A random covariance, multiplier and 5 ensemble members on a random PET: 32 or
     96 last-layer features, whose order (per readout layer: node, then edges) must
     be metatrain's for the uncertainty to agree."""
-    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), featurizer_type=featurizer, num_gnn_layers=layers,
-                               **SMALL)
+    config = petfunc.PETConfig(
+        atomic_types=(1, 6, 7, 8), featurizer_type=featurizer, num_gnn_layers=layers, **SMALL
+    )
     params = petfunc.PET(config).init(seed=5, dtype=torch.float64)
     generator = torch.Generator().manual_seed(0)
     for key, value in petfunc.tree.flatten(params).items():
@@ -170,22 +192,30 @@ def test_calculator_reads_llpr_checkpoints():
         for c in (calc, eager):
             other = other.copy()
             other.calc = c
-            values.append((c.get_property("energy_uncertainty", other), c.get_property("forces_uncertainty", other)))
+            values.append(
+                (c.get_property("energy_uncertainty", other), c.get_property("forces_uncertainty", other))
+            )
         assert values[0][0] == pytest.approx(values[1][0], rel=1e-10)
         np.testing.assert_allclose(values[0][1], values[1][1], rtol=1e-8, atol=1e-12)
     assert {name: c.num_graphs for name, c in calc._llpr_compiled.items()} == {"features": 1, "offsets": 1}
 
 
 def test_llpr_errors(tmp_path):
-    pet = glob.glob(os.path.join(os.path.dirname(__import__("metatrain.pet", fromlist=["_"]).__file__),
-                                 "tests", "checkpoints", "model-v16*.ckpt.gz"))[0]
+    pet = glob.glob(
+        os.path.join(
+            os.path.dirname(__import__("metatrain.pet", fromlist=["_"]).__file__),
+            "tests",
+            "checkpoints",
+            "model-v16*.ckpt.gz",
+        )
+    )[0]
     with pytest.raises(ValueError, match="not an LLPR checkpoint.*architecture_name='pet'"):
         llpr.from_metatrain(pet)
     config, params, uncertainty = llpr.from_metatrain(CHECKPOINTS[-1])
     with pytest.raises(ValueError, match="llpr needs params, and excludes ensemble_params"):
         PETCalculator(config, ensemble_params=[params, params], llpr=uncertainty)
     # petfunc export keeps the PET of an LLPR checkpoint, and says the uncertainty stays behind
-    from petfunc.io import is_llpr_checkpoint
+    from petfunc.io.params import is_llpr_checkpoint
 
     assert is_llpr_checkpoint(CHECKPOINTS[-1]) and not is_llpr_checkpoint(pet)
     assert not is_llpr_checkpoint(tmp_path / "missing.ckpt")
@@ -204,7 +234,9 @@ def test_fresh_process_reads_llpr_checkpoints():
         "calc = PETCalculator.from_metatrain(sys.argv[1])\n"
         "print(sorted(u), calc.llpr is not None)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, CHECKPOINTS[-1]], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code, CHECKPOINTS[-1]], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "['cholesky', 'ensemble_weights', 'multiplier'] True" in out.stdout
 

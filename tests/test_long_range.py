@@ -10,20 +10,25 @@ import numpy as np
 import pytest
 import torch
 
+
 sys.path.insert(0, os.path.dirname(__file__))
 
-import ase  # noqa: E402
-import ase.build  # noqa: E402
+import ase
+import ase.build
 
-import petfunc  # noqa: E402
-from petfunc import ensemble, long_range  # noqa: E402
+import petfunc
+from petfunc import ensemble
+from petfunc.model import long_range
+
 
 SMALL = dict(d_pet=16, d_node=24, d_head=8, d_feedforward=16, num_heads=2)
 TYPES = (1, 6, 8)
 
 
 def _config(**lr):
-    extra = {k: lr.pop(k) for k in list(lr) if k not in ("smearing", "kspace_resolution", "interpolation_nodes")}
+    extra = {
+        k: lr.pop(k) for k in list(lr) if k not in ("smearing", "kspace_resolution", "interpolation_nodes")
+    }
     return petfunc.PETConfig(atomic_types=TYPES, long_range=dict(enable=True, **lr), **SMALL, **extra)
 
 
@@ -67,7 +72,9 @@ def _relative(a, b):
 
 CONFIGS = {
     "feedforward-p3m5": {},
-    "residual-p3m4": dict(featurizer_type="residual", smearing=1.1, kspace_resolution=0.9, interpolation_nodes=4, cutoff=4.0),
+    "residual-p3m4": dict(
+        featurizer_type="residual", smearing=1.1, kspace_resolution=0.9, interpolation_nodes=4, cutoff=4.0
+    ),
     "cosine-p3m3": dict(cutoff_function="Cosine", smearing=1.7, kspace_resolution=1.6, interpolation_nodes=3),
     # a small smearing: the Nyquist bins of the triclinic cell's mesh count
     "narrow-p3m4": dict(smearing=0.5, interpolation_nodes=4),
@@ -107,7 +114,13 @@ def test_long_range_part_is_not_negligible():
     e, f, _ = efs(params, positions, cell, neighbors)
     last = params["long_range_featurizer"]["out_projection"]["2"]
     off = {k: torch.zeros_like(v) for k, v in last.items()}
-    params_off = dict(params, long_range_featurizer=dict(params["long_range_featurizer"], out_projection={"0": params["long_range_featurizer"]["out_projection"]["0"], "2": off}))
+    params_off = dict(
+        params,
+        long_range_featurizer=dict(
+            params["long_range_featurizer"],
+            out_projection={"0": params["long_range_featurizer"]["out_projection"]["0"], "2": off},
+        ),
+    )
     e0, f0, _ = efs(params_off, positions, cell, neighbors)
     assert _relative(e - e0, e) > 1e-3
     assert _relative(f - f0, f) > 1e-2
@@ -132,13 +145,19 @@ def test_training_mode_matches_metatrain():
     for system in systems_to_torch(frames, dtype=torch.float64):
         x = system.positions.clone().requires_grad_(True)
         positions_list.append(x)
-        systems.append(get_system_with_neighbor_lists(System(types=system.types, positions=x, cell=system.cell, pbc=system.pbc), requested))
+        systems.append(
+            get_system_with_neighbor_lists(
+                System(types=system.types, positions=x, cell=system.cell, pbc=system.pbc), requested
+            )
+        )
     out = mtt(systems, {"energy": ModelOutput(quantity="energy", unit="eV", sample_kind="system")})
     energy = out["energy"].block().values[:, 0]
     forces = -torch.cat(torch.autograd.grad(energy.sum(), positions_list, create_graph=True))
     loss = (energy**2).sum() + (forces**2).sum()
     names = [n for n, p in mtt.named_parameters() if p.requires_grad]
-    grads = torch.autograd.grad(loss, [p for n, p in mtt.named_parameters() if p.requires_grad], allow_unused=True)
+    grads = torch.autograd.grad(
+        loss, [p for n, p in mtt.named_parameters() if p.requires_grad], allow_unused=True
+    )
     expected = {n: g for n, g in zip(names, grads) if g is not None}
 
     model = petfunc.PET(config)
@@ -175,21 +194,35 @@ def test_forces_and_stress_are_finite_differences(method):
     model = petfunc.PET(config)
     efs = petfunc.energy_forces_strain_derivative(model.energy)
     for atoms in (_triclinic(), _molecule()):
-        positions, cell, neighbors = petfunc.from_atoms([atoms], config, dtype=torch.float64, long_range=method)
+        positions, cell, neighbors = petfunc.from_atoms(
+            [atoms], config, dtype=torch.float64, long_range=method
+        )
         _, forces, strain = efs(params, positions, cell, neighbors)
         h = 1e-5
         for atom, axis in ((0, 0), (1, 2), (2, 1)):
             plus, minus = positions.clone(), positions.clone()
             plus[atom, axis] += h
             minus[atom, axis] -= h
-            fd = -(model.energy(params, plus, cell, neighbors) - model.energy(params, minus, cell, neighbors)) / (2 * h)
+            fd = -(
+                model.energy(params, plus, cell, neighbors) - model.energy(params, minus, cell, neighbors)
+            ) / (2 * h)
             assert abs(float(fd[0] - forces[atom, axis])) < 1e-6 * max(1.0, float(forces.abs().max()))
         if atoms.pbc.any():
             for a, b in ((0, 0), (0, 1), (2, 1)):
                 eps = torch.zeros(3, 3, dtype=torch.float64)
                 eps[a, b] = h
-                up = model.energy(params, positions @ (torch.eye(3, dtype=torch.float64) + eps), cell @ (torch.eye(3, dtype=torch.float64) + eps), neighbors)
-                down = model.energy(params, positions @ (torch.eye(3, dtype=torch.float64) - eps), cell @ (torch.eye(3, dtype=torch.float64) - eps), neighbors)
+                up = model.energy(
+                    params,
+                    positions @ (torch.eye(3, dtype=torch.float64) + eps),
+                    cell @ (torch.eye(3, dtype=torch.float64) + eps),
+                    neighbors,
+                )
+                down = model.energy(
+                    params,
+                    positions @ (torch.eye(3, dtype=torch.float64) - eps),
+                    cell @ (torch.eye(3, dtype=torch.float64) - eps),
+                    neighbors,
+                )
                 fd = (up - down) / (2 * h)
                 assert abs(float(fd[0] - strain[0, a, b])) < 1e-6 * max(1.0, float(strain.abs().max()))
 
@@ -202,7 +235,9 @@ def test_hessian_and_committee(method):
     config = _config(smearing=1.3, kspace_resolution=1.1)
     params = _params(config)
     model = petfunc.PET(config)
-    positions, cell, neighbors = petfunc.from_atoms([_triclinic()], config, dtype=torch.float64, long_range=method)
+    positions, cell, neighbors = petfunc.from_atoms(
+        [_triclinic()], config, dtype=torch.float64, long_range=method
+    )
     hessian = petfunc.hessian(model.energy)(params, positions, cell, neighbors).reshape(9, 9)
     assert float((hessian - hessian.T).abs().max()) < 1e-10 * float(hessian.abs().max())
     forces = petfunc.forces(model.energy)
@@ -227,13 +262,23 @@ def test_float32_p3m_stress_is_finite_on_a_skewed_cell():
     """On this triclinic cell a float32 P3M stress was NaN (as it is in metatrain and
     torch-pme): near the zeros of the assignment transform u2 is tiny and the
     derivative of 1/u2 overflowed float32. The filter is now computed in float64."""
-    cell = [[0.1275630698106605, 3.8943382352980405, 4.028415802274155],
-            [4.54732734295724, -0.15872097399302576, 4.0794188467815236],
-            [4.358008085459175, 4.0474560753479984, 0.23382439329760002]]
+    cell = [
+        [0.1275630698106605, 3.8943382352980405, 4.028415802274155],
+        [4.54732734295724, -0.15872097399302576, 4.0794188467815236],
+        [4.358008085459175, 4.0474560753479984, 0.23382439329760002],
+    ]
     atoms = ase.Atoms("Pd8", scaled_positions=np.random.default_rng(0).random((8, 3)), cell=cell, pbc=True)
     config = petfunc.PETConfig(
-        atomic_types=(46,), cutoff=4.0, cutoff_width=0.4, d_pet=16, d_head=16, d_node=48, d_feedforward=24,
-        num_heads=4, num_attention_layers=1, featurizer_type="residual",
+        atomic_types=(46,),
+        cutoff=4.0,
+        cutoff_width=0.4,
+        d_pet=16,
+        d_head=16,
+        d_node=48,
+        d_feedforward=24,
+        num_heads=4,
+        num_attention_layers=1,
+        featurizer_type="residual",
         long_range=dict(enable=True, smearing=1.1, kspace_resolution=0.9, interpolation_nodes=3),
     )
     model = petfunc.PET(config)
@@ -258,10 +303,14 @@ def test_ewald_converges_to_p3m():
     atoms = _diamond()
 
     def potentials(config, method):
-        positions, cell, neighbors = petfunc.from_atoms([atoms], config, dtype=torch.float64, long_range=method)
+        positions, cell, neighbors = petfunc.from_atoms(
+            [atoms], config, dtype=torch.float64, long_range=method
+        )
         vectors = petfunc.model.edge_vectors(positions, cell, neighbors)
         distances = torch.sqrt((vectors**2).sum(dim=1) + 1e-15)
-        return long_range.potentials(config, q, positions, cell, neighbors, neighbors.centers, neighbors.neighbors, distances)
+        return long_range.potentials(
+            config, q, positions, cell, neighbors, neighbors.centers, neighbors.neighbors, distances
+        )
 
     ewald = potentials(fine, "ewald")
     coarse_error = _relative(potentials(config, "p3m"), ewald)
@@ -287,18 +336,28 @@ def test_inductor_p3m_equals_eager(batch, cached):
     params = _params(config)
     crystal = _diamond()
     crystal.rattle(0.08, seed=10)
-    frames = {"crystal": [crystal], "crystal+molecule": [crystal, _molecule()],
-              "molecule+crystals": [_molecule(), _triclinic(), crystal]}[batch]
+    frames = {
+        "crystal": [crystal],
+        "crystal+molecule": [crystal, _molecule()],
+        "molecule+crystals": [_molecule(), _triclinic(), crystal],
+    }[batch]
     fn = petfunc.derivatives.energy_terms_forces_strain_derivative(petfunc.PET(config).energy_terms)
     inputs = petfunc.from_atoms(frames, config, dtype=torch.float64)
     with warnings.catch_warnings():
         # a graph the trace cache cannot load again would only be traced again, with
         # a warning (torch 2.11 could not load these before the cache stored plain nodes)
         warnings.filterwarnings("error", message="petfunc.compile: ignoring the unreadable")
-        compiled = petfunc.compile(fn, params, *inputs, backend="inductor", static_argnums=(0,),
-                                   cache_key=f"test_inductor_p3m_equals_eager {batch}" if cached else None)
-    for name, got, expected in zip(("energy", "per-atom", "forces", "strain"), compiled(params, *inputs),
-                                   fn(params, *inputs)):
+        compiled = petfunc.compile(
+            fn,
+            params,
+            *inputs,
+            backend="inductor",
+            static_argnums=(0,),
+            cache_key=f"test_inductor_p3m_equals_eager {batch}" if cached else None,
+        )
+    for name, got, expected in zip(
+        ("energy", "per-atom", "forces", "strain"), compiled(params, *inputs), fn(params, *inputs)
+    ):
         assert _relative(got, expected) < 1e-10, name
 
 
@@ -313,7 +372,7 @@ def test_compiled_calculator_follows_md_without_recompiling(backend):
     stress fault (README): before ``long_range._signed_volume`` avoided the fusion
     it got wrong, this stress was off by about 100 % there."""
     pytest.importorskip("ase")
-    import petfunc.ase
+    import petfunc.ase.calculator
 
     config = _config()
     params = _params(config)
@@ -337,9 +396,9 @@ def test_compiled_calculator_follows_md_without_recompiling(backend):
 def test_compiled_calculator_takes_any_mesh_and_molecules():
     """Cells whose P3M meshes differ (8 x 8 x 8, 16 x 8 x 8, 8 x 16 x 4) share one
     compiled graph: the traced FFTs keep the mesh sizes symbolic
-    (petfunc._fft_meta). A molecule (no mesh) gets a graph of its own, and a crystal
+    (petfunc._torch.fft_meta). A molecule (no mesh) gets a graph of its own, and a crystal
     after it reuses the first."""
-    import petfunc.ase
+    import petfunc.ase.calculator
 
     config = _config()
     params = _params(config)
@@ -347,8 +406,12 @@ def test_compiled_calculator_takes_any_mesh_and_molecules():
     eager = petfunc.ase.PETCalculator(config, params)
     larger = ase.build.bulk("C", "diamond", a=3.6, cubic=True).repeat((2, 1, 1))
     larger.rattle(0.05, seed=2)
-    chain = ase.Atoms("CO", positions=[[0.1, 0.2, 0.0], [0.3, -0.1, 0.95]],
-                      cell=[[5.0, 0.3, 0.0], [0.4, 5.5, 0.2], [0.1, 0.0, 1.9]], pbc=True)
+    chain = ase.Atoms(
+        "CO",
+        positions=[[0.1, 0.2, 0.0], [0.3, -0.1, 0.95]],
+        cell=[[5.0, 0.3, 0.0], [0.4, 5.5, 0.2], [0.1, 0.0, 1.9]],
+        pbc=True,
+    )
     graphs = []
     for atoms in (_diamond(), larger, chain, _molecule(), _triclinic()):
         for calc in (compiled, eager):
@@ -368,8 +431,8 @@ def test_batch_evaluator_puts_crystals_first():
     structures of a call have a mesh, so the crystals go first and batches with as
     many crystals share a graph whatever their order; every result is the eager
     calculator's for its own structure."""
-    import petfunc.ase
-    from petfunc.ase_batch import BatchEvaluator
+    import petfunc.ase.calculator
+    from petfunc.ase.batch import BatchEvaluator
 
     config = _config()
     params = _params(config)
@@ -399,7 +462,7 @@ def test_old_inductor_is_not_used_for_p3m_on_a_gpu(monkeypatch):
     for a GPU's: the refusal comes first.)"""
     import importlib
 
-    import petfunc.ase
+    import petfunc.ase.calculator
     from petfunc import export
 
     compile_module = importlib.import_module("petfunc.compile")
@@ -433,18 +496,24 @@ def test_input_errors():
     config = _config()
     slab = _triclinic()
     slab.pbc = [True, True, False]
-    with pytest.raises(ValueError, match=r"periodic along all three directions or none, got pbc=\[True, True, False\]"):
+    with pytest.raises(
+        ValueError, match=r"periodic along all three directions or none, got pbc=\[True, True, False\]"
+    ):
         petfunc.from_atoms([slab], config)
-    with pytest.raises(ValueError, match=r"structure 1: long-range features need .* got pbc=\[True, False, False\]"):
+    with pytest.raises(
+        ValueError, match=r"structure 1: long-range features need .* got pbc=\[True, False, False\]"
+    ):
         wire = _triclinic()
         wire.pbc = [True, False, False]
         petfunc.from_atoms([_molecule(), wire], config)
-    plain = petfunc.from_atoms([_triclinic()], petfunc.PETConfig(atomic_types=TYPES, **SMALL), dtype=torch.float64)
+    plain = petfunc.from_atoms(
+        [_triclinic()], petfunc.PETConfig(atomic_types=TYPES, **SMALL), dtype=torch.float64
+    )
     with pytest.raises(ValueError, match="carry no long-range inputs"):
         petfunc.PET(config).energy(_params(config), *plain)
     with pytest.raises(ValueError, match="long-range method must be one of"):
         petfunc.from_atoms([_triclinic()], config, long_range="pme")
-    from petfunc.export import export
+    from petfunc.export.package import export
 
     with pytest.raises(ValueError, match="long_range must be one of"):
         export(config, _params(config), "model.pt2", long_range="pme")
@@ -461,12 +530,12 @@ def test_ewald_grid_and_p3m_mesh_follow_torch_pme():
 
 
 def test_fft_shape_functions_match_the_kernels():
-    """petfunc._fft_meta's shape functions (used for tracing) give
+    """petfunc._torch.fft_meta's shape functions (used for tracing) give
     the outputs of the FFT kernels the sizes, strides and dtypes that the CPU
     kernels give them, for contiguous inputs (what P3M passes) and any transformed
     dimensions. (For other layouts torch's own meta functions disagree with its
     kernels too; inductor asserts the strides of such outputs at run time.)"""
-    from petfunc import _fft_meta
+    from petfunc._torch import fft_meta as _fft_meta
 
     g = torch.Generator().manual_seed(0)
     for shape in [(3, 4, 6, 5), (2, 5, 4, 3), (7, 8, 8, 8)]:
@@ -478,7 +547,11 @@ def test_fft_shape_functions_match_the_kernels():
             for last in (2 * (x.shape[dims[-1]] - 1), 2 * x.shape[dims[-1]] - 1):
                 out = torch.ops.aten._fft_c2r(x, list(dims), 0, last)
                 ours = _fft_meta._c2r(x, list(dims), 0, last)
-                assert (ours.shape, ours.stride(), ours.dtype) == (out.shape, out.stride(), out.dtype), ("c2r", shape, dims)
+                assert (ours.shape, ours.stride(), ours.dtype) == (out.shape, out.stride(), out.dtype), (
+                    "c2r",
+                    shape,
+                    dims,
+                )
     # r2c (used on every torch version): also for permuted inputs
     for shape in [(3, 4, 6, 5), (2, 5, 4, 3), (7, 8, 8, 8), (2, 16, 8, 32)]:
         real = torch.randn(*shape, dtype=torch.float64, generator=g)
@@ -487,5 +560,10 @@ def test_fft_shape_functions_match_the_kernels():
                 for onesided in (True, False):
                     out = torch.ops.aten._fft_r2c(x, list(dims), 0, onesided)
                     ours = _fft_meta._r2c(x, list(dims), 0, onesided)
-                    assert (ours.shape, ours.stride(), ours.dtype) == (out.shape, out.stride(), out.dtype), \
-                        ("r2c", shape, x.stride(), dims, onesided)
+                    assert (ours.shape, ours.stride(), ours.dtype) == (out.shape, out.stride(), out.dtype), (
+                        "r2c",
+                        shape,
+                        x.stride(),
+                        dims,
+                        onesided,
+                    )

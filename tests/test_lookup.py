@@ -2,12 +2,12 @@
 row gather, with a matrix product, not a scatter, as the table's adjoint."""
 
 import torch
+from derivative_checks import assert_same_autograd_derivatives
 from torch.func import grad, jacfwd, jacrev, jvp, vmap
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from petfunc import lookup
+from petfunc.ops import lookup
 
-from derivative_checks import assert_same_autograd_derivatives
 
 DT = torch.float64
 INDEX = torch.tensor([2, 0, 2, 2, 1, 0, 2, 3, 2])  # repeated rows, as species are
@@ -41,8 +41,9 @@ def test_values_and_derivatives_equal_a_plain_gather():
     torch.testing.assert_close(grad(new)(table), grad(ref)(table), rtol=1e-14, atol=1e-14)
     torch.testing.assert_close(jacrev(jacrev(new))(table), jacrev(jacrev(ref))(table), rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(jacfwd(jacrev(new))(table), jacfwd(jacrev(ref))(table), rtol=1e-13, atol=1e-13)
-    torch.testing.assert_close(jvp(grad(new), (table,), (v,))[1], jvp(grad(ref), (table,), (v,))[1],
-                               rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(
+        jvp(grad(new), (table,), (v,))[1], jvp(grad(ref), (table,), (v,))[1], rtol=1e-13, atol=1e-13
+    )
     tables = torch.randn(3, 4, 3, dtype=DT)  # an ensemble of tables
     torch.testing.assert_close(vmap(grad(new))(tables), vmap(grad(ref))(tables), rtol=1e-14, atol=1e-14)
 
@@ -74,8 +75,9 @@ def test_traced_training_gradient_has_no_scatter_and_any_size():
     for n in (9, 1, 30):  # one graph, any number of rows
         index = torch.randint(0, 4, (n,), generator=g)
         x = torch.randn(n, 3, dtype=DT, generator=g)
-        torch.testing.assert_close(graph(table, x, index), _force_loss_gradient(plain)(table, x, index),
-                                   rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(
+            graph(table, x, index), _force_loss_gradient(plain)(table, x, index), rtol=1e-13, atol=1e-13
+        )
 
 
 def test_eager_autograd_uses_the_product_adjoint_torch_func_and_large_tables_a_gather(monkeypatch):
@@ -83,7 +85,7 @@ def test_eager_autograd_uses_the_product_adjoint_torch_func_and_large_tables_a_g
     (its first and second derivatives those of the plain gather); small lookups and
     eager torch.func keep the plain gather, and tables of more than MAX_ROWS rows
     keep the gather's adjoint everywhere."""
-    from petfunc import _custom_derivatives
+    from petfunc.ops import dispatch as _custom_derivatives
 
     table = torch.randn(4, 3, dtype=DT, requires_grad=True)
     assert "LookupRows" not in type(lookup.lookup_rows(table, INDEX).grad_fn).__name__
@@ -96,7 +98,9 @@ def test_eager_autograd_uses_the_product_adjoint_torch_func_and_large_tables_a_g
     new, ref = objective(lookup.lookup_rows), objective(plain)
     assert_same_autograd_derivatives(new, ref, table)
     names = []
-    grad(lambda t: names.append(type(lookup.lookup_rows(t, INDEX).grad_fn).__name__) or t.sum())(table.detach())
+    grad(lambda t: names.append(type(lookup.lookup_rows(t, INDEX).grad_fn).__name__) or t.sum())(
+        table.detach()
+    )
     assert names and "LookupRows" not in names[0]
     big = torch.randn(lookup.MAX_ROWS + 1, 3, dtype=DT, requires_grad=True)
     assert "LookupRows" not in type(lookup.lookup_rows(big, INDEX).grad_fn).__name__

@@ -19,12 +19,12 @@ import torch
 
 pytest.importorskip("metatrain")
 
-import ase  # noqa: E402
-import ase.build  # noqa: E402
-from metatrain.utils.io import model_from_checkpoint  # noqa: E402
+import ase
+import ase.build
+import mtt_reference as ref
+from metatrain.utils.io import model_from_checkpoint
 
-import mtt_reference as ref  # noqa: E402
-import petfunc  # noqa: E402
+import petfunc
 
 
 RTOL = 1e-10
@@ -34,8 +34,6 @@ CHECKPOINT_DIR = os.path.join(
 CHECKPOINTS = sorted(glob.glob(os.path.join(CHECKPOINT_DIR, "*.ckpt.gz")))
 
 SMALL = dict(d_pet=16, d_node=32, d_head=16, d_feedforward=32, num_heads=2)
-
-
 
 
 # ---------------------------------------------------------------------------------------
@@ -67,10 +65,16 @@ def _cubic_cell():
 def _slab():
     """Mixed pbc (T, T, F): a two-layer C/O/H slab, zero cell row along z."""
     positions = [
-        [0.0, 0.0, 0.0], [1.3, 1.2, 0.1], [0.1, 1.4, 1.3], [1.5, 0.2, 1.4], [0.8, 0.7, 2.5],
+        [0.0, 0.0, 0.0],
+        [1.3, 1.2, 0.1],
+        [0.1, 1.4, 1.3],
+        [1.5, 0.2, 1.4],
+        [0.8, 0.7, 2.5],
     ]
     atoms = ase.Atoms(
-        "CCOCH", positions=positions, cell=[[2.6, 0.0, 0.0], [0.4, 2.7, 0.0], [0, 0, 0]],
+        "CCOCH",
+        positions=positions,
+        cell=[[2.6, 0.0, 0.0], [0.4, 2.7, 0.0], [0, 0, 0]],
         pbc=[True, True, False],
     )
     atoms.rattle(0.03, seed=5)
@@ -186,8 +190,13 @@ VARIANTS = {
     "adaptive_zero_neighbours": dict(num_neighbors_adaptive=0, adaptive_cutoff_method="solver"),
     # the original PET (checkpoints <= v7): every legacy switch at once
     "original_pet": dict(
-        featurizer_type="residual", transformer_type="PostLN", normalization="LayerNorm",
-        activation="SiLU", cutoff_function="Cosine", d_node=16, cutoff_width=0.2,
+        featurizer_type="residual",
+        transformer_type="PostLN",
+        normalization="LayerNorm",
+        activation="SiLU",
+        cutoff_function="Cosine",
+        d_node=16,
+        cutoff_width=0.2,
     ),
 }
 
@@ -216,10 +225,16 @@ def test_system_conditioning(variant):
     """Charge/spin embeddings (a random, non-zero gate) for both featurizers: the
     same numbers as metatrain for a batch of structures with different charges and
     spin multiplicities, which do change the energy."""
-    switches = {"feedforward": {}, "residual": dict(featurizer_type="residual"),
-                "d_node_equals_d_pet": dict(d_node=16)}[variant]
+    switches = {
+        "feedforward": {},
+        "residual": dict(featurizer_type="residual"),
+        "d_node_equals_d_pet": dict(d_node=16),
+    }[variant]
     config = petfunc.PETConfig(
-        atomic_types=(1, 6, 7, 8), system_conditioning=True, max_charge=3, max_spin_multiplicity=4,
+        atomic_types=(1, 6, 7, 8),
+        system_conditioning=True,
+        max_charge=3,
+        max_spin_multiplicity=4,
         **{**SMALL, **switches},
     )
     params = random_params(config, seed=11)
@@ -236,8 +251,9 @@ def test_system_conditioning(variant):
 
 
 def test_system_conditioning_input_errors():
-    config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), system_conditioning=True, max_charge=2,
-                               max_spin_multiplicity=3, **SMALL)
+    config = petfunc.PETConfig(
+        atomic_types=(1, 6, 7, 8), system_conditioning=True, max_charge=2, max_spin_multiplicity=3, **SMALL
+    )
     cases = [
         ({"charge": 3}, r"structure 0: charge 3 is outside the model's range \[-2, 2\] \(max_charge\)"),
         ({"charge": 0.5}, "structure 0: charge must be an integer, got 0.5"),
@@ -319,12 +335,16 @@ def test_fractional_adaptive_neighbour_count():
 
     base = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), **SMALL)
     for nu, method in ((2.5, "solver"), (0.7, "grid"), (7.3, "solver")):
-        config = dataclasses.replace(base, cutoff=5.0, num_neighbors_adaptive=nu, adaptive_cutoff_method=method)
+        config = dataclasses.replace(
+            base, cutoff=5.0, num_neighbors_adaptive=nu, adaptive_cutoff_method=method
+        )
         params = random_params(config, seed=11)
         mtt = ref.make_model(config)
         assert mtt.hypers["num_neighbors_adaptive"] == nu
         ref.load_params(mtt, params)
-        compare_energies_forces_strain(config, params, mtt, [_small_cell(), _molecules()[0]], what=f"nu {nu}: ")
+        compare_energies_forces_strain(
+            config, params, mtt, [_small_cell(), _molecules()[0]], what=f"nu {nu}: "
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -337,12 +357,18 @@ def _random_config(rng):
     d_pet = heads * rng.choice([4, 8])
     hypers = dict(
         atomic_types=tuple(sorted(rng.sample([1, 3, 6, 7, 8, 14, 26, 79], rng.randint(1, 5)))),
-        d_pet=d_pet, num_heads=heads, d_node=rng.choice([d_pet, 2 * d_pet, 12]),
-        d_head=rng.choice([8, 16]), d_feedforward=rng.choice([8, 24]),
-        num_gnn_layers=rng.randint(1, 3), num_attention_layers=rng.randint(1, 3),
-        cutoff=rng.choice([2.5, 3.7, 4.5, 6.0]), cutoff_width=rng.choice([0.2, 0.5, 1.0]),
+        d_pet=d_pet,
+        num_heads=heads,
+        d_node=rng.choice([d_pet, 2 * d_pet, 12]),
+        d_head=rng.choice([8, 16]),
+        d_feedforward=rng.choice([8, 24]),
+        num_gnn_layers=rng.randint(1, 3),
+        num_attention_layers=rng.randint(1, 3),
+        cutoff=rng.choice([2.5, 3.7, 4.5, 6.0]),
+        cutoff_width=rng.choice([0.2, 0.5, 1.0]),
         cutoff_function=rng.choice(["Bump", "Cosine"]),
-        normalization=rng.choice(["RMSNorm", "LayerNorm"]), activation=rng.choice(["SwiGLU", "SiLU"]),
+        normalization=rng.choice(["RMSNorm", "LayerNorm"]),
+        activation=rng.choice(["SwiGLU", "SiLU"]),
         transformer_type=rng.choice(["PreLN", "PostLN"]),
         featurizer_type=rng.choice(["feedforward", "residual"]),
         attention_temperature=rng.choice([1.0, 0.7, 1.9]),
@@ -369,8 +395,12 @@ def _random_structure(rng, types):
         if kind == "molecule":
             atoms = ase.Atoms(numbers=numbers, positions=gen.uniform(0, 3.5, (n, 3)))
         elif kind == "one_atom_cell":
-            atoms = ase.Atoms(numbers=numbers[:1], positions=[[0.3, 0.1, 0.2]],
-                              cell=np.eye(3) * gen.uniform(1.8, 3.0), pbc=True)
+            atoms = ase.Atoms(
+                numbers=numbers[:1],
+                positions=[[0.3, 0.1, 0.2]],
+                cell=np.eye(3) * gen.uniform(1.8, 3.0),
+                pbc=True,
+            )
         else:
             cell = np.diag(gen.uniform(2.0, 6.0, 3))
             if kind == "triclinic":
@@ -420,9 +450,16 @@ def test_atoms_outside_their_cell(seed):
         n = rng.randint(2, 6)
         slab = len(frames) == 1
         cell = np.diag(gen.uniform(3.0, 6.0, 3)) + gen.uniform(-1.0, 1.0, (3, 3))
-        atoms = ase.Atoms(numbers=[rng.choice(config.atomic_types) for _ in range(n)],
-                          scaled_positions=gen.uniform(0, 1, (n, 3)), cell=cell, pbc=[True, True, not slab])
-        if get_distances(atoms.positions, cell=atoms.cell, pbc=atoms.pbc)[1][~np.eye(n, dtype=bool)].min() < 0.7:
+        atoms = ase.Atoms(
+            numbers=[rng.choice(config.atomic_types) for _ in range(n)],
+            scaled_positions=gen.uniform(0, 1, (n, 3)),
+            cell=cell,
+            pbc=[True, True, not slab],
+        )
+        if (
+            get_distances(atoms.positions, cell=atoms.cell, pbc=atoms.pbc)[1][~np.eye(n, dtype=bool)].min()
+            < 0.7
+        ):
             continue
         shifts = gen.integers(-3, 4, (n, 3)).astype(float)
         if slab:
@@ -443,10 +480,22 @@ def test_adaptive_solver_off_its_root():
     of metatrain's 2.75 and 2.41 Å and the energy 40 % off; petfunc follows
     metatrain's arithmetic (found by a sweep of the random test above)."""
     config = petfunc.PETConfig(
-        atomic_types=(1, 8, 14), cutoff=3.7, cutoff_width=1.0, num_neighbors_adaptive=2,
-        adaptive_cutoff_method="solver", cutoff_width_adaptive=0.5, d_pet=8, d_head=8, d_node=16,
-        d_feedforward=8, num_heads=1, num_attention_layers=2, num_gnn_layers=1, activation="SiLU",
-        attention_temperature=1.9, transformer_type="PostLN",
+        atomic_types=(1, 8, 14),
+        cutoff=3.7,
+        cutoff_width=1.0,
+        num_neighbors_adaptive=2,
+        adaptive_cutoff_method="solver",
+        cutoff_width_adaptive=0.5,
+        d_pet=8,
+        d_head=8,
+        d_node=16,
+        d_feedforward=8,
+        num_heads=1,
+        num_attention_layers=2,
+        num_gnn_layers=1,
+        activation="SiLU",
+        attention_temperature=1.9,
+        transformer_type="PostLN",
     )
     positions = [
         [2.2380201458442253, 3.0278616092401665, 1.6762432617307774],
@@ -457,8 +506,8 @@ def test_adaptive_solver_off_its_root():
         [1.4316214865414698, 0.23250037300729465, 1.700482792013557],
     ]
     atoms = ase.Atoms(numbers=[14, 8, 14, 14, 1, 1], positions=positions)
-    from petfunc.adaptive import atomic_cutoffs
-    from petfunc.model import edge_vectors
+    from petfunc.model.adaptive import atomic_cutoffs
+    from petfunc.model.pet import edge_vectors
 
     positions_t, cell, neighbors = petfunc.from_atoms([atoms], config, dtype=torch.float64)
     distances = torch.linalg.vector_norm(edge_vectors(positions_t, cell, neighbors), dim=-1) + 1e-15
@@ -476,8 +525,9 @@ def _conditioned(config, batch, rng):
     import dataclasses
 
     max_charge, max_spin = rng.choice([0, 1, 4]), rng.choice([1, 2, 5])
-    config = dataclasses.replace(config, system_conditioning=True, max_charge=max_charge,
-                                 max_spin_multiplicity=max_spin)
+    config = dataclasses.replace(
+        config, system_conditioning=True, max_charge=max_charge, max_spin_multiplicity=max_spin
+    )
     for atoms in batch:
         atoms.info["charge"] = rng.randint(-max_charge, max_charge)
         atoms.info["spin_multiplicity" if rng.random() < 0.5 else "spin"] = rng.randint(1, max_spin)
@@ -500,8 +550,9 @@ def _metatrain_training_outputs(config, params, frames):
         ref.add_system_data(model, get_system_with_neighbor_lists(s, model.requested_neighbor_lists()), atoms)
         for s, atoms in zip(systems_to_torch(frames, dtype=torch.float64), frames)
     ]
-    info = get_energy_target_info("energy", {"quantity": "energy", "unit": "eV"},
-                                  add_position_gradients=True, add_strain_gradients=True)
+    info = get_energy_target_info(
+        "energy", {"quantity": "energy", "unit": "eV"}, add_position_gradients=True, add_strain_gradients=True
+    )
     predicted = evaluate_model(model, systems, {"energy": info}, is_training=True)["energy"]
     return model, systems, info, predicted
 
@@ -520,23 +571,27 @@ def _assert_gradients_equal(grads, model, rtol=1e-10):
     assert set(ours) == compared, set(ours) ^ compared
 
 
-@pytest.mark.parametrize("seed,autodiff,per_atom,override",
-                         [(seed, autodiff, True, {}) for seed in range(4) for autodiff in ("func", "autograd")]
-                         + [(4, "func", False, {}), (5, "autograd", False, {}),
-                            # no attention layer; no GNN layer (the embeddings read out)
-                            (6, "func", True, {"num_attention_layers": 0}),
-                            (7, "func", True, {"num_gnn_layers": 0, "featurizer_type": "feedforward"})])
+@pytest.mark.parametrize(
+    "seed,autodiff,per_atom,override",
+    [(seed, autodiff, True, {}) for seed in range(4) for autodiff in ("func", "autograd")]
+    + [
+        (4, "func", False, {}),
+        (5, "autograd", False, {}),
+        # no attention layer; no GNN layer (the embeddings read out)
+        (6, "func", True, {"num_attention_layers": 0}),
+        (7, "func", True, {"num_gnn_layers": 0, "featurizer_type": "feedforward"}),
+    ],
+)
 def test_random_architecture_training_gradients(seed, autodiff, per_atom, override):
     """Parameter gradients of the energy + forces + strain-derivative loss equal
     metatrain's training-mode gradients (its evaluate_model, create_graph=True,
     loss.backward) for random architectures on random labelled batches; with
     ``per_atom=False`` the energy and strain terms compare whole structures
     (metatrain's per_structure_targets: average_by_num_atoms leaves them whole)."""
+    import dataclasses
     import random
 
-    from petfunc.data import make_batch, sample_from_atoms
-
-    import dataclasses
+    from petfunc.data.samples import make_batch, sample_from_atoms
 
     rng = random.Random(100 + seed)
     config = dataclasses.replace(_random_config(rng), **override)
@@ -553,8 +608,14 @@ def test_random_architecture_training_gradients(seed, autodiff, per_atom, overri
         s.virial = labels.normal(size=(3, 3))
         samples.append(s)
     flat = petfunc.tree.flatten(params)
-    batch = make_batch(samples, config, flat["composition_weights"].numpy(), float(flat["energy_scale"]),
-                       dtype=torch.float64, pad=False)
+    batch = make_batch(
+        samples,
+        config,
+        flat["composition_weights"].numpy(),
+        float(flat["energy_scale"]),
+        dtype=torch.float64,
+        pad=False,
+    )
     weights = petfunc.LossWeights.make(energy=1.0, forces=2.0, stress=0.5, per_atom=per_atom)
     grads, metrics = petfunc.make_grad_step(petfunc.PET(config), weights, autodiff)(params, batch)
 
@@ -566,7 +627,10 @@ def test_random_architecture_training_gradients(seed, autodiff, per_atom, overri
     loss = (
         ((out.values[:, 0] - batch.energy) / n).pow(2).mean()
         + 2.0 * (out.gradient("positions").values[:, :, 0] + batch.forces).pow(2).mean()
-        + 0.5 * ((out.gradient("strain").values[:, :, :, 0] - batch.strain_derivative) / n[:, None, None]).pow(2).mean()
+        + 0.5
+        * ((out.gradient("strain").values[:, :, :, 0] - batch.strain_derivative) / n[:, None, None])
+        .pow(2)
+        .mean()
     )
     loss.backward()
     assert abs(loss.item() - metrics["loss"].item()) <= 1e-12 * loss.item()
@@ -575,10 +639,22 @@ def test_random_architecture_training_gradients(seed, autodiff, per_atom, overri
 
 LOSS_FORMS = [
     "huber",
-    {"energy": {"type": "mae", "weight": 2.0, "forces": {"type": "huber", "delta": 0.3, "weight": 3.0},
-                "stress": {"type": "mse", "weight": 0.5}}},
-    {"energy": {"type": "huber", "delta": 0.05, "reduction": "sum",
-                "gradients": {"positions": {"reduction": "sum"}, "strain": {"type": "mae", "reduction": "sum"}}}},
+    {
+        "energy": {
+            "type": "mae",
+            "weight": 2.0,
+            "forces": {"type": "huber", "delta": 0.3, "weight": 3.0},
+            "stress": {"type": "mse", "weight": 0.5},
+        }
+    },
+    {
+        "energy": {
+            "type": "huber",
+            "delta": 0.05,
+            "reduction": "sum",
+            "gradients": {"positions": {"reduction": "sum"}, "strain": {"type": "mae", "reduction": "sum"}},
+        }
+    },
 ]
 
 
@@ -587,12 +663,20 @@ def _target_block(template, energy, forces, strain_derivative):
     (energies, and their position and strain gradients)."""
     from metatensor.torch import TensorBlock
 
-    block = TensorBlock(values=energy[:, None], samples=template.samples, components=[],
-                        properties=template.properties)
+    block = TensorBlock(
+        values=energy[:, None], samples=template.samples, components=[], properties=template.properties
+    )
     for name, values in (("positions", -forces), ("strain", strain_derivative)):
         gradient = template.gradient(name)
-        block.add_gradient(name, TensorBlock(values=values[..., None].clone(), samples=gradient.samples,
-                                             components=gradient.components, properties=gradient.properties))
+        block.add_gradient(
+            name,
+            TensorBlock(
+                values=values[..., None].clone(),
+                samples=gradient.samples,
+                components=gradient.components,
+                properties=gradient.properties,
+            ),
+        )
     return block
 
 
@@ -613,8 +697,8 @@ def test_loss_equals_metatrains_loss_aggregator(form, per_atom):
     from metatrain.utils.per_atom import average_by_num_atoms
     from omegaconf import OmegaConf
 
-    from petfunc.data import make_batch, sample_from_atoms
-    from petfunc.options import parse_loss
+    from petfunc.data.samples import make_batch, sample_from_atoms
+    from petfunc.trainer.options import parse_loss
 
     rng = random.Random(300 + form)
     config = _random_config(rng)
@@ -630,28 +714,41 @@ def test_loss_equals_metatrains_loss_aggregator(form, per_atom):
         s.virial = labels.normal(size=(3, 3)) if n != 2 else np.full((3, 3), np.nan)
         samples.append(s)
     flat = petfunc.tree.flatten(params)
-    batch = make_batch(samples, config, flat["composition_weights"].numpy(), float(flat["energy_scale"]),
-                       dtype=torch.float64, pad=False)
+    batch = make_batch(
+        samples,
+        config,
+        flat["composition_weights"].numpy(),
+        float(flat["energy_scale"]),
+        dtype=torch.float64,
+        pad=False,
+    )
     assert torch.isnan(batch.energy).any() and torch.isnan(batch.forces).any()
 
     spec = LOSS_FORMS[form]
     targets = {"energy": {"quantity": "energy", "forces": {"key": "forces"}, "stress": {"key": "stress"}}}
-    conf = OmegaConf.create({"training_set": [{"targets": targets}], "architecture": {"training": {"loss": spec}}})
+    conf = OmegaConf.create(
+        {"training_set": [{"targets": targets}], "architecture": {"training": {"loss": spec}}}
+    )
     loss_config = OmegaConf.to_container(expand_loss_config(conf)["architecture"]["training"]["loss"])
     weights, _ = parse_loss(spec)
     weights = petfunc.LossWeights(weights.energy, weights.forces, weights.stress, per_atom=per_atom)
     grads, metrics = petfunc.make_grad_step(petfunc.PET(config), weights, "func")(params, batch)
 
     model, systems, info, predicted = _metatrain_training_outputs(config, params, frames)
-    target = TensorMap(predicted.keys, [_target_block(predicted.block(), batch.energy, batch.forces,
-                                                      batch.strain_derivative)])
+    target = TensorMap(
+        predicted.keys,
+        [_target_block(predicted.block(), batch.energy, batch.forces, batch.strain_derivative)],
+    )
     per_structure = [] if per_atom else ["energy"]
     predictions = average_by_num_atoms({"energy": predicted}, systems, per_structure)
     references = average_by_num_atoms({"energy": target}, systems, per_structure)
     loss = LossAggregator({"energy": info}, loss_config)(predictions, references)
     loss.backward()
 
-    assert abs(loss.item() - metrics["loss"].item()) <= 1e-12 * abs(loss.item()), (loss.item(), metrics["loss"])
+    assert abs(loss.item() - metrics["loss"].item()) <= 1e-12 * abs(loss.item()), (
+        loss.item(),
+        metrics["loss"],
+    )
     _assert_gradients_equal(grads, model)
 
 
@@ -675,8 +772,9 @@ def _emt_molecules(n, names, seed):
     return frames
 
 
-@pytest.mark.parametrize("names", [("CH4", "H2O", "NH3", "CH3OH", "HCN", "C2H6"), ("CH3CH2OH",)],
-                         ids=["mixed", "collinear"])
+@pytest.mark.parametrize(
+    "names", [("CH4", "H2O", "NH3", "CH3OH", "HCN", "C2H6"), ("CH3CH2OH",)], ids=["mixed", "collinear"]
+)
 @pytest.mark.parametrize("batch_size", [16, 5])
 def test_composition_and_scale_equal_metatrain(tmp_path, names, batch_size):
     """Bitwise the weights and scale of metatrain's composition model and scaler
@@ -690,17 +788,33 @@ def test_composition_and_scale_equal_metatrain(tmp_path, names, batch_size):
     from metatrain.utils.data import get_dataset
     from omegaconf import OmegaConf
 
-    from petfunc.data import fit_composition, fit_scale, sample_from_atoms
+    from petfunc.data.samples import fit_composition, fit_scale, sample_from_atoms
 
     frames = _emt_molecules(37, names, seed=batch_size)
     path = str(tmp_path / "data.xyz")
     ase.io.write(path, frames)
-    target = {"quantity": "energy", "read_from": path, "reader": None, "key": "energy", "unit": "eV",
-              "per_atom": False, "type": "scalar", "num_subtargets": 1, "description": "",
-              "forces": False, "stress": False, "virial": False}
-    dataset, _, _ = get_dataset(OmegaConf.create(
-        {"systems": {"read_from": path, "reader": None, "length_unit": "angstrom"}, "targets": {"energy": target}}
-    ))
+    target = {
+        "quantity": "energy",
+        "read_from": path,
+        "reader": None,
+        "key": "energy",
+        "unit": "eV",
+        "per_atom": False,
+        "type": "scalar",
+        "num_subtargets": 1,
+        "description": "",
+        "forces": False,
+        "stress": False,
+        "virial": False,
+    }
+    dataset, _, _ = get_dataset(
+        OmegaConf.create(
+            {
+                "systems": {"read_from": path, "reader": None, "length_unit": "angstrom"},
+                "targets": {"energy": target},
+            }
+        )
+    )
     config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8, 14), **SMALL)
     model = ref.make_model(config)
     train_or_load_composition_model(model.additive_models[0], {}, [dataset], [], batch_size, False)
@@ -708,7 +822,9 @@ def test_composition_and_scale_equal_metatrain(tmp_path, names, batch_size):
     expected_w = mts.load_buffer(model.additive_models[0].energy_composition_buffer).block().values.flatten()
     expected_c = mts.load_buffer(model.scaler.energy_per_target_scaler_buffer).block().values.flatten()[0]
 
-    samples = [sample_from_atoms(a, config, energy_key="energy", forces_key=None, stress_key=None) for a in frames]
+    samples = [
+        sample_from_atoms(a, config, energy_key="energy", forces_key=None, stress_key=None) for a in frames
+    ]
     w = fit_composition(samples, config.num_species, batch_size)
     assert np.array_equal(w, expected_w.numpy()), (w, expected_w)
     assert w[-1] == 0.0  # Si never appears
@@ -716,8 +832,9 @@ def test_composition_and_scale_equal_metatrain(tmp_path, names, batch_size):
     # per_structure_targets: [energy]: the RMS of the per-structure residual
     model = ref.make_model(config)
     train_or_load_composition_model(model.additive_models[0], {}, [dataset], [], batch_size, False)
-    train_or_load_scaler(model.scaler, [dataset], model.additive_models, batch_size, False,
-                         per_structure_targets=["energy"])
+    train_or_load_scaler(
+        model.scaler, [dataset], model.additive_models, batch_size, False, per_structure_targets=["energy"]
+    )
     expected_c = mts.load_buffer(model.scaler.energy_per_target_scaler_buffer).block().values.flatten()[0]
     assert fit_scale(samples, w, per_atom=False) == pytest.approx(float(expected_c), rel=1e-14)
     assert abs(fit_scale(samples, w, per_atom=False) / fit_scale(samples, w) - 1) > 0.5  # a different scale
@@ -727,7 +844,7 @@ def test_validation_split_equals_mtt_train():
     """Regression values from ``mtt train`` (metatrain 2026.4.1, seed 7, 21 structures,
     ``validation_set: 0.3``, default ``test_set: 0``): its indices/training.txt and
     validation.txt, in their order."""
-    from petfunc.datafiles import split_datasets, split_indices
+    from petfunc.data.read import split_datasets, split_indices
 
     train, val = split_indices(21, 0.3, seed=7)
     assert train.tolist() == [20, 5, 11, 2, 0, 8, 1, 12, 19, 16, 6, 13, 9, 10, 18]
@@ -747,7 +864,7 @@ def test_validation_split_equals_mtt_train():
     assert v1.tolist() == [7, 15, 8, 5, 12]
     # with a test set: the training, validation and test .txt of mtt train runs
     # (seed 7) with validation_set: 0.3 and test_set: 0.2 (one file of 21)...
-    (train, val, test), = split_datasets([21], 0.3, seed=7, test_fraction=0.2)
+    ((train, val, test),) = split_datasets([21], 0.3, seed=7, test_fraction=0.2)
     assert train.tolist() == [20, 5, 11, 2, 0, 8, 1, 12, 19, 16, 6]
     assert val.tolist() == [17, 14, 7, 3, 4, 15] and test.tolist() == [13, 9, 10, 18]
     # ... test_set: 0.15 of two files (21 and 18) ...
@@ -756,7 +873,7 @@ def test_validation_split_equals_mtt_train():
     assert t1.tolist() == [10, 11, 16, 0, 14, 6, 1, 2, 17, 3, 13] and s1.tolist() == [4, 9]
     assert v0.tolist() == [17, 14, 7, 3, 4, 15] and v1.tolist() == [7, 15, 8, 5, 12]
     # ... and a separate validation file with test_set: 0.25
-    (train, val, test), = split_datasets([21], None, seed=7, test_fraction=0.25)
+    ((train, val, test),) = split_datasets([21], None, seed=7, test_fraction=0.25)
     assert train.tolist() == [1, 5, 2, 18, 11, 13, 0, 19, 6, 20, 16, 12, 10, 9, 8, 17]
     assert val.tolist() == [] and test.tolist() == [14, 7, 3, 4, 15]
 
@@ -774,9 +891,9 @@ def test_several_training_files(tmp_path):
     from omegaconf import OmegaConf
     from torch.utils.data import Subset
 
-    from petfunc.cli import make_default_dataset
-    from petfunc.datafiles import split_datasets
-    from petfunc.trainer import fit
+    from petfunc.cli.main import make_default_dataset
+    from petfunc.data.read import split_datasets
+    from petfunc.trainer.fit import fit
 
     first = make_default_dataset(tmp_path / "cells.xyz", n_structures=11, seed=1)
     frames = ase.io.read(make_default_dataset(tmp_path / "more.xyz", n_structures=9, seed=2), ":")
@@ -787,15 +904,28 @@ def test_several_training_files(tmp_path):
     batch_size = 4
     options = {
         "seed": 5,
-        "architecture": {"name": "pet", "model": dict(SMALL, d_pet=8, d_node=8, d_head=8, d_feedforward=8,
-                                                        num_gnn_layers=1, num_attention_layers=1, cutoff=3.0),
-                         "training": {"batch_size": batch_size, "num_epochs": 1}},
+        "architecture": {
+            "name": "pet",
+            "model": dict(
+                SMALL,
+                d_pet=8,
+                d_node=8,
+                d_head=8,
+                d_feedforward=8,
+                num_gnn_layers=1,
+                num_attention_layers=1,
+                cutoff=3.0,
+            ),
+            "training": {"batch_size": batch_size, "num_epochs": 1},
+        },
         "training_set": [str(first), {"systems": str(second), "targets": {"energy": {"key": "energy"}}}],
         "validation_set": 0.25,
     }
     lines = []
     result = fit(options, None, progress=False, log=lines.append)
-    assert any("training set: 16 structures" in line and "validation set: 4 structures" in line for line in lines), lines
+    assert any(
+        "training set: 16 structures" in line and "validation set: 4 structures" in line for line in lines
+    ), lines
     # batches of one file each, as metatrain's combined loader: 9 // 4 + 7 // 4 = 3
     # steps (batches mixing the files would make 16 // 4 = 4)
     assert any("3 steps per epoch" in line for line in lines), lines
@@ -803,13 +933,28 @@ def test_several_training_files(tmp_path):
 
     subsets = []
     for path, (train, _, _) in zip((first, second), split_datasets([11, 9], 0.25, seed=5)):
-        target = {"quantity": "energy", "read_from": str(path), "reader": None, "key": "energy", "unit": "eV",
-                  "per_atom": False, "type": "scalar", "num_subtargets": 1, "description": "",
-                  "forces": False, "stress": False, "virial": False}
-        dataset, _, _ = get_dataset(OmegaConf.create(
-            {"systems": {"read_from": str(path), "reader": None, "length_unit": "angstrom"},
-             "targets": {"energy": target}}
-        ))
+        target = {
+            "quantity": "energy",
+            "read_from": str(path),
+            "reader": None,
+            "key": "energy",
+            "unit": "eV",
+            "per_atom": False,
+            "type": "scalar",
+            "num_subtargets": 1,
+            "description": "",
+            "forces": False,
+            "stress": False,
+            "virial": False,
+        }
+        dataset, _, _ = get_dataset(
+            OmegaConf.create(
+                {
+                    "systems": {"read_from": str(path), "reader": None, "length_unit": "angstrom"},
+                    "targets": {"energy": target},
+                }
+            )
+        )
         subsets.append(Subset(dataset, train.tolist()))
     model = ref.make_model(result.config)
     train_or_load_composition_model(model.additive_models[0], {}, subsets, [], batch_size, False)
@@ -839,7 +984,7 @@ def test_max_atoms_per_batch_equals_metatrain_sampler():
     counts, with and without ``min_atoms``, oversized structures skipped."""
     from metatrain.utils.data.samplers import MaxAtomDistributedBatchSampler
 
-    from petfunc.batching import batch_plan
+    from petfunc.data.batching import batch_plan
 
     class Counts(torch.utils.data.Dataset):
         def __init__(self, counts):
@@ -855,13 +1000,29 @@ def test_max_atoms_per_batch_equals_metatrain_sampler():
     counts[[3, 30]] = 70  # larger than max_atoms: skipped in training
     for max_atoms, min_atoms, world in ((64, 0, 1), (64, 30, 1), (100, 0, 2), (41, 10, 3)):
         for rank in range(world):
-            sampler = MaxAtomDistributedBatchSampler(Counts(counts), max_atoms, num_replicas=world, rank=rank,
-                                                     shuffle=True, drop_last=True, min_atoms=min_atoms)
+            sampler = MaxAtomDistributedBatchSampler(
+                Counts(counts),
+                max_atoms,
+                num_replicas=world,
+                rank=rank,
+                shuffle=True,
+                drop_last=True,
+                min_atoms=min_atoms,
+            )
             for epoch in (0, 1, 5):
                 sampler.set_epoch(epoch)
                 expected = [list(b) for b in sampler]
-                plan = batch_plan(len(counts), 8, epoch=epoch, seed=123, rank=rank, world_size=world,
-                                  atom_counts=counts, max_atoms=max_atoms, min_atoms=min_atoms)
+                plan = batch_plan(
+                    len(counts),
+                    8,
+                    epoch=epoch,
+                    seed=123,
+                    rank=rank,
+                    world_size=world,
+                    atom_counts=counts,
+                    max_atoms=max_atoms,
+                    min_atoms=min_atoms,
+                )
                 assert [b.tolist() for b in plan] == expected, (max_atoms, min_atoms, world, rank, epoch)
     # evaluation keeps every structure once, an oversized one alone
     plan = batch_plan(len(counts), 8, shuffle=False, drop_last=False, atom_counts=counts, max_atoms=64)
@@ -869,7 +1030,10 @@ def test_max_atoms_per_batch_equals_metatrain_sampler():
     assert [3] in [b.tolist() for b in plan] and all(counts[b].sum() <= 64 for b in plan if len(b) > 1)
 
 
-@pytest.mark.parametrize("epochs,steps_per_epoch,warmup_fraction", [(1, 1, 0.01), (3, 7, 0.1), (50, 13, 0.01), (10, 4, 0.0), (2, 5, 0.5)])
+@pytest.mark.parametrize(
+    "epochs,steps_per_epoch,warmup_fraction",
+    [(1, 1, 0.01), (3, 7, 0.1), (50, 13, 0.01), (10, 4, 0.0), (2, 5, 0.5)],
+)
 def test_schedule_equals_metatrains(epochs, steps_per_epoch, warmup_fraction):
     """petfunc.warmup_cosine(lr, T, f) against the learning rates of metatrain's PET
     trainer (its get_scheduler: LambdaLR, stepped once per batch) at every step."""

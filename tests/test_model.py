@@ -20,8 +20,6 @@ SMALL = dict(atomic_types=(1, 6, 7, 8), d_pet=8, d_node=16, d_head=8, d_feedforw
 F64 = torch.float64
 
 
-
-
 def _params(config, seed=0, dtype=F64):
     params = petfunc.PET(config).init(seed=seed, dtype=dtype)
     params["composition_weights"] = torch.tensor([-13.6, -1029.5, -1485.3, -2041.3], dtype=dtype)
@@ -51,8 +49,10 @@ def _cubic_cell():
 
 def _slab():
     atoms = ase.Atoms(
-        "CCOH", positions=[[0, 0, 0], [1.3, 1.2, 0.1], [0.1, 1.4, 1.3], [1.5, 0.2, 2.4]],
-        cell=[[2.6, 0, 0], [0.4, 2.7, 0], [0, 0, 0]], pbc=[True, True, False],
+        "CCOH",
+        positions=[[0, 0, 0], [1.3, 1.2, 0.1], [0.1, 1.4, 1.3], [1.5, 0.2, 2.4]],
+        cell=[[2.6, 0, 0], [0.4, 2.7, 0], [0, 0, 0]],
+        pbc=[True, True, False],
     )
     atoms.rattle(0.03, seed=4)
     return atoms
@@ -164,7 +164,9 @@ def test_permutation_invariance(make):
 def test_wrapped_and_unwrapped_positions_agree():
     atoms = _cubic_cell()
     unwrapped = atoms.copy()
-    shifts = np.array([[1, 0, 0], [0, -2, 1], [0, 0, 0], [3, 1, -1], [0, 0, 0], [-1, -1, -1], [2, 0, 0], [0, 1, 0]])
+    shifts = np.array(
+        [[1, 0, 0], [0, -2, 1], [0, 0, 0], [3, 1, -1], [0, 0, 0], [-1, -1, -1], [2, 0, 0], [0, 1, 0]]
+    )
     unwrapped.positions += shifts @ np.asarray(atoms.cell)
     wrapped = unwrapped.copy()
     wrapped.wrap()
@@ -199,7 +201,8 @@ BATCH = [_ethanol(), _small_cell(), _far_pair(), _slab(), ase.Atoms("N"), _cubic
 
 
 @pytest.mark.parametrize(
-    "variant", ["fixed_cutoff", "adaptive_grid"]  # grid: a batch-global max inside
+    "variant",
+    ["fixed_cutoff", "adaptive_grid"],  # grid: a batch-global max inside
 )
 def test_batch_equals_structures_one_by_one(variant):
     config = petfunc.PETConfig(**SMALL, **FD_VARIANTS[variant])
@@ -210,7 +213,7 @@ def test_batch_equals_structures_one_by_one(variant):
         e1, f1, s1 = _evaluate(config, params, [atoms])
         # the NEF width is a batch maximum: agreement is to round-off, not bitwise
         assert abs(float(e[i] - e1[0])) <= 1e-12 * abs(float(e1[0]))
-        fi = f[offsets[i]:offsets[i + 1]]
+        fi = f[offsets[i] : offsets[i + 1]]
         assert float((fi - f1).abs().max()) <= 1e-12 * max(float(f1.abs().max()), 1.0)
         if atoms.pbc.all():
             assert _max_rel(s[i], s1[0]) < 1e-12
@@ -258,7 +261,9 @@ def test_atoms_without_neighbours_add_up():
     assert abs(float(e_pair[0] - (e_h[0] + e_o[0]))) < 1e-12 * abs(float(e_pair[0]))
     assert torch.all(f_pair == 0)
     # per-atom energies: composition plus the scaled isolated-atom network energy
-    per_atom = petfunc.PET(CONFIG).per_atom_energies(PARAMS, *petfunc.from_atoms(_far_pair(), CONFIG, dtype=F64))
+    per_atom = petfunc.PET(CONFIG).per_atom_energies(
+        PARAMS, *petfunc.from_atoms(_far_pair(), CONFIG, dtype=F64)
+    )
     assert torch.allclose(per_atom, torch.cat([e_h, e_o]), rtol=1e-13, atol=0)
 
 
@@ -294,7 +299,9 @@ def test_regression_values():
     expected_s = torch.tensor(EXPECTED_STRESS_DIAGONAL, dtype=F64)
     assert torch.allclose(e, expected_e, rtol=1e-10, atol=0), e.tolist()
     assert torch.allclose(f[[0, 5, 10]], expected_f, rtol=1e-8, atol=1e-12), f[[0, 5, 10]].tolist()
-    assert torch.allclose(torch.diagonal(s[1]), expected_s, rtol=1e-8, atol=1e-12), torch.diagonal(s[1]).tolist()
+    assert torch.allclose(torch.diagonal(s[1]), expected_s, rtol=1e-8, atol=1e-12), torch.diagonal(
+        s[1]
+    ).tolist()
 
 
 # generated with petfunc, and equal to metatrain's eager PET on the same weights to <= 1e-13
@@ -370,7 +377,9 @@ def test_float32_smoke():
     assert _max_rel(f.double(), f64) < 1e-3
     assert _max_rel(s[1].double(), s64[1]) < 1e-3
     # mixed dtypes name the inputs (PyTorch's own error names two matrices)
-    with pytest.raises(TypeError, match=r"positions: torch.float32 on cpu, but the parameters: torch.float64"):
+    with pytest.raises(
+        TypeError, match=r"positions: torch.float32 on cpu, but the parameters: torch.float64"
+    ):
         fn(params64, positions, cell, graph)
     with pytest.raises(TypeError, match=r"cell: torch.float32 on cpu, but the parameters: torch.float64"):
         petfunc.PET(CONFIG).energy(params64, positions.double(), cell, graph)
@@ -386,7 +395,10 @@ def test_inputs_that_do_not_fit_are_named():
     model = petfunc.PET(CONFIG)
     fn = petfunc.energy_forces_stress(model.energy)
     extra = torch.cat([positions, positions[:1]])
-    with pytest.raises(ValueError, match=rf"positions has {len(extra)} rows, but the neighbour list is for {len(positions)} atoms"):
+    with pytest.raises(
+        ValueError,
+        match=rf"positions has {len(extra)} rows, but the neighbour list is for {len(positions)} atoms",
+    ):
         fn(params, extra, cell, graph)
     with pytest.raises(ValueError, match="cell has 3 cells, but the neighbour list is for 2 structures"):
         model.energy(params, positions, torch.cat([cell, cell[:1]]), graph)
@@ -399,4 +411,5 @@ def test_inputs_that_do_not_fit_are_named():
         petfunc.PET(fewer).energy(params, positions, cell, graph)
     with pytest.raises(ValueError, match="GNN layers"):
         petfunc.PET(dataclasses.replace(CONFIG, num_gnn_layers=CONFIG.num_gnn_layers + 1)).energy(
-            params, positions, cell, graph)
+            params, positions, cell, graph
+        )

@@ -34,7 +34,9 @@ def _structures():
         pbc=[True, True, False],
     )
     wire = ase.Atoms(
-        "CH", positions=[[0, 0, 0], [0.5, 1.0, 0.3]], cell=[[1.9, 0, 0], [0, 0, 0], [0, 0, 0]],
+        "CH",
+        positions=[[0, 0, 0], [0.5, 1.0, 0.3]],
+        cell=[[1.9, 0, 0], [0, 0, 0], [0, 0, 0]],
         pbc=[True, False, False],
     )
     return {"ethanol": ethanol, "small_cell": small, "triclinic": triclinic, "slab": slab, "wire": wire}
@@ -44,7 +46,9 @@ STRUCTURES = _structures()
 
 
 def _edge_set(i, j, shifts):
-    return sorted(zip(np.asarray(i).tolist(), np.asarray(j).tolist(), map(tuple, np.asarray(shifts).tolist())))
+    return sorted(
+        zip(np.asarray(i).tolist(), np.asarray(j).tolist(), map(tuple, np.asarray(shifts).tolist()))
+    )
 
 
 @pytest.mark.parametrize("name", list(STRUCTURES))
@@ -108,7 +112,10 @@ def test_batch_layout_and_offsets():
     frames = list(STRUCTURES.values())
     positions, cell, graph = petfunc.from_atoms(frames, CONFIG, dtype=torch.float64)
     _check_layout(graph, positions, cell)
-    assert torch.equal(graph.structure_index, torch.repeat_interleave(torch.arange(len(frames)), torch.tensor([len(a) for a in frames])))
+    assert torch.equal(
+        graph.structure_index,
+        torch.repeat_interleave(torch.arange(len(frames)), torch.tensor([len(a) for a in frames])),
+    )
     offset = 0
     for s, atoms in enumerate(frames):
         one = petfunc.prepare_atoms(atoms, CONFIG)
@@ -141,7 +148,9 @@ def test_isolated_atom_graph():
 
 def test_unknown_species():
     atoms = ase.Atoms("CU", positions=[[0, 0, 0], [1.5, 0, 0]])
-    with pytest.raises(ValueError, match=r"structure 0: atomic number\(s\) \[92\] are not among .*\(1, 6, 7, 8\)"):
+    with pytest.raises(
+        ValueError, match=r"structure 0: atomic number\(s\) \[92\] are not among .*\(1, 6, 7, 8\)"
+    ):
         petfunc.from_atoms(atoms, CONFIG)
     # a type below max(atomic_types) that is not listed fails the same way
     with pytest.raises(ValueError, match=r"\[2\]"):
@@ -197,23 +206,37 @@ def test_coinciding_atoms():
     (and an infinite ZBL one); metatrain returns a meaningless finite number, or
     inf with ZBL. Here a clear error; 1e-6 Å apart is still evaluated."""
     atoms = ase.Atoms("COH", positions=[[0, 0, 0], [0, 0, 0], [1.0, 0.3, 0]])
-    with pytest.raises(ValueError, match=r"structure 1: atoms 0 and 1 are at the same place; PET has no energy"):
+    with pytest.raises(
+        ValueError, match=r"structure 1: atoms 0 and 1 are at the same place; PET has no energy"
+    ):
         petfunc.from_atoms([ase.Atoms("H"), atoms], CONFIG)
     image = ase.Atoms("CO", positions=[[0, 0, 0], [3.0, 0, 0]], cell=[3, 3, 3], pbc=True)
-    with pytest.raises(ValueError, match=r"atoms (0 and 1|1 and 0) are at the same place \(atom [01] through the periodic image shifted by \[-?1, 0, 0\] cells\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"atoms (0 and 1|1 and 0) are at the same place \(atom [01] through the periodic image shifted by \[-?1, 0, 0\] cells\)",
+    ):
         petfunc.from_atoms(image, CONFIG)
     atoms.positions[1, 0] = 1e-6
     petfunc.from_atoms(atoms, CONFIG)
 
 
 def test_zero_cell_rows_are_fine_when_not_periodic():
-    atoms = ase.Atoms("CH", positions=[[0, 0, 0], [1, 0, 0]], cell=[[2, 0, 0], [0, 0, 0], [0, 0, 0]], pbc=[True, False, False])
+    atoms = ase.Atoms(
+        "CH",
+        positions=[[0, 0, 0], [1, 0, 0]],
+        cell=[[2, 0, 0], [0, 0, 0], [0, 0, 0]],
+        pbc=[True, False, False],
+    )
     reference = petfunc.prepare([6, 1], atoms.positions, atoms.cell, atoms.pbc, CONFIG)
     # the unused rows may even be infinite (they were refused); a periodic one may not
     cell = np.array([[2, 0, 0], [np.inf, 0, 0], [0, np.nan, 0]])
     structure = petfunc.prepare([6, 1], atoms.positions, cell, [True, False, False], CONFIG)
-    assert np.array_equal(structure.cell, reference.cell) and np.array_equal(structure.shifts, reference.shifts)
-    with pytest.raises(ValueError, match="cell contains NaN or infinite values along its periodic directions"):
+    assert np.array_equal(structure.cell, reference.cell) and np.array_equal(
+        structure.shifts, reference.shifts
+    )
+    with pytest.raises(
+        ValueError, match="cell contains NaN or infinite values along its periodic directions"
+    ):
         petfunc.prepare([6, 1], atoms.positions, cell, [True, True, False], CONFIG)
 
 
@@ -223,16 +246,21 @@ def test_almost_singular_cell(pbc):
     check and then failed allocating hundreds of GB; it is an error naming it."""
     thin = np.diag([3.0, 3.0, 3.0])
     thin[np.flatnonzero(pbc)[-1]] *= 1e-4
-    with pytest.raises(ValueError, match=r"structure: 2 atom\(s\) in a cell of a (periodic length|periodic area|volume) of "
-                                         r".* would give each atom about .* neighbours within the 4.5 Å cutoff; "
-                                         r"the cell is almost singular or not in Å"):
+    with pytest.raises(
+        ValueError,
+        match=r"structure: 2 atom\(s\) in a cell of a (periodic length|periodic area|volume) of "
+        r".* would give each atom about .* neighbours within the 4.5 Å cutoff; "
+        r"the cell is almost singular or not in Å",
+    ):
         petfunc.prepare([6, 1], [[0, 0, 0], [1, 1, 1]], thin, pbc, CONFIG)
     # cells smaller than the cutoff are fine: 1 atom in a 1.2 Å cube has ~200 neighbours
     small = petfunc.prepare([6], [[0, 0, 0]], np.diag([1.2, 1.2, 1.2]), True, CONFIG)
     assert len(small.centers) > 100
     # a cell in nm read as Å: 64 atoms in a 0.9 "Å" cube
     with pytest.raises(ValueError, match=r"64 atom\(s\) in a cell of a volume of 0.729 Å\^3"):
-        petfunc.prepare([6] * 64, np.random.default_rng(0).random((64, 3)) * 0.9, np.diag([0.9] * 3), True, CONFIG)
+        petfunc.prepare(
+            [6] * 64, np.random.default_rng(0).random((64, 3)) * 0.9, np.diag([0.9] * 3), True, CONFIG
+        )
 
 
 def test_mismatched_shapes():
@@ -241,7 +269,7 @@ def test_mismatched_shapes():
     with pytest.raises(ValueError, match=r"positions must have shape \[n_atoms, 3\], got \(2, 2\)"):
         petfunc.prepare([6, 1], [[0, 0], [1, 0]], None, False, CONFIG)
     with pytest.raises(ValueError, match=r"cell must have shape \[3, 3\]"):
-        petfunc.neighbors.check_structure(np.zeros((2, 3)), np.eye(2), [True] * 3)
+        petfunc.graph.neighbors.check_structure(np.zeros((2, 3)), np.eye(2), [True] * 3)
 
 
 def test_empty_structure_and_empty_batch():
@@ -254,4 +282,4 @@ def test_empty_structure_and_empty_batch():
 def test_asymmetric_list_is_rejected():
     centers, neighbors, shifts = np.array([0, 1]), np.array([1, 0]), np.array([[0, 0, 0], [0, 0, 1]])
     with pytest.raises(ValueError, match="not symmetric"):
-        petfunc.neighbors.reverse_edges(centers, neighbors, shifts)
+        petfunc.graph.neighbors.reverse_edges(centers, neighbors, shifts)

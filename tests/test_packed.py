@@ -13,8 +13,8 @@ import torchopt
 from torch.utils import _pytree as pytree
 
 import petfunc
-from petfunc import tree
 from petfunc import train as train_mod
+from petfunc import tree
 
 
 def random_tree(seed=0, dtype=torch.float64):
@@ -139,11 +139,15 @@ def test_compiled_step_takes_and_returns_packed_buffers(tmp_path, monkeypatch):
     # the same state in separate tensors (copied into a buffer per call): same numbers
     loose = pytree.tree_map(lambda t: t.clone(), state)
     assert not is_packed(pytree.tree_leaves(loose.params))
-    for a, b in zip(pytree.tree_leaves(compiled(loose, batches[1])), pytree.tree_leaves(compiled(state, batches[1]))):
+    for a, b in zip(
+        pytree.tree_leaves(compiled(loose, batches[1])), pytree.tree_leaves(compiled(state, batches[1]))
+    ):
         assert torch.equal(a, b)
     # a state with one tensor replaced: no longer packed, still right
     replaced = state._replace(params={**state.params, "a": state.params["a"] + 1.0})
-    torch.testing.assert_close(compiled(replaced, batches[2]), step(replaced, batches[2]), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(
+        compiled(replaced, batches[2]), step(replaced, batches[2]), rtol=1e-12, atol=1e-14
+    )
     # a parameter of another shape inside a packed run is refused by name
     wrong = state._replace(params={**state.params, "c": torch.zeros(3, 7, dtype=torch.float64)})
     with pytest.raises(ValueError, match="parameter or optimizer state"):
@@ -175,5 +179,7 @@ def test_compile_keeps_freed_memory_for_cpu_inputs(monkeypatch):
         assert len(calls) == expected, keep
         assert float(compiled(*args)) == 12.0
     calls.clear()
-    petfunc.compile(fn, {"w": torch.ones(3, device="meta")}, torch.ones(4, 3, device="meta"), backend="aot_eager")
+    petfunc.compile(
+        fn, {"w": torch.ones(3, device="meta")}, torch.ones(4, 3, device="meta"), backend="aot_eager"
+    )
     assert not calls  # no CPU tensor: nothing to keep

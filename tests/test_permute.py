@@ -3,16 +3,15 @@ plain masked gather, with gathers only in its derivatives."""
 
 import pytest
 import torch
+from derivative_checks import assert_same_autograd_derivatives
 from torch.func import grad, jacfwd, jacrev, jvp, vmap
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from petfunc import permute
-
-from derivative_checks import assert_same_autograd_derivatives
+from petfunc.ops import permute
 
 
 def permute_rows(x, index, inverse, mask=None, inverse_mask=None):
-    """The autograd.Function itself (petfunc.permute.permute_rows uses it in traces and
+    """The autograd.Function itself (petfunc.ops.permute.permute_rows uses it in traces and
     eager autograd, a plain gather under eager torch.func)."""
     return permute._PermuteRows.apply(x, index, mask, inverse, inverse_mask)
 
@@ -65,7 +64,9 @@ def test_values_and_derivatives_equal_a_plain_gather():
     torch.testing.assert_close(grad(new)(x), grad(ref)(x), rtol=1e-14, atol=1e-14)
     torch.testing.assert_close(jacfwd(jacrev(new))(x), jacfwd(jacrev(ref))(x), rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(jacrev(jacrev(new))(x), jacrev(jacrev(ref))(x), rtol=1e-13, atol=1e-13)
-    torch.testing.assert_close(jvp(grad(new), (x,), (v,))[1], jvp(grad(ref), (x,), (v,))[1], rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(
+        jvp(grad(new), (x,), (v,))[1], jvp(grad(ref), (x,), (v,))[1], rtol=1e-13, atol=1e-13
+    )
     xs = torch.randn(3, 7, 3, dtype=DT)
     torch.testing.assert_close(vmap(grad(new))(xs), vmap(grad(ref))(xs), rtol=1e-14, atol=1e-14)
 
@@ -106,7 +107,8 @@ def test_derivatives_trace_to_gathers_only():
     x, v = torch.randn(7, 3, dtype=DT), torch.randn(7, 3, dtype=DT)
     graph = make_fx(_hvp(permute.permute_rows), tracing_mode="symbolic")(x, v, INDEX, MASK, INVERSE)
     scatters = [
-        n for n in graph.graph.nodes
+        n
+        for n in graph.graph.nodes
         if n.op == "call_function" and any(s in str(n.target) for s in ("index_put", "index_add", "scatter"))
     ]
     assert scatters == []
@@ -126,14 +128,16 @@ def test_eager_autograd_uses_the_gather_adjoint_torch_func_a_plain_gather(monkey
     (no scatter-add in the backward), with the plain gather's values and first and
     second derivatives; small gathers and eager torch.func transforms keep the plain
     gather (a Function call costs them Python time)."""
-    from petfunc import _custom_derivatives
+    from petfunc.ops import dispatch as _custom_derivatives
 
     x = torch.randn(7, 3, dtype=DT, requires_grad=True)
     assert "PermuteRows" not in type(permute.permute_rows(x, INDEX, INVERSE, mask=MASK).grad_fn).__name__
     n = _custom_derivatives.EAGER_MIN_ELEMENTS // 4
     big, order = torch.randn(n, 4, requires_grad=True), torch.randperm(n)
     assert "PermuteRows" in type(permute.permute_rows(big, order, torch.argsort(order)).grad_fn).__name__
-    assert "PermuteRows" not in type(permute.permute_rows(big, order[1:], torch.argsort(order)).grad_fn).__name__
+    assert (
+        "PermuteRows" not in type(permute.permute_rows(big, order[1:], torch.argsort(order)).grad_fn).__name__
+    )
     monkeypatch.setattr(_custom_derivatives, "EAGER_MIN_ELEMENTS", 0)
     y = permute.permute_rows(x, INDEX, INVERSE, mask=MASK)
     assert torch.equal(y, reference(x, INDEX, MASK))
@@ -142,8 +146,11 @@ def test_eager_autograd_uses_the_gather_adjoint_torch_func_a_plain_gather(monkey
     ref = objective(lambda x: reference(x, INDEX, MASK))
     assert_same_autograd_derivatives(new, ref, x)
     names = []
-    grad(lambda x: names.append(type(permute.permute_rows(x, INDEX, INVERSE, mask=MASK).grad_fn).__name__)
-         or x.sum())(x.detach())
+    grad(
+        lambda x: (
+            names.append(type(permute.permute_rows(x, INDEX, INVERSE, mask=MASK).grad_fn).__name__) or x.sum()
+        )
+    )(x.detach())
     assert names and "PermuteRows" not in names[0]
 
 

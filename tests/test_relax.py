@@ -1,21 +1,29 @@
 """Batched FIRE (petfunc.relax.fire) against ASE's FIRE with the petfunc calculator."""
 
+import ase.build
 import numpy as np
 import pytest
 import torch
-
-import ase.build
 from ase.constraints import FixAtoms
 from ase.filters import FrechetCellFilter, UnitCellFilter
 from ase.optimize import FIRE as AseFIRE
 
 import petfunc
-from petfunc.ase import PETCalculator
+from petfunc.ase.calculator import PETCalculator
 from petfunc.relax import FIRE, fire
 
 
-CONFIG = petfunc.PETConfig(atomic_types=(1, 6, 8, 29), cutoff=4.0, d_pet=8, d_head=8, d_node=16,
-                           d_feedforward=16, num_heads=2, num_gnn_layers=1, num_attention_layers=1)
+CONFIG = petfunc.PETConfig(
+    atomic_types=(1, 6, 8, 29),
+    cutoff=4.0,
+    d_pet=8,
+    d_head=8,
+    d_node=16,
+    d_feedforward=16,
+    num_heads=2,
+    num_gnn_layers=1,
+    num_attention_layers=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +71,9 @@ def test_fire_follows_ase(params, max_atoms):
 
 def _cells():
     copper = ase.build.bulk("Cu", "fcc", a=3.7, cubic=True)
-    copper.set_cell(copper.cell[:] @ np.array([[1.0, 0.02, 0.0], [0.0, 0.97, 0.01], [0.0, 0.0, 1.03]]),
-                    scale_atoms=True)
+    copper.set_cell(
+        copper.cell[:] @ np.array([[1.0, 0.02, 0.0], [0.0, 0.97, 0.01], [0.0, 0.0, 1.03]]), scale_atoms=True
+    )
     copper.rattle(0.05, seed=5)
     diamond = ase.build.bulk("C", "diamond", a=3.5)
     diamond.rattle(0.05, seed=6)
@@ -99,7 +108,9 @@ def test_fire_with_cell_filter_follows_ase(params, cell_filter):
         assert relaxed.get_potential_energy() == pytest.approx(reference.get_potential_energy(), abs=1e-9)
         np.testing.assert_allclose(relaxed.get_stress(), reference.get_stress(), atol=1e-9)
     fixed = result.atoms[2]
-    np.testing.assert_allclose(fixed.get_scaled_positions()[0], frames[2].get_scaled_positions()[0], atol=1e-12)
+    np.testing.assert_allclose(
+        fixed.get_scaled_positions()[0], frames[2].get_scaled_positions()[0], atol=1e-12
+    )
     assert np.all(fixed.get_forces()[0] == 0.0)
 
 
@@ -113,12 +124,14 @@ def test_partly_periodic_stress_warns(params):
     stress uses the ASE cell volume; a bulk cell does not."""
     import warnings
 
-    from petfunc.ase_batch import BatchEvaluator
+    from petfunc.ase.batch import BatchEvaluator
 
     slab = _cells()[0].copy()
     slab.pbc = [True, True, False]
     evaluate = BatchEvaluator(CONFIG, params, stress=True)
-    with pytest.warns(UserWarning, match="stress requested but likely to be wrong for structure 1: not periodic"):
+    with pytest.warns(
+        UserWarning, match="stress requested but likely to be wrong for structure 1: not periodic"
+    ):
         evaluate([_cells()[0], slab])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -134,8 +147,11 @@ def test_partly_periodic_stress_warns(params):
             evaluate([_cells()[0], slab, slab])
             evaluate([slab], labels=["structure 2"])  # the others converged
         assert len(caught) == 1, [str(w.message) for w in caught]
-        assert "for structure 2" in str(caught[0].message) if warned_before else \
-            "for structure 1, structure 2" in str(caught[0].message)
+        assert (
+            "for structure 2" in str(caught[0].message)
+            if warned_before
+            else "for structure 1, structure 2" in str(caught[0].message)
+        )
 
 
 def test_fire_compiled_one_graph(params):
@@ -150,8 +166,16 @@ def test_fire_compiled_one_graph(params):
         np.testing.assert_allclose(a.positions, b.positions, atol=1e-7)
     cells = _cells()
     eager = fire(CONFIG, params, cells, fmax=0.02, steps=20, cell_filter=FrechetCellFilter)
-    compiled = fire(CONFIG, params, cells, fmax=0.02, steps=20, cell_filter=FrechetCellFilter,
-                    compile=True, backend="aot_eager")
+    compiled = fire(
+        CONFIG,
+        params,
+        cells,
+        fmax=0.02,
+        steps=20,
+        cell_filter=FrechetCellFilter,
+        compile=True,
+        backend="aot_eager",
+    )
     assert compiled.steps == eager.steps and compiled.compiled_graphs == 1
     for a, b in zip(compiled.atoms, eager.atoms):
         np.testing.assert_allclose(a.cell[:], b.cell[:], atol=1e-7)
@@ -168,11 +192,14 @@ def test_fire_stops_at_steps_and_checks_arguments(params):
     with pytest.raises(ValueError, match=r"structure 0: atomic number\(s\) \[7\] are not among"):
         fire(CONFIG, params, [ase.build.molecule("NH3")])
     # one Atoms instead of a list failed with "object of type 'Atom' has no len()"
-    from petfunc.ase_batch import BatchEvaluator
+    from petfunc.ase.batch import BatchEvaluator
     from petfunc.dynamics import run
 
-    for call in (lambda f: fire(CONFIG, params, f), lambda f: BatchEvaluator(CONFIG, params)(f),
-                 lambda f: run(CONFIG, params, f, steps=1, timestep=0.5)):
+    for call in (
+        lambda f: fire(CONFIG, params, f),
+        lambda f: BatchEvaluator(CONFIG, params)(f),
+        lambda f: run(CONFIG, params, f, steps=1, timestep=0.5),
+    ):
         with pytest.raises(TypeError, match=r"got one Atoms; for one structure pass \[atoms\]"):
             call(frames[0])
         with pytest.raises(TypeError, match="item 1 is a str"):

@@ -17,7 +17,7 @@ import torch
 
 import petfunc
 from petfunc import allocator
-from petfunc.ase import PETCalculator
+from petfunc.ase.calculator import PETCalculator
 from petfunc.derivatives import energy_terms_forces_strain_derivative
 from petfunc.structures import collate, prepare_atoms
 
@@ -49,7 +49,9 @@ def test_remat_gives_the_same_derivatives(featurizer):
     positions, cell, neighbors = inputs(cfg)
     plain = energy_terms_forces_strain_derivative(model.energy_terms, "autograd")
     recomputed = energy_terms_forces_strain_derivative(petfunc.remat(model.energy_terms), "autograd")
-    for a, b in zip(plain(params, positions, cell, neighbors), recomputed(params, positions, cell, neighbors)):
+    for a, b in zip(
+        plain(params, positions, cell, neighbors), recomputed(params, positions, cell, neighbors)
+    ):
         assert torch.equal(a, b)
 
     # training through autograd: the parameter gradient of a force loss differentiates
@@ -74,15 +76,30 @@ def test_remat_keeps_fewer_activations():
     model = petfunc.PET(cfg)
     params = model.init(seed=4, dtype=torch.float64)
     positions, cell, neighbors = inputs(cfg)
-    plain = saved_bytes(energy_terms_forces_strain_derivative(model.energy_terms, "autograd"),
-                        params, positions, cell, neighbors)
-    recomputed = saved_bytes(energy_terms_forces_strain_derivative(petfunc.remat(model.energy_terms), "autograd"),
-                             params, positions, cell, neighbors)
+    plain = saved_bytes(
+        energy_terms_forces_strain_derivative(model.energy_terms, "autograd"),
+        params,
+        positions,
+        cell,
+        neighbors,
+    )
+    recomputed = saved_bytes(
+        energy_terms_forces_strain_derivative(petfunc.remat(model.energy_terms), "autograd"),
+        params,
+        positions,
+        cell,
+        neighbors,
+    )
     # 4 transformer layers keep their inputs only (here 7.8x fewer bytes; default PET 4.8x)
     assert recomputed < 0.25 * plain, (recomputed, plain)
     # after a remat function returns, nothing is recomputed any more
-    again = saved_bytes(energy_terms_forces_strain_derivative(model.energy_terms, "autograd"),
-                        params, positions, cell, neighbors)
+    again = saved_bytes(
+        energy_terms_forces_strain_derivative(model.energy_terms, "autograd"),
+        params,
+        positions,
+        cell,
+        neighbors,
+    )
     assert again == plain
 
 
@@ -94,18 +111,23 @@ def test_remat_refuses_torch_func_and_compile_and_runs_in_inference_mode():
     with pytest.raises(RuntimeError, match="torch.autograd only"):
         torch.func.grad(lambda x: petfunc.remat(model.energy)(params, x, cell, neighbors).sum())(positions)
     # inference mode is left for the derivative (autograd records nothing in it): remat works
-    plain = energy_terms_forces_strain_derivative(model.energy_terms, "autograd")(params, positions, cell, neighbors)
+    plain = energy_terms_forces_strain_derivative(model.energy_terms, "autograd")(
+        params, positions, cell, neighbors
+    )
     with torch.inference_mode():
         again = energy_terms_forces_strain_derivative(petfunc.remat(model.energy_terms), "autograd")(
-            params, positions, cell, neighbors)
+            params, positions, cell, neighbors
+        )
     for a, b in zip(plain, again):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="eager"):
         PETCalculator(cfg, params, remat=True, compile=True)
     # without gradients there is nothing to recompute: a plain forward pass
     with torch.no_grad():
-        assert torch.equal(petfunc.remat(model.energy)(params, positions, cell, neighbors),
-                           model.energy(params, positions, cell, neighbors))
+        assert torch.equal(
+            petfunc.remat(model.energy)(params, positions, cell, neighbors),
+            model.energy(params, positions, cell, neighbors),
+        )
 
 
 def test_calculator_remat_and_freed_memory(monkeypatch):
@@ -114,7 +136,12 @@ def test_calculator_remat_and_freed_memory(monkeypatch):
     cfg = config()
     params = petfunc.PET(cfg).init(seed=4, dtype=torch.float64)
     results = {}
-    for remat, keep, expected_calls in [(False, None, 1), (True, None, 0), (False, False, 0), (True, True, 1)]:
+    for remat, keep, expected_calls in [
+        (False, None, 1),
+        (True, None, 0),
+        (False, False, 0),
+        (True, True, 1),
+    ]:
         calls.clear()
         calc = PETCalculator(cfg, params, remat=remat, keep_freed_memory=keep)
         assert len(calls) == expected_calls, (remat, keep)
@@ -129,7 +156,7 @@ def test_calculator_remat_and_freed_memory(monkeypatch):
             for a, b in zip(runs[0], values):
                 np.testing.assert_array_equal(a, b)
     # the batched evaluator of relax.fire and dynamics.run does the same by default
-    from petfunc.ase_batch import BatchEvaluator
+    from petfunc.ase.batch import BatchEvaluator
 
     for keep, expected_calls in [(True, 1), (False, 0)]:
         calls.clear()

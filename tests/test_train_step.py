@@ -10,7 +10,7 @@ import torch
 from ase.calculators.emt import EMT
 
 import petfunc
-from petfunc.data import Dataset, make_batch, sample_from_atoms
+from petfunc.data.samples import Dataset, make_batch, sample_from_atoms
 
 
 CONFIG = petfunc.PETConfig(
@@ -82,12 +82,11 @@ def _check_gradients_against_metatrain(dataset, fitted, device):
     forces, stress) on ``device`` equal metatrain's training-mode gradients computed
     there (1e-8 relative), and so do the losses (1e-12)."""
     pytest.importorskip("metatrain")
+    import mtt_reference as ref
     from metatomic.torch import systems_to_torch
     from metatrain.utils.data.target_info import get_energy_target_info
     from metatrain.utils.evaluate_model import evaluate_model
     from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
-
-    import mtt_reference as ref
 
     # A batch of 3 structures (no padding needed), float64, energy + forces + stress.
     params = _params(fitted, seed=3, device=device)
@@ -298,7 +297,9 @@ def test_compiled_conditioned_model_equals_eager(dataset, fitted):
         sample.structure.charge, sample.structure.spin_multiplicity = k % 5 - 2, 1 + k % 3
     params = _params(fitted, seed=2, config=config)
     gate = params["system_conditioning"]["project"]["2"]
-    gate["weight"] = torch.randn(gate["weight"].shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    gate["weight"] = torch.randn(
+        gate["weight"].shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
     _check_compiled_equals_eager(config, samples, params, fitted)
     # the charge changes the energy (the gate is not zero)
     w, c = fitted
@@ -318,7 +319,9 @@ def test_compiled_long_range_model_equals_eager(fitted):
     the direct sum runs too); one graph."""
     import dataclasses
 
-    config = dataclasses.replace(CONFIG, long_range=petfunc.config.LongRangeConfig(enable=True, kspace_resolution=1.0))
+    config = dataclasses.replace(
+        CONFIG, long_range=petfunc.config.LongRangeConfig(enable=True, kspace_resolution=1.0)
+    )
     samples = _emt_samples(8, 4, config)
     w, c = fitted
     shapes = {
@@ -349,9 +352,19 @@ def test_batch_whose_adaptive_cutoff_keeps_no_edge_is_padded():
     batch with no token and an empty NEF grid; a compiled step traced on it assumed
     those sizes were 0 and refused the next batch (ValueError). Now it is padded,
     the loss is unchanged, and one graph serves both batches."""
-    config = petfunc.PETConfig(atomic_types=(26,), cutoff=2.5, num_neighbors_adaptive=30,
-                               adaptive_cutoff_method="grid", d_pet=4, d_node=4, d_head=4, d_feedforward=4,
-                               num_heads=1, num_gnn_layers=1, num_attention_layers=1)
+    config = petfunc.PETConfig(
+        atomic_types=(26,),
+        cutoff=2.5,
+        num_neighbors_adaptive=30,
+        adaptive_cutoff_method="grid",
+        d_pet=4,
+        d_node=4,
+        d_head=4,
+        d_feedforward=4,
+        num_heads=1,
+        num_gnn_layers=1,
+        num_attention_layers=1,
+    )
 
     def chains(spacing, n):
         samples = []
@@ -369,9 +382,14 @@ def test_batch_whose_adaptive_cutoff_keeps_no_edge_is_padded():
     unpadded = make_batch(chains(2.3, 2), config, *fitted, dtype=torch.float64, pad=False)
     assert unpadded.neighbors.kept_edges.shape[0] == 0
     params = _params(fitted, config=config)
-    grad_step = petfunc.make_grad_step(petfunc.PET(config), petfunc.LossWeights.make(energy=1.0, forces=1.0, stress=0.0))
+    grad_step = petfunc.make_grad_step(
+        petfunc.PET(config), petfunc.LossWeights.make(energy=1.0, forces=1.0, stress=0.0)
+    )
     (_, padded_metrics), (_, alone_metrics) = grad_step(params, batch), grad_step(params, unpadded)
-    assert abs(padded_metrics["loss"].item() - alone_metrics["loss"].item()) <= 1e-12 * alone_metrics["loss"].item()
+    assert (
+        abs(padded_metrics["loss"].item() - alone_metrics["loss"].item())
+        <= 1e-12 * alone_metrics["loss"].item()
+    )
     compiled = petfunc.compile(grad_step, params, batch, backend="aot_eager", static_argnums=(0,))
     other = make_batch(chains(2.0, 3), config, *fitted, dtype=torch.float64)
     assert other.neighbors.kept_edges.shape[0] > 0
@@ -396,7 +414,9 @@ def test_loss_falls(dataset, fitted):
         losses.append(total)
     assert losses[-1] < 0.5 * losses[0], losses
     # a state made for other trained parameters is refused with the reason
-    heads = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights(), train=petfunc.train.HEADS)
+    heads = petfunc.make_train_step(
+        petfunc.PET(CONFIG), optimizer, petfunc.LossWeights(), train=petfunc.train.HEADS
+    )
     with pytest.raises(ValueError, match=r"optimizer state does not fit the trained parameters"):
         heads(state, _batch(dataset, fitted, [0]))
     # a torchopt optimizer's state made for the whole tree (the fitted composition and
@@ -405,9 +425,13 @@ def test_loss_falls(dataset, fitted):
 
     adamw = torchopt.adamw(1e-3)
     plain = petfunc.make_train_step(petfunc.PET(CONFIG), adamw, petfunc.LossWeights())
-    with pytest.raises(ValueError, match=r"made for every parameter, composition_weights and energy_scale included"):
+    with pytest.raises(
+        ValueError, match=r"made for every parameter, composition_weights and energy_scale included"
+    ):
         plain(petfunc.TrainState(params, adamw.init(params)), _batch(dataset, fitted, [0]))
-    _, metrics = plain(petfunc.TrainState(params, adamw.init(petfunc.train.trainable(params))), _batch(dataset, fitted, [0]))
+    _, metrics = plain(
+        petfunc.TrainState(params, adamw.init(petfunc.train.trainable(params))), _batch(dataset, fitted, [0])
+    )
     assert math.isfinite(float(metrics["loss"]))
 
 
@@ -447,14 +471,21 @@ def test_loss_types_equal_torch_losses(dataset, fitted):
     forces[:2] = float("nan")  # metatrain drops NaN labels, then applies the torch loss
     batch = batch._replace(forces=forces)
     for reduction in ("mean", "sum"):
-        cases = [("mse", 1.0, torch.nn.MSELoss(reduction=reduction)), ("mae", 1.0, torch.nn.L1Loss(reduction=reduction))]
+        cases = [
+            ("mse", 1.0, torch.nn.MSELoss(reduction=reduction)),
+            ("mae", 1.0, torch.nn.L1Loss(reduction=reduction)),
+        ]
         cases += [("huber", d, torch.nn.HuberLoss(delta=d, reduction=reduction)) for d in (0.01, 0.1, 1.0)]
         for kind, delta, reference in cases:
             term = petfunc.LossTerm(1.0, kind, delta, reduction)
             weights = petfunc.LossWeights(petfunc.LossTerm(0.0), term, petfunc.LossTerm(0.0))
             loss, metrics = petfunc.make_loss(model, weights)(params, batch)
             expected = reference(f[2:], forces[2:]).item()
-            assert math.isclose(metrics["forces_loss"].item(), expected, rel_tol=1e-12), (kind, delta, reduction)
+            assert math.isclose(metrics["forces_loss"].item(), expected, rel_tol=1e-12), (
+                kind,
+                delta,
+                reduction,
+            )
             assert math.isclose(loss.item(), expected, rel_tol=1e-12)
     with pytest.raises(ValueError, match="reduction"):
         petfunc.LossTerm(1.0, "mse", 1.0, "none")
@@ -538,7 +569,9 @@ def test_adamw_matches_torch_with_mixed_order_and_dtypes(weight_decay):
         state = petfunc.TrainState(params, optimizer.init(params))
         reference = [torch.nn.Parameter(params["w"].clone()), torch.nn.Parameter(params["b"]["c"].clone())]
         kind = torch.optim.Adam if weight_decay is None else torch.optim.AdamW
-        torch_opt = kind(reference, lr=0.01, **({} if weight_decay is None else {"weight_decay": weight_decay}))
+        torch_opt = kind(
+            reference, lr=0.01, **({} if weight_decay is None else {"weight_decay": weight_decay})
+        )
         for _ in range(3):
             grads = {"b": {"c": torch.randn(3, dtype=dtypes[1])}, "w": torch.randn(4, 3, dtype=dtypes[0])}
             state, _ = petfunc.apply_gradients(optimizer, state, grads, grad_clip_norm=None)

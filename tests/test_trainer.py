@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from petfunc import cli, tree
-from petfunc.model import PET
-from petfunc.cli import make_default_dataset
-from petfunc.options import parse_loss, resolve_options
-from petfunc.trainer import (
+from petfunc.cli.main import make_default_dataset
+from petfunc.model.pet import PET
+from petfunc.train.step import make_optimizer, trainable, warmup_cosine
+from petfunc.trainer.fit import (
     TrainingError,
     batch_plan,
     fit,
@@ -27,7 +27,7 @@ from petfunc.trainer import (
     state_from_plain,
     state_to_plain,
 )
-from petfunc.train import make_optimizer, trainable, warmup_cosine
+from petfunc.trainer.options import parse_loss, resolve_options
 
 
 TINY_MODEL = {
@@ -108,7 +108,10 @@ def test_missing_auto_labels_are_reported(dataset, tmp_path):
     ase.io.write(tmp_path / "renamed.xyz", frames)
     lines = []
     result = fit(tiny_options(tmp_path / "renamed.xyz", num_epochs=1), None, progress=False, log=quiet(lines))
-    assert "no forces labels in the training files (looked for 'forces'): training without the forces term" in lines
+    assert (
+        "no forces labels in the training files (looked for 'forces'): training without the forces term"
+        in lines
+    )
     assert any(line.startswith("no stress labels") for line in lines)
     assert "train_forces_rmse" not in result.history[0]
 
@@ -116,10 +119,16 @@ def test_missing_auto_labels_are_reported(dataset, tmp_path):
 def test_error_metrics_skip_missing_labels_not_nan_predictions():
     import numpy as np
 
-    from petfunc.trainer import error_metrics
+    from petfunc.trainer.fit import error_metrics
 
-    pred = {"energy_per_atom": [1.0, 2.0, np.nan], "energy_per_atom_ref": [1.5, np.nan, 3.0],
-            "forces": [[0.0, 1.0, 2.0]], "forces_ref": [[1.0, np.nan, 0.0]], "stress": [], "stress_ref": []}
+    pred = {
+        "energy_per_atom": [1.0, 2.0, np.nan],
+        "energy_per_atom_ref": [1.5, np.nan, 3.0],
+        "forces": [[0.0, 1.0, 2.0]],
+        "forces_ref": [[1.0, np.nan, 0.0]],
+        "stress": [],
+        "stress_ref": [],
+    }
     out = error_metrics(pred)
     assert math.isnan(out["energy_per_atom_rmse"]) and out["energy_per_atom_count"] == 2
     assert out["energy_per_atom_nan_predictions"] == 1
@@ -133,14 +142,17 @@ def test_log_interval_only_spaces_the_printed_lines(dataset):
     runs = {}
     for interval in (1, 3):
         lines = []
-        result = fit(tiny_options(dataset, num_epochs=4, log_interval=interval), None, progress=False,
-                     log=quiet(lines))
+        result = fit(
+            tiny_options(dataset, num_epochs=4, log_interval=interval), None, progress=False, log=quiet(lines)
+        )
         printed = [int(line.split()[1].split("/")[0]) for line in lines if line.startswith("epoch ")]
         runs[interval] = result, printed
     (one, printed_one), (three, printed_three) = runs[1], runs[3]
     assert printed_one == [1, 2, 3, 4] and printed_three == [1, 3, 4]
     assert all(math.isfinite(row["val_loss"]) for row in three.history) and len(three.history) == 4
-    assert [row["selection_metric"] for row in three.history] == [row["selection_metric"] for row in one.history]
+    assert [row["selection_metric"] for row in three.history] == [
+        row["selection_metric"] for row in one.history
+    ]
     metrics = [row["selection_metric"] for row in three.history]
     assert three.best_epoch == one.best_epoch == 1 + metrics.index(min(metrics))
     assert params_equal(three.params, one.params)
@@ -162,16 +174,32 @@ def test_atomic_baseline_fixes_the_composition(dataset):
     """metatrain's atomic_baseline: a weight per type, or one weight for all types;
     the scale is then fitted on the residual of the fixed weights."""
     baseline = {"energy": {13: -3.5, "28": -5.0, 29: -4.0}}  # YAML/JSON may give string keys
-    result = fit(tiny_options(dataset, num_epochs=0, atomic_baseline=baseline), None, progress=False, log=quiet())
+    result = fit(
+        tiny_options(dataset, num_epochs=0, atomic_baseline=baseline), None, progress=False, log=quiet()
+    )
     weights = result.params["composition_weights"]
     assert weights.tolist() == [-3.5, -5.0, -4.0]
-    result = fit(tiny_options(dataset, num_epochs=0, atomic_baseline={"energy": -2.0}), None, progress=False, log=quiet())
+    result = fit(
+        tiny_options(dataset, num_epochs=0, atomic_baseline={"energy": -2.0}),
+        None,
+        progress=False,
+        log=quiet(),
+    )
     assert result.params["composition_weights"].tolist() == [-2.0, -2.0, -2.0]
     with pytest.raises(ValueError, match=r"no weight for atomic type\(s\) \[28\]"):
-        fit(tiny_options(dataset, num_epochs=0, atomic_baseline={"energy": {13: -3.5, 29: -4.0}}), None,
-            progress=False, log=quiet())
+        fit(
+            tiny_options(dataset, num_epochs=0, atomic_baseline={"energy": {13: -3.5, 29: -4.0}}),
+            None,
+            progress=False,
+            log=quiet(),
+        )
     with pytest.raises(FileNotFoundError, match="no composition checkpoint at"):
-        fit(tiny_options(dataset, num_epochs=0, atomic_baseline="missing.ckpt"), None, progress=False, log=quiet())
+        fit(
+            tiny_options(dataset, num_epochs=0, atomic_baseline="missing.ckpt"),
+            None,
+            progress=False,
+            log=quiet(),
+        )
 
 
 def _mtt_train(tmp_path, name, architecture, dataset, cwd):
@@ -181,11 +209,20 @@ def _mtt_train(tmp_path, name, architecture, dataset, cwd):
 
     import yaml
 
-    options = {"seed": 7, "architecture": architecture, "validation_set": 0.25, "test_set": 0.0,
-               "training_set": {"systems": str(dataset), "targets": {"energy": {"key": "energy", "unit": "eV"}}}}
+    options = {
+        "seed": 7,
+        "architecture": architecture,
+        "validation_set": 0.25,
+        "test_set": 0.0,
+        "training_set": {"systems": str(dataset), "targets": {"energy": {"key": "energy", "unit": "eV"}}},
+    }
     (cwd / f"{name}.yaml").write_text(yaml.safe_dump(options))
-    subprocess.run([sys.executable, "-m", "metatrain", "train", f"{name}.yaml", "-o", f"{name}.pt"], cwd=cwd,
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "metatrain", "train", f"{name}.yaml", "-o", f"{name}.pt"],
+        cwd=cwd,
+        check=True,
+        capture_output=True,
+    )
     return cwd / f"{name}.ckpt"
 
 
@@ -197,12 +234,23 @@ def test_composition_and_scaler_checkpoints_like_mtt_train(dataset, tmp_path):
     import petfunc
 
     composition = _mtt_train(tmp_path, "composition", {"name": "composition"}, dataset, tmp_path)
-    scaler = _mtt_train(tmp_path, "scaler", {"name": "scaler", "training": {"additive_models": [str(composition)]}},
-                        dataset, tmp_path)
+    scaler = _mtt_train(
+        tmp_path,
+        "scaler",
+        {"name": "scaler", "training": {"additive_models": [str(composition)]}},
+        dataset,
+        tmp_path,
+    )
     model = dict(TINY_MODEL)
-    training = {"num_epochs": 1, "batch_size": 4, "atomic_baseline": str(composition),
-                "fixed_scaling_weights": str(scaler)}
-    reference = _mtt_train(tmp_path, "pet", {"name": "pet", "model": model, "training": training}, dataset, tmp_path)
+    training = {
+        "num_epochs": 1,
+        "batch_size": 4,
+        "atomic_baseline": str(composition),
+        "fixed_scaling_weights": str(scaler),
+    }
+    reference = _mtt_train(
+        tmp_path, "pet", {"name": "pet", "model": model, "training": training}, dataset, tmp_path
+    )
     _, expected = petfunc.from_metatrain(reference)
 
     options = tiny_options(dataset, **{**training, "num_epochs": 0})
@@ -215,42 +263,78 @@ def test_composition_and_scaler_checkpoints_like_mtt_train(dataset, tmp_path):
 
     # the composition alone: the scale is fitted on its residual, as with fixed weights
     fixed = {int(z): float(w) for z, w in zip(result.config.atomic_types, expected["composition_weights"])}
-    alone = fit(tiny_options(dataset, num_epochs=0, atomic_baseline=str(composition)), None, progress=False,
-                log=quiet()).params
-    by_value = fit(tiny_options(dataset, num_epochs=0, atomic_baseline={"energy": fixed}), None, progress=False,
-                   log=quiet()).params
+    alone = fit(
+        tiny_options(dataset, num_epochs=0, atomic_baseline=str(composition)),
+        None,
+        progress=False,
+        log=quiet(),
+    ).params
+    by_value = fit(
+        tiny_options(dataset, num_epochs=0, atomic_baseline={"energy": fixed}),
+        None,
+        progress=False,
+        log=quiet(),
+    ).params
     assert float(alone["energy_scale"]) == float(by_value["energy_scale"])
 
     # metatrain's checks, with petfunc's messages
     unscaled = _mtt_train(tmp_path, "plain_scaler", {"name": "scaler"}, dataset, tmp_path)
     with pytest.raises(ValueError, match=r"fitted after subtracting the additive models \[\]"):
-        fit(tiny_options(dataset, num_epochs=0, atomic_baseline=str(composition), fixed_scaling_weights=str(unscaled)),
-            None, progress=False, log=quiet())
+        fit(
+            tiny_options(
+                dataset, num_epochs=0, atomic_baseline=str(composition), fixed_scaling_weights=str(unscaled)
+            ),
+            None,
+            progress=False,
+            log=quiet(),
+        )
     with pytest.raises(ValueError, match="holds a Scaler, not a metatrain CompositionModel"):
-        fit(tiny_options(dataset, num_epochs=0, atomic_baseline=str(scaler)), None, progress=False, log=quiet())
+        fit(
+            tiny_options(dataset, num_epochs=0, atomic_baseline=str(scaler)),
+            None,
+            progress=False,
+            log=quiet(),
+        )
     with pytest.raises(ValueError, match="fitted on energies in 'eV', the training data are in 'Hartree'"):
         hartree = tiny_options(dataset, num_epochs=0, atomic_baseline=str(composition))
         hartree["training_set"] = {"systems": str(dataset), "targets": {"energy": {"unit": "Hartree"}}}
         fit(hartree, None, progress=False, log=quiet())
-    with pytest.raises(ValueError, match="needs 'architecture.training.atomic_baseline' to name a composition"):
-        resolve_options({"training_set": "x.xyz", "architecture": {"training": {"fixed_scaling_weights": "s.ckpt"}}})
+    with pytest.raises(
+        ValueError, match="needs 'architecture.training.atomic_baseline' to name a composition"
+    ):
+        resolve_options(
+            {"training_set": "x.xyz", "architecture": {"training": {"fixed_scaling_weights": "s.ckpt"}}}
+        )
 
 
 def test_fixed_scaling_weights(dataset):
     """metatrain's fixed_scaling_weights: {energy: c} replaces the fitted scale, the
     composition is still fitted, and scale_targets: false wins (scale 1)."""
     fitted = fit(tiny_options(dataset, num_epochs=0), None, progress=False, log=quiet()).params
-    result = fit(tiny_options(dataset, num_epochs=0, fixed_scaling_weights={"energy": 0.25}), None,
-                 progress=False, log=quiet())
+    result = fit(
+        tiny_options(dataset, num_epochs=0, fixed_scaling_weights={"energy": 0.25}),
+        None,
+        progress=False,
+        log=quiet(),
+    )
     assert float(result.params["energy_scale"]) == 0.25 != float(fitted["energy_scale"])
     assert torch.equal(result.params["composition_weights"], fitted["composition_weights"])
-    result = fit(tiny_options(dataset, num_epochs=0, fixed_scaling_weights={"energy": 0.25}, scale_targets=False),
-                 None, progress=False, log=quiet())
+    result = fit(
+        tiny_options(dataset, num_epochs=0, fixed_scaling_weights={"energy": 0.25}, scale_targets=False),
+        None,
+        progress=False,
+        log=quiet(),
+    )
     assert float(result.params["energy_scale"]) == 1.0
-    for bad, message in (({"energy": {13: 1.0}}, "per-structure energy target"), ({"energy": 0.0}, "positive"),
-                         ({"forces": 1.0}, "forces")):
+    for bad, message in (
+        ({"energy": {13: 1.0}}, "per-structure energy target"),
+        ({"energy": 0.0}, "positive"),
+        ({"forces": 1.0}, "forces"),
+    ):
         with pytest.raises(ValueError, match=message):
-            resolve_options({"training_set": "x.xyz", "architecture": {"training": {"fixed_scaling_weights": bad}}})
+            resolve_options(
+                {"training_set": "x.xyz", "architecture": {"training": {"fixed_scaling_weights": bad}}}
+            )
 
 
 def test_checkpoint_contents(dataset, tmp_path):
@@ -313,18 +397,28 @@ def test_restart_keeps_the_split(dataset, tmp_path):
         lines = []
         options = json.loads(ckpt["options"])
         options["architecture"]["training"]["num_epochs"] = 2
-        fit(options, tmp_path / "restarted", restart=tmp_path / "edited.ckpt", progress=False, log=quiet(lines))
+        fit(
+            options,
+            tmp_path / "restarted",
+            restart=tmp_path / "edited.ckpt",
+            progress=False,
+            log=quiet(lines),
+        )
         return next(line for line in lines if line.startswith("training set:"))
 
-    assert "training set: 10 structures (160 atoms), validation set: 6" in restart_sizes({"training": [train[:-2]], "validation": [val + train[-2:]]})
+    assert "training set: 10 structures (160 atoms), validation set: 6" in restart_sizes(
+        {"training": [train[:-2]], "validation": [val + train[-2:]]}
+    )
     # legacy checkpoints: round(0.25 * 16) = 4 validation structures
     assert "validation set: 4 structures" in restart_sizes(None)
     ckpt["split"] = {"training": [train], "validation": [val]}
     torch.save(ckpt, tmp_path / "edited.ckpt")
     # options asking for another split are an error, not ignored
-    for name, value, message in (("validation_set", 0.5, "'validation_set' is 0.5 here, 0.25 in the run"),
-                                 ("test_set", 0.1, "'test_set' is 0.1 here, 0 in the run"),
-                                 ("validation_set", str(dataset), "is a separate file here, 0.25 in the run")):
+    for name, value, message in (
+        ("validation_set", 0.5, "'validation_set' is 0.5 here, 0.25 in the run"),
+        ("test_set", 0.1, "'test_set' is 0.1 here, 0 in the run"),
+        ("validation_set", str(dataset), "is a separate file here, 0.25 in the run"),
+    ):
         options = json.loads(ckpt["options"])
         options[name] = value
         options["architecture"]["training"]["num_epochs"] = 2
@@ -382,8 +476,11 @@ def test_restart_makes_the_folder_agree_with_the_checkpoint(dataset, tmp_path):
     assert {p.name: p.read_bytes() for p in run.glob("*.ckpt")} == before
     lines = []
     fit(changed, run, restart=run / "epoch_1.ckpt", progress=False, log=quiet(lines))
-    assert any("epoch_2.ckpt, epoch_3.ckpt of later epochs of the run this restart continues, or of another run"
-               in line for line in lines)
+    assert any(
+        "epoch_2.ckpt, epoch_3.ckpt of later epochs of the run this restart continues, or of another run"
+        in line
+        for line in lines
+    )
     final = next(line for line in lines if line.startswith("files of this run"))
     assert "epoch_2.ckpt" in final and "epoch_3.ckpt" not in final
     best = load_checkpoint(run / "best.ckpt")
@@ -396,7 +493,9 @@ def test_restart_makes_the_folder_agree_with_the_checkpoint(dataset, tmp_path):
     # a fresh run into a used folder says what it replaces
     lines = []
     fit(tiny_options(dataset, num_epochs=1), run, progress=False, log=quiet(lines))
-    assert any("holds the last.ckpt and best.ckpt of another run: this run replaces them" in line for line in lines)
+    assert any(
+        "holds the last.ckpt and best.ckpt of another run: this run replaces them" in line for line in lines
+    )
     assert any("epoch_2.ckpt, epoch_3.ckpt of another run: they stay" in line for line in lines)
 
     # a new folder: the best epoch's checkpoint is copied from the old one
@@ -425,15 +524,18 @@ def test_test_set(dataset, tmp_path):
     here with the calculator on those file indices; a separate file works too."""
     import ase.io
 
-    from petfunc.ase import PETCalculator
+    from petfunc.ase.calculator import PETCalculator
 
     options = tiny_options(dataset, num_epochs=1)
     options["base_precision"] = 64
     options["test_set"] = 0.25
     lines = []
     result = fit(options, tmp_path / "run", progress=False, log=quiet(lines))
-    assert any("training set: 8 structures" in line and "validation set: 4 structures, test set: 4 structures"
-               in line for line in lines), lines
+    assert any(
+        "training set: 8 structures" in line
+        and "validation set: 4 structures, test set: 4 structures" in line
+        for line in lines
+    ), lines
     split = load_checkpoint(tmp_path / "run" / "last.ckpt")["split"]
     test = split["test"][0]
     assert len(test) == 4 and sorted(split["training"][0] + split["validation"][0] + test) == list(range(16))
@@ -446,16 +548,25 @@ def test_test_set(dataset, tmp_path):
         atoms.calc = calc
         errors.append((atoms.get_potential_energy() - reference_e) / len(atoms))
         forces.append(atoms.get_forces() - reference_f)
-    assert result.test_errors["energy_per_atom_rmse"] == pytest.approx(np.sqrt(np.mean(np.square(errors))), rel=1e-9)
-    assert result.test_errors["forces_rmse"] == pytest.approx(np.sqrt(np.mean(np.square(np.concatenate(forces)))),
-                                                               rel=1e-9)
+    assert result.test_errors["energy_per_atom_rmse"] == pytest.approx(
+        np.sqrt(np.mean(np.square(errors))), rel=1e-9
+    )
+    assert result.test_errors["forces_rmse"] == pytest.approx(
+        np.sqrt(np.mean(np.square(np.concatenate(forces)))), rel=1e-9
+    )
     assert any(line.startswith("test set (4 structures)") for line in lines)
     assert (tmp_path / "run" / "parity_test.png").stat().st_size > 0
 
     # a restart keeps the test set of the run it continues
     options["architecture"]["training"]["num_epochs"] = 2
     lines = []
-    fit(options, tmp_path / "restarted", restart=tmp_path / "run" / "last.ckpt", progress=False, log=quiet(lines))
+    fit(
+        options,
+        tmp_path / "restarted",
+        restart=tmp_path / "run" / "last.ckpt",
+        progress=False,
+        log=quiet(lines),
+    )
     assert any("test set: 4 structures" in line for line in lines)
     assert load_checkpoint(tmp_path / "restarted" / "last.ckpt")["split"] == split
 
@@ -481,8 +592,9 @@ def test_test_set(dataset, tmp_path):
     odd = frames[0].copy()
     odd.numbers[0] = 47
     odd.calc = EMT()
-    odd.calc = SinglePointCalculator(odd, energy=odd.get_potential_energy(), forces=odd.get_forces(),
-                                     stress=odd.get_stress())
+    odd.calc = SinglePointCalculator(
+        odd, energy=odd.get_potential_energy(), forces=odd.get_forces(), stress=odd.get_stress()
+    )
     ase.io.write(tmp_path / "silver.xyz", [odd])
     options["test_set"] = str(tmp_path / "silver.xyz")
     with pytest.raises(ValueError, match=r"the test set has atomic type\(s\) \[47\] that the model lacks"):
@@ -501,8 +613,8 @@ def test_per_structure_targets(dataset, tmp_path):
     computed here with the calculator (eV, float64)."""
     import ase.io
 
-    from petfunc.data import fit_scale, sample_from_atoms
-    from petfunc.ase import PETCalculator
+    from petfunc.ase.calculator import PETCalculator
+    from petfunc.data.samples import fit_scale, sample_from_atoms
 
     options = tiny_options(dataset, num_epochs=1, per_structure_targets=["energy"])
     options["base_precision"] = 64
@@ -536,22 +648,26 @@ def test_max_atoms_per_batch(dataset, tmp_path):
     bad values are errors that name the option."""
     import ase.io
 
-    from petfunc.datafiles import split_datasets
+    from petfunc.data.read import split_datasets
 
     options = tiny_options(dataset, num_epochs=2, max_atoms_per_batch=30)
     lines = []
     result = fit(options, None, progress=False, log=quiet(lines))
-    (train, _, _), = split_datasets([16], 0.25, seed=3)
+    ((train, _, _),) = split_datasets([16], 0.25, seed=3)
     counts = [len(ase.io.read(dataset, int(i))) for i in train]
     steps = len(batch_plan(len(counts), 4, atom_counts=counts, max_atoms=30))
     assert steps > 0 and any(f"{steps} steps per epoch" in line for line in lines), (steps, lines)
     skipped = sum(c > 30 for c in counts)
-    assert skipped and any(f"warning: {skipped} training structure(s) have more than" in line for line in lines)
+    assert skipped and any(
+        f"warning: {skipped} training structure(s) have more than" in line for line in lines
+    )
     assert result.history[-1]["step"] == 2 * steps and np.isfinite(result.history[-1]["val_loss"])
-    for bad, message in (({"max_atoms_per_batch": 0}, "max_atoms_per_batch' must be positive"),
-                         ({"min_atoms_per_batch": 5}, "min_atoms_per_batch' needs"),
-                         ({"max_atoms_per_batch": 30, "min_atoms_per_batch": 31}, "exceeds"),
-                         ({"max_atoms_per_batch": 5}, "no training batch is left")):
+    for bad, message in (
+        ({"max_atoms_per_batch": 0}, "max_atoms_per_batch' must be positive"),
+        ({"min_atoms_per_batch": 5}, "min_atoms_per_batch' needs"),
+        ({"max_atoms_per_batch": 30, "min_atoms_per_batch": 31}, "exceeds"),
+        ({"max_atoms_per_batch": 5}, "no training batch is left"),
+    ):
         with pytest.raises(ValueError, match=message):
             fit(tiny_options(dataset, num_epochs=1, **bad), None, progress=False, log=quiet())
 
@@ -583,7 +699,9 @@ def test_remat_training_equals_plain(dataset, monkeypatch):
     plain = fit(options, None, progress=False, log=quiet())
     checkpointed = []
     original = remat_module.checkpoint
-    monkeypatch.setattr(remat_module, "checkpoint", lambda *a, **k: checkpointed.append(1) or original(*a, **k))
+    monkeypatch.setattr(
+        remat_module, "checkpoint", lambda *a, **k: checkpointed.append(1) or original(*a, **k)
+    )
     options["architecture"]["training"]["remat"] = True
     recomputed = fit(options, None, progress=False, log=quiet())
     assert checkpointed  # the layers did go through torch.utils.checkpoint
@@ -598,11 +716,20 @@ def test_batch_plan_shards():
     one-process batch k of W * batch_size, shared with at most one structure of
     difference, the lone partial batch of a small set included (it was cut to a
     multiple of W: 3 structures trained as 2)."""
-    for n, size, world, drop_last in ((23, 4, 2, True), (23, 4, 2, False), (3, 2, 2, True), (10, 3, 3, True),
-                                      (7, 8, 2, True), (40, 4, 2, True), (5, 1, 4, False)):
+    for n, size, world, drop_last in (
+        (23, 4, 2, True),
+        (23, 4, 2, False),
+        (3, 2, 2, True),
+        (10, 3, 3, True),
+        (7, 8, 2, True),
+        (40, 4, 2, True),
+        (5, 1, 4, False),
+    ):
         full = batch_plan(n, size * world, epoch=2, seed=5, drop_last=drop_last)
-        shards = [batch_plan(n, size, epoch=2, seed=5, drop_last=drop_last, rank=r, world_size=world)
-                  for r in range(world)]
+        shards = [
+            batch_plan(n, size, epoch=2, seed=5, drop_last=drop_last, rank=r, world_size=world)
+            for r in range(world)
+        ]
         expected = [b for b in full if len(b) >= world]  # (5, 1, 4): the last structure alone is left out
         assert all(len(s) == len(expected) for s in shards), (n, size, world)
         for k, batch in enumerate(expected):
@@ -614,7 +741,9 @@ def test_batch_plan_shards():
     assert batch_plan(1, 4, rank=0, world_size=2) == []
     # drop_last drops the partial batch; other epochs shuffle differently.
     assert [len(x) for x in batch_plan(23, 4, epoch=2, seed=5)] == [4] * 5
-    assert not np.array_equal(np.concatenate(batch_plan(23, 4, epoch=3, seed=5)), np.concatenate(batch_plan(23, 4, epoch=2, seed=5)))
+    assert not np.array_equal(
+        np.concatenate(batch_plan(23, 4, epoch=3, seed=5)), np.concatenate(batch_plan(23, 4, epoch=2, seed=5))
+    )
 
 
 def test_batch_plan_one_file_per_batch():
@@ -647,8 +776,10 @@ def test_batch_plan_one_file_per_batch():
         for b in shard:
             file_of(b)
     # one file is the plain rule
-    assert all(np.array_equal(a, b) for a, b in zip(batch_plan(22, 4, epoch=1, seed=3, groups=[22]),
-                                                      batch_plan(22, 4, epoch=1, seed=3)))
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(batch_plan(22, 4, epoch=1, seed=3, groups=[22]), batch_plan(22, 4, epoch=1, seed=3))
+    )
     with pytest.raises(ValueError, match="do not add up"):
         batch_plan(22, 4, groups=[10, 10])
 
@@ -661,7 +792,7 @@ def test_energy_scale_of_a_composition_that_fits_exactly():
     from ase.calculators.emt import EMT
 
     from petfunc import PETConfig
-    from petfunc.data import fit_composition, fit_scale, sample_from_atoms
+    from petfunc.data.samples import fit_composition, fit_scale, sample_from_atoms
 
     config = PETConfig(atomic_types=(13, 29), **TINY_MODEL)
     frames = []
@@ -692,8 +823,16 @@ def test_too_few_structures_for_the_processes(dataset, tmp_path):
     options = tiny_options(small, batch_size=1)
     options["validation_set"] = 0.34
     with pytest.raises(ValueError, match="2 training structure.*cannot be shared by 3 processes"):
-        fit(options, tmp_path / "out", progress=False, log=quiet(), rank=0, world_size=3,
-            reduce_grads=lambda g: g, reduce_metrics=lambda m: m)
+        fit(
+            options,
+            tmp_path / "out",
+            progress=False,
+            log=quiet(),
+            rank=0,
+            world_size=3,
+            reduce_grads=lambda g: g,
+            reduce_metrics=lambda m: m,
+        )
     assert not (tmp_path / "out" / "last.ckpt").exists()
 
 
@@ -706,9 +845,19 @@ def test_several_processes_need_a_process_group(dataset):
     with pytest.raises(ValueError, match="reduce_grads and reduce_metrics"):
         fit(options, None, progress=False, log=quiet(), rank=1, world_size=2, reduce_grads=lambda g: g)
     for rank, world_size in ((2, 2), (0, 0), (-1, 2)):
-        with pytest.raises(ValueError, match=rf"fit\(rank={rank}, world_size={world_size}\): need 0 <= rank < world_size"):
-            fit(options, None, progress=False, log=quiet(), rank=rank, world_size=world_size,
-                reduce_grads=lambda g: g, reduce_metrics=lambda m: m)
+        with pytest.raises(
+            ValueError, match=rf"fit\(rank={rank}, world_size={world_size}\): need 0 <= rank < world_size"
+        ):
+            fit(
+                options,
+                None,
+                progress=False,
+                log=quiet(),
+                rank=rank,
+                world_size=world_size,
+                reduce_grads=lambda g: g,
+                reduce_metrics=lambda m: m,
+            )
 
 
 def test_restart_notices_an_edited_training_file(dataset, tmp_path):
@@ -720,15 +869,25 @@ def test_restart_notices_an_edited_training_file(dataset, tmp_path):
     edited.write_bytes(open(dataset, "rb").read())
     fit(tiny_options(edited, num_epochs=1), tmp_path / "run", progress=False, log=quiet())
     lines = []
-    fit(tiny_options(edited, num_epochs=2), tmp_path / "run", restart=tmp_path / "run" / "last.ckpt",
-        progress=False, log=quiet(lines))
+    fit(
+        tiny_options(edited, num_epochs=2),
+        tmp_path / "run",
+        restart=tmp_path / "run" / "last.ckpt",
+        progress=False,
+        log=quiet(lines),
+    )
     assert not any("training_set changed since the checkpoint" in line for line in lines)
     frames = ase.io.read(edited, ":")
     frames[5].calc.results["energy"] += 0.1
     ase.io.write(edited, frames)
     lines = []
-    fit(tiny_options(edited, num_epochs=3), tmp_path / "run", restart=tmp_path / "run" / "last.ckpt",
-        progress=False, log=quiet(lines))
+    fit(
+        tiny_options(edited, num_epochs=3),
+        tmp_path / "run",
+        restart=tmp_path / "run" / "last.ckpt",
+        progress=False,
+        log=quiet(lines),
+    )
     assert any(line.startswith("warning: training_set changed since the checkpoint") for line in lines), lines
     # a separate validation file too (it picks the best epoch)
     validation = tmp_path / "validation.xyz"
@@ -740,8 +899,16 @@ def test_restart_notices_an_edited_training_file(dataset, tmp_path):
     ase.io.write(validation, frames[:4])
     options["architecture"]["training"]["num_epochs"] = 2
     lines = []
-    fit(options, tmp_path / "separate", restart=tmp_path / "separate" / "last.ckpt", progress=False, log=quiet(lines))
-    assert any(line.startswith("warning: validation_set changed since the checkpoint") for line in lines), lines
+    fit(
+        options,
+        tmp_path / "separate",
+        restart=tmp_path / "separate" / "last.ckpt",
+        progress=False,
+        log=quiet(lines),
+    )
+    assert any(line.startswith("warning: validation_set changed since the checkpoint") for line in lines), (
+        lines
+    )
 
 
 def test_restart_with_other_processes_names_the_batch_size(dataset, tmp_path):
@@ -750,12 +917,24 @@ def test_restart_with_other_processes_names_the_batch_size(dataset, tmp_path):
     fit(tiny_options(dataset, num_epochs=1), tmp_path / "one", progress=False, log=quiet())
     assert load_checkpoint(tmp_path / "one" / "last.ckpt")["world_size"] == 1
     lines = []
-    fit(None, tmp_path / "two", restart=tmp_path / "one" / "last.ckpt", progress=False, log=quiet(lines), rank=0,
-        world_size=2, reduce_grads=lambda g: g, reduce_metrics=lambda m: m)
+    fit(
+        None,
+        tmp_path / "two",
+        restart=tmp_path / "one" / "last.ckpt",
+        progress=False,
+        log=quiet(lines),
+        rank=0,
+        world_size=2,
+        reduce_grads=lambda g: g,
+        reduce_metrics=lambda m: m,
+    )
     options = json.loads(load_checkpoint(tmp_path / "one" / "last.ckpt")["options"])
     assert options["architecture"]["training"]["batch_size"] == 4
     warning = next(line for line in lines if "steps in 1 epochs" in line)
-    assert "the checkpoint's 1 process took batches of 4 structures in all: --batch-size 2 gives the same with 2" in warning
+    assert (
+        "the checkpoint's 1 process took batches of 4 structures in all: --batch-size 2 gives the same with 2"
+        in warning
+    )
 
 
 def test_validation_loss_does_not_depend_on_batching(dataset):
@@ -765,9 +944,9 @@ def test_validation_loss_does_not_depend_on_batching(dataset):
     import ase.io
 
     from petfunc import PETConfig
-    from petfunc.data import fit_composition, fit_scale, make_batch, sample_from_atoms
-    from petfunc.loss import LossTerm, LossWeights, make_loss
-    from petfunc.trainer import _floats, _Sums
+    from petfunc.data.samples import fit_composition, fit_scale, make_batch, sample_from_atoms
+    from petfunc.train.loss import LossTerm, LossWeights, make_loss
+    from petfunc.trainer.fit import _floats, _Sums
 
     frames = ase.io.read(dataset, ":7")
     config = PETConfig(atomic_types=tuple(sorted({int(z) for a in frames for z in a.numbers})), **TINY_MODEL)
@@ -778,15 +957,17 @@ def test_validation_loss_does_not_depend_on_batching(dataset):
     params = PET(config).init(seed=0, dtype=torch.float64)
     params["composition_weights"] = torch.tensor(w)
     params["energy_scale"] = torch.tensor(c)
-    for weights in (LossWeights.make(1.0, 1.0, 0.5),
-                    LossWeights(LossTerm(1.0, "mae"), LossTerm(2.0, "huber", delta=0.1), LossTerm(0.5, reduction="sum"))):
+    for weights in (
+        LossWeights.make(1.0, 1.0, 0.5),
+        LossWeights(LossTerm(1.0, "mae"), LossTerm(2.0, "huber", delta=0.1), LossTerm(0.5, reduction="sum")),
+    ):
         loss_fn = make_loss(PET(config), weights)
         terms = [t for t in ("energy", "forces", "stress") if getattr(weights, t).weight > 0]
 
         def epoch_loss(size, pooled=True):
             sums = _Sums(terms, weights if pooled else None)
             for start in range(0, len(samples), size):
-                batch = make_batch(samples[start:start + size], config, w, c, torch.float64)
+                batch = make_batch(samples[start : start + size], config, w, c, torch.float64)
                 sums.add(_floats(loss_fn(params, batch)[1]))
             return sums.summary(c)["loss"]
 
@@ -803,8 +984,8 @@ def test_augmentation_does_not_depend_on_the_process(dataset):
     import ase.io
 
     from petfunc import PETConfig
-    from petfunc.data import sample_from_atoms
-    from petfunc.trainer import iterate_batches
+    from petfunc.data.samples import sample_from_atoms
+    from petfunc.trainer.fit import iterate_batches
 
     frames = ase.io.read(dataset, ":10")
     config = PETConfig(atomic_types=tuple(sorted({int(z) for a in frames for z in a.numbers})), **TINY_MODEL)
@@ -813,11 +994,22 @@ def test_augmentation_does_not_depend_on_the_process(dataset):
 
     def rotated(batch_size, rank=0, world_size=1, epoch=1):
         out = {}
-        for idx, batch in iterate_batches(samples, config, w, c, batch_size, epoch=epoch, seed=7, augment=True,
-                                          dtype=torch.float64, rank=rank, world_size=world_size):
+        for idx, batch in iterate_batches(
+            samples,
+            config,
+            w,
+            c,
+            batch_size,
+            epoch=epoch,
+            seed=7,
+            augment=True,
+            dtype=torch.float64,
+            rank=rank,
+            world_size=world_size,
+        ):
             offsets = np.cumsum([0] + [len(samples[i]) for i in idx])
             for k, i in enumerate(idx):
-                out[int(i)] = batch.forces[offsets[k]:offsets[k + 1]].clone()
+                out[int(i)] = batch.forces[offsets[k] : offsets[k + 1]].clone()
         return out
 
     one = rotated(4)
@@ -832,8 +1024,10 @@ def test_augmentation_does_not_depend_on_the_process(dataset):
 def test_uneven_shards_cover_every_structure_once():
     # evaluation shards: no structure dropped, none repeated, a rank may get none
     for n, world in ((23, 2), (7, 3), (2, 4)):
-        shards = [batch_plan(n, 4, shuffle=False, drop_last=False, rank=r, world_size=world, even_shards=False)
-                  for r in range(world)]
+        shards = [
+            batch_plan(n, 4, shuffle=False, drop_last=False, rank=r, world_size=world, even_shards=False)
+            for r in range(world)
+        ]
         flat = np.concatenate([np.concatenate(s) if s else np.zeros(0, dtype=int) for s in shards])
         assert sorted(flat.tolist()) == list(range(n))
     assert batch_plan(2, 4, shuffle=False, drop_last=False, rank=3, world_size=4, even_shards=False) == []
@@ -880,14 +1074,22 @@ def test_nan_stops_without_corrupting_checkpoints(dataset, tmp_path):
 def test_restart_removes_what_a_killed_run_left(dataset, tmp_path):
     fit(tiny_options(dataset, num_epochs=1), tmp_path, progress=False, log=quiet())
     # what atomic_write leaves when SIGKILL comes between creating and renaming
-    leftovers = [tmp_path / ".last.ckpt.k3j_x1.tmp", tmp_path / ".epoch_2.ckpt.a8.tmp",
-                 tmp_path / ".metrics.csv.zz.tmp"]
+    leftovers = [
+        tmp_path / ".last.ckpt.k3j_x1.tmp",
+        tmp_path / ".epoch_2.ckpt.a8.tmp",
+        tmp_path / ".metrics.csv.zz.tmp",
+    ]
     kept = tmp_path / ".notes.txt.tmp"  # not a name the trainer writes
     for path in leftovers + [kept]:
         path.write_bytes(b"partial")
     lines = []
-    fit(tiny_options(dataset, num_epochs=2), tmp_path, restart=tmp_path / "last.ckpt", progress=False,
-        log=lines.append)
+    fit(
+        tiny_options(dataset, num_epochs=2),
+        tmp_path,
+        restart=tmp_path / "last.ckpt",
+        progress=False,
+        log=lines.append,
+    )
     assert not any(path.exists() for path in leftovers)
     assert kept.exists()
     assert any("removed 3 temporary file(s)" in line for line in lines)
@@ -896,7 +1098,10 @@ def test_restart_removes_what_a_killed_run_left(dataset, tmp_path):
 def test_label_errors(dataset, tmp_path):
     # Forces asked for explicitly, under a key the file does not have.
     options = tiny_options(dataset)
-    options["training_set"] = {"systems": str(dataset), "targets": {"energy": {"forces": {"key": "dft_forces"}}}}
+    options["training_set"] = {
+        "systems": str(dataset),
+        "targets": {"energy": {"forces": {"key": "dft_forces"}}},
+    }
     with pytest.raises(ValueError, match="dft_forces.*keys in the file"):
         fit(options, None, progress=False, log=quiet())
     # A forces weight in the loss with forces switched off in the data.
@@ -923,8 +1128,11 @@ def test_label_errors(dataset, tmp_path):
     frames[2].calc.results["energy"] = np.array([1.0, 2.0, 3.0])
     bad = tmp_path / "vector.xyz"
     ase.io.write(bad, frames)
-    with pytest.raises(ValueError, match=r"structure 2: the energy under the key 'energy' has shape \(3,\), "
-                                         r"expected \(\) or \(1,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"structure 2: the energy under the key 'energy' has shape \(3,\), "
+        r"expected \(\) or \(1,\)",
+    ):
         fit(tiny_options(bad), None, progress=False, log=quiet())
     # Infinite labels.
     frames = ase.io.read(dataset, ":")
@@ -939,7 +1147,9 @@ def test_label_errors(dataset, tmp_path):
     molecule = ase.Atoms("Cu2", positions=[[0, 0, 0], [0, 0, 2.3]])
     molecule.calc = type(frames[0].calc)(molecule, energy=1.0, forces=np.zeros((2, 3)), stress=np.zeros(6))
     ase.io.write(bad, frames + [molecule])
-    with pytest.raises(ValueError, match=r"1 structure has a stress label but no cell volume: structure 16 \(pbc="):
+    with pytest.raises(
+        ValueError, match=r"1 structure has a stress label but no cell volume: structure 16 \(pbc="
+    ):
         fit(tiny_options(bad), None, progress=False, log=quiet())
     slab = molecule.copy()
     slab.cell, slab.pbc = [3.0, 3.0, 0.0], [True, True, False]
@@ -947,8 +1157,11 @@ def test_label_errors(dataset, tmp_path):
     ase.io.write(bad, [molecule] + frames + [slab])
     options = tiny_options(bad)
     options["validation_set"] = 0.0
-    with pytest.raises(ValueError, match=r"2 structures have a stress label but no cell volume: structures 0 "
-                                         r"\(pbc=\[False, False, False\]\), 17 \(pbc=\[True, True, False\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"2 structures have a stress label but no cell volume: structures 0 "
+        r"\(pbc=\[False, False, False\]\), 17 \(pbc=\[True, True, False\]\)",
+    ):
         fit(options, None, progress=False, log=quiet())
     molecule.calc.results["stress"] = np.full(6, np.nan)
     ase.io.write(bad, frames + [molecule])
@@ -978,23 +1191,47 @@ def test_unknown_species_when_finetuning(dataset, tmp_path):
     "change, message",
     [
         (lambda o: o.update(epochs=3), "unknown option 'epochs'"),
-        (lambda o: o["architecture"]["training"].update(num_epoch=3), "'architecture.training.num_epoch'.*did you mean 'num_epochs'"),
+        (
+            lambda o: o["architecture"]["training"].update(num_epoch=3),
+            "'architecture.training.num_epoch'.*did you mean 'num_epochs'",
+        ),
         (lambda o: o["architecture"]["model"].update(dpet=3), "'architecture.model.dpet'"),
-        (lambda o: o.update(training_set={"systems": "x.xyz", "targets": {"energy": {"kye": "e"}}}), "'training_set.targets.energy.kye'"),
-        (lambda o: o["architecture"]["training"].update(loss={"energy": {"wieght": 2}}), "'architecture.training.loss.energy.wieght'"),
-        (lambda o: o["architecture"]["training"].update(loss={"forces": {"weight": 2}}),
-         r"'architecture.training.loss.forces': the forces loss is set under the energy target, as "
-         r"'architecture.training.loss.energy.gradients.positions' \(or 'architecture.training.loss.energy.forces'\)"),
-        (lambda o: o["architecture"]["training"].update(loss={"energy": {"gradients": {"forces": 10}}}),
-         r"metatrain names gradients 'positions' \(forces\) and 'strain'"),
-        (lambda o: o["architecture"]["training"].update(loss={"energy": {"type": "mse", "delta": 0.3}}),
-         r"'architecture.training.loss.energy.delta' is the threshold of the 'huber' loss; this term is 'mse'"),
+        (
+            lambda o: o.update(training_set={"systems": "x.xyz", "targets": {"energy": {"kye": "e"}}}),
+            "'training_set.targets.energy.kye'",
+        ),
+        (
+            lambda o: o["architecture"]["training"].update(loss={"energy": {"wieght": 2}}),
+            "'architecture.training.loss.energy.wieght'",
+        ),
+        (
+            lambda o: o["architecture"]["training"].update(loss={"forces": {"weight": 2}}),
+            r"'architecture.training.loss.forces': the forces loss is set under the energy target, as "
+            r"'architecture.training.loss.energy.gradients.positions' \(or 'architecture.training.loss.energy.forces'\)",
+        ),
+        (
+            lambda o: o["architecture"]["training"].update(loss={"energy": {"gradients": {"forces": 10}}}),
+            r"metatrain names gradients 'positions' \(forces\) and 'strain'",
+        ),
+        (
+            lambda o: o["architecture"]["training"].update(loss={"energy": {"type": "mse", "delta": 0.3}}),
+            r"'architecture.training.loss.energy.delta' is the threshold of the 'huber' loss; this term is 'mse'",
+        ),
         (lambda o: o["architecture"]["training"].update(batch_size=0), "batch_size' must be positive"),
         (lambda o: o.update(base_precision=16), "base_precision"),
         (lambda o: o.update(validation_set=1.0), "validation_set"),
-        (lambda o: o["architecture"]["training"].update(remat=True, compile=True), "'architecture.training.remat' and .*compile.* exclude"),
-        (lambda o: o["architecture"]["training"].update(remat="yes"), "'architecture.training.remat' must be true or false"),
-        (lambda o: o["architecture"]["training"].update(deterministic="yes"), "'architecture.training.deterministic' must be true, false or null"),
+        (
+            lambda o: o["architecture"]["training"].update(remat=True, compile=True),
+            "'architecture.training.remat' and .*compile.* exclude",
+        ),
+        (
+            lambda o: o["architecture"]["training"].update(remat="yes"),
+            "'architecture.training.remat' must be true or false",
+        ),
+        (
+            lambda o: o["architecture"]["training"].update(deterministic="yes"),
+            "'architecture.training.deterministic' must be true, false or null",
+        ),
     ],
 )
 def test_bad_options(change, message):
@@ -1005,7 +1242,9 @@ def test_bad_options(change, message):
 
 
 def test_options_defaults_and_loss_forms():
-    options = resolve_options({"training_set": "data.xyz", "architecture": {"name": "pet", "training": {"num_workers": 4}}})
+    options = resolve_options(
+        {"training_set": "data.xyz", "architecture": {"name": "pet", "training": {"num_workers": 4}}}
+    )
     training = options["architecture"]["training"]
     # metatrain's PET trainer defaults.
     assert (training["batch_size"], training["num_epochs"], training["learning_rate"]) == (16, 1000, 1e-4)
@@ -1017,15 +1256,21 @@ def test_options_defaults_and_loss_forms():
     with pytest.warns(UserWarning, match="does not log to Weights & Biases"):
         resolve_options({"training_set": "data.xyz", "wandb": {"project": "x"}})
     # one energy target of another name (metatrain's mtt::NAME; its key is the name by default)
-    named = resolve_options({"training_set": {"systems": "data.xyz", "targets": {"mtt::U0": {"unit": "kcal/mol"}}}})
+    named = resolve_options(
+        {"training_set": {"systems": "data.xyz", "targets": {"mtt::U0": {"unit": "kcal/mol"}}}}
+    )
     assert named["training_set"]["targets"]["energy"]["key"] == "mtt::U0"
     assert named["training_set"]["targets"]["energy"]["unit"] == "kcal/mol"
     # as in metatrain: no forces or stress by default for such a target without an
     # explicit 'quantity: energy', and its loss keyed by its name
     assert named["training_set"]["targets"]["energy"]["forces"] is False
     assert named["training_set"]["targets"]["energy"]["stress"] is False
-    explicit = resolve_options({"training_set": {"systems": "data.xyz", "targets": {"mtt::U0": {"quantity": "energy"}}},
-                                "architecture": {"training": {"loss": {"mtt::U0": "mae"}}}})
+    explicit = resolve_options(
+        {
+            "training_set": {"systems": "data.xyz", "targets": {"mtt::U0": {"quantity": "energy"}}},
+            "architecture": {"training": {"loss": {"mtt::U0": "mae"}}},
+        }
+    )
     assert explicit["training_set"]["targets"]["energy"]["forces"] == "auto"
     assert explicit["architecture"]["training"]["loss"] == {"energy": "mae"}
     with pytest.raises(ValueError, match=r"unknown option 'training_set.targets.mtt::U0'"):
@@ -1041,15 +1286,31 @@ def test_options_defaults_and_loss_forms():
     with pytest.raises(ValueError, match="is true, but this is one process"):
         fit(distributed, None, progress=False, log=quiet())
     with pytest.raises(FileNotFoundError):  # two ranks: past that check, to the data
-        fit(distributed, None, progress=False, log=quiet(), world_size=2, reduce_grads=lambda g: g,
-            reduce_metrics=lambda m: m)
-    weights, explicit = parse_loss({"energy": {"type": "mae", "gradients": {"positions": {"weight": 10}}, "stress": 0.5}})
+        fit(
+            distributed,
+            None,
+            progress=False,
+            log=quiet(),
+            world_size=2,
+            reduce_grads=lambda g: g,
+            reduce_metrics=lambda m: m,
+        )
+    weights, explicit = parse_loss(
+        {"energy": {"type": "mae", "gradients": {"positions": {"weight": 10}}, "stress": 0.5}}
+    )
     # metatrain: the energy type does not carry over to the gradient terms
-    assert (weights.energy.type, weights.forces.weight, weights.forces.type, weights.stress.weight) == ("mae", 10.0, "mse", 0.5)
+    assert (weights.energy.type, weights.forces.weight, weights.forces.type, weights.stress.weight) == (
+        "mae",
+        10.0,
+        "mse",
+        0.5,
+    )
     assert explicit == {"forces", "stress"}
     weights, explicit = parse_loss("huber")
     assert weights.stress.type == "huber" and explicit == set()
-    weights, _ = parse_loss({"energy": {"type": "huber", "delta": 0.1, "forces": {"type": "huber", "delta": 0.3}}})
+    weights, _ = parse_loss(
+        {"energy": {"type": "huber", "delta": 0.1, "forces": {"type": "huber", "delta": 0.3}}}
+    )
     assert (weights.energy.delta, weights.forces.delta, weights.stress.type) == (0.1, 0.3, "mse")
     with pytest.raises(ValueError, match="delta"):
         parse_loss({"energy": {"type": "huber", "delta": -1.0}})
@@ -1074,11 +1335,13 @@ def test_loss_options_expand_like_metatrain(form):
     """Every term's type, weight, Huber delta and reduction as metatrain's
     expand_loss_config gives them, for an energy target with forces and stress."""
     pytest.importorskip("metatrain")
-    from omegaconf import OmegaConf
     from metatrain.utils.omegaconf import expand_loss_config
+    from omegaconf import OmegaConf
 
     targets = {"energy": {"quantity": "energy", "forces": {"key": "forces"}, "stress": {"key": "stress"}}}
-    conf = OmegaConf.create({"training_set": [{"targets": targets}], "architecture": {"training": {"loss": form}}})
+    conf = OmegaConf.create(
+        {"training_set": [{"targets": targets}], "architecture": {"training": {"loss": form}}}
+    )
     expanded = OmegaConf.to_container(expand_loss_config(conf)["architecture"]["training"]["loss"])["energy"]
     weights, _ = parse_loss(form if form is not None else {})
     reference = {
@@ -1089,7 +1352,11 @@ def test_loss_options_expand_like_metatrain(form):
     for name, ref in reference.items():
         term = getattr(weights, name)
         assert (term.type, term.weight, term.delta, term.reduction) == (
-            ref["type"], ref["weight"], ref.get("delta", 1.0), ref.get("reduction", "mean")), name
+            ref["type"],
+            ref["weight"],
+            ref.get("delta", 1.0),
+            ref.get("reduction", "mean"),
+        ), name
 
 
 @pytest.mark.slow
@@ -1139,19 +1406,26 @@ def test_finetune_from_metatrain_checkpoint(tmp_path):
     from ase.calculators.emt import EMT
     from ase.calculators.singlepoint import SinglePointCalculator
 
-    from petfunc.io import from_metatrain
+    from petfunc.io.params import from_metatrain
 
-    checkpoint = os.path.join(os.path.dirname(metatrain_pet.__file__), "tests", "checkpoints", "model-v16_trainer-v15.ckpt.gz")
+    checkpoint = os.path.join(
+        os.path.dirname(metatrain_pet.__file__), "tests", "checkpoints", "model-v16_trainer-v15.ckpt.gz"
+    )
     frames = []
     for i, name in enumerate(["CH4", "H2O", "NH3", "CH3OH", "HCN", "C2H6"] * 2):
         atoms = ase.build.molecule(name)
         atoms.rattle(0.05, seed=i)
         atoms.calc = EMT()
-        atoms.calc = SinglePointCalculator(atoms, energy=atoms.get_potential_energy(), forces=atoms.get_forces())
+        atoms.calc = SinglePointCalculator(
+            atoms, energy=atoms.get_potential_energy(), forces=atoms.get_forces()
+        )
         frames.append(atoms)
     ase.io.write(tmp_path / "molecules.xyz", frames)
     options = {
-        "architecture": {"name": "pet", "training": {"batch_size": 4, "num_epochs": 1, "finetune": {"read_from": checkpoint}}},
+        "architecture": {
+            "name": "pet",
+            "training": {"batch_size": 4, "num_epochs": 1, "finetune": {"read_from": checkpoint}},
+        },
         "training_set": str(tmp_path / "molecules.xyz"),
         "validation_set": 0.25,
     }
@@ -1160,17 +1434,27 @@ def test_finetune_from_metatrain_checkpoint(tmp_path):
     assert result.config == config
     # Trained from the checkpoint's weights; its composition and scale kept, as
     # metatrain keeps those of a target the model has.
-    moved = [k for k, v in tree.flatten(trainable(start)).items() if not torch.equal(v, tree.flatten(result.last_params)[k])]
+    moved = [
+        k
+        for k, v in tree.flatten(trainable(start)).items()
+        if not torch.equal(v, tree.flatten(result.last_params)[k])
+    ]
     assert moved, "no parameter changed"
     assert torch.equal(result.params["composition_weights"], start["composition_weights"])
     assert torch.equal(result.params["energy_scale"], start["energy_scale"])
     # Options may not redefine the architecture when fine-tuning; as in metatrain, the
     # keys they give must match the checkpoint's (an unchanged options file works).
-    from petfunc.trainer import check_model_section
+    from petfunc.trainer.fit import check_model_section
 
-    check_model_section({"d_pet": config.d_pet, "cutoff": config.cutoff, "normalization": config.normalization.lower()}, config, "it")
+    check_model_section(
+        {"d_pet": config.d_pet, "cutoff": config.cutoff, "normalization": config.normalization.lower()},
+        config,
+        "it",
+    )
     options["architecture"]["model"] = {"cutoff": config.cutoff + 0.5, "num_heads": config.num_heads}
-    with pytest.raises(ValueError, match=r"differs from the architecture of the fine-tuning checkpoint .*\(cutoff: "):
+    with pytest.raises(
+        ValueError, match=r"differs from the architecture of the fine-tuning checkpoint .*\(cutoff: "
+    ):
         fit(options, None, progress=False, log=quiet())
 
 
@@ -1211,7 +1495,7 @@ def test_charge_and_spin_conditioned_training(dataset, tmp_path):
     assert config.system_conditioning and config.max_charge == 2
     gate = tree.flatten(params)["system_conditioning.project.2.weight"]
     assert gate.abs().max() > 0
-    from petfunc.trainer import read_labelled
+    from petfunc.trainer.fit import read_labelled
 
     samples = read_labelled(path, config, charge_key="q", spin_multiplicity_key="mult")
     assert [s.structure.charge for s in samples[:4]] == [-1, 0, 1, -1]
@@ -1220,7 +1504,9 @@ def test_charge_and_spin_conditioned_training(dataset, tmp_path):
         read_labelled(path, config, charge_key="Q")
 
     options["training_set"]["extra_data"]["charge"]["key"] = "total_charge"
-    with pytest.raises(ValueError, match=r"training_set.extra_data.charge: no structure .* has the info key 'total_charge'"):
+    with pytest.raises(
+        ValueError, match=r"training_set.extra_data.charge: no structure .* has the info key 'total_charge'"
+    ):
         fit(options, None, progress=False, log=quiet())
     frames[3].info["q"] = 5
     ase.io.write(path, frames)
@@ -1233,8 +1519,9 @@ def test_validation_fraction_below_one_structure(dataset):
     """As in metatrain: floor(16 * 0.05) = 0 validation structures, with a warning;
     the run trains and reports training metrics."""
     lines = []
-    result = fit(tiny_options(dataset, num_epochs=1) | {"validation_set": 0.05}, None,
-                 progress=False, log=quiet(lines))
+    result = fit(
+        tiny_options(dataset, num_epochs=1) | {"validation_set": 0.05}, None, progress=False, log=quiet(lines)
+    )
     assert any("is less than one; none of them is used for validation" in line for line in lines), lines
     assert any("training set: 16 structures" in line for line in lines), lines
     assert result.best_epoch == 1
@@ -1287,28 +1574,37 @@ def test_partial_model_section_is_checked_against_the_checkpoint(dataset):
     there, not against the defaults ({d_pet: 4} fails with the default num_heads 8 but
     suits a checkpoint with num_heads 2)."""
     from petfunc.config import PETConfig
-    from petfunc.trainer import check_model_section
+    from petfunc.trainer.fit import check_model_section
 
     config = PETConfig(atomic_types=(13, 28, 29), **{**TINY_MODEL, "d_pet": 4, "num_heads": 2})
     options = tiny_options(dataset)
     options["architecture"]["model"] = {"d_pet": 4, "cutoff_width": 0.5}
-    resolve_options(options)  # each value is fine; d_pet 4 against the default num_heads 8 is not checked here
+    resolve_options(
+        options
+    )  # each value is fine; d_pet 4 against the default num_heads 8 is not checked here
     check_model_section({"d_pet": 4, "cutoff_width": 0.5}, config, "it")
-    with pytest.raises(ValueError, match=r"d_pet must be divisible by num_heads, got d_pet=4 and num_heads=3"):
+    with pytest.raises(
+        ValueError, match=r"d_pet must be divisible by num_heads, got d_pet=4 and num_heads=3"
+    ):
         check_model_section({"num_heads": 3}, config, "it")
     # relations among the keys given are still checked by the options
     options["architecture"]["model"] = {"d_pet": 4, "num_heads": 3}
     with pytest.raises(ValueError, match=r"option 'architecture.model': d_pet must be divisible"):
         resolve_options(options)
     options["architecture"]["model"] = {"num_gnn_layers": 0, "featurizer_type": "residual"}
-    with pytest.raises(ValueError, match=r"option 'architecture.model': num_gnn_layers 0 needs featurizer_type"):
+    with pytest.raises(
+        ValueError, match=r"option 'architecture.model': num_gnn_layers 0 needs featurizer_type"
+    ):
         resolve_options(options)
     options["architecture"]["model"] = {"d_pet": 0}
     with pytest.raises(ValueError, match=r"option 'architecture.model': d_pet must be a positive integer"):
         resolve_options(options)
     # a fresh model fills the omitted keys with the defaults, and names the relation
     options["architecture"]["model"] = {"d_pet": 4}
-    with pytest.raises(ValueError, match=r"option 'architecture.model': d_pet must be divisible by num_heads, got d_pet=4 and num_heads=8"):
+    with pytest.raises(
+        ValueError,
+        match=r"option 'architecture.model': d_pet must be divisible by num_heads, got d_pet=4 and num_heads=8",
+    ):
         fit(options, None, progress=False, log=quiet())
 
 
@@ -1327,11 +1623,15 @@ def test_lengths_in_other_units_are_announced(dataset, tmp_path):
         atoms.arrays["F"] = forces * bohr
     ase.io.write(tmp_path / "bohr.xyz", frames)
     options = tiny_options(dataset, num_epochs=1)
-    options["training_set"] = {"systems": {"read_from": str(tmp_path / "bohr.xyz"), "length_unit": "bohr"},
-                               "targets": {"energy": {"key": "E", "forces": {"key": "F"}, "stress": False}}}
+    options["training_set"] = {
+        "systems": {"read_from": str(tmp_path / "bohr.xyz"), "length_unit": "bohr"},
+        "targets": {"energy": {"key": "E", "forces": {"key": "F"}, "stress": False}},
+    }
     lines = []
     fit(options, None, progress=False, log=quiet(lines))
-    assert any(line.startswith("note: lengths in bohr are converted to Å") and "cutoff 3" in line for line in lines), lines
+    assert any(
+        line.startswith("note: lengths in bohr are converted to Å") and "cutoff 3" in line for line in lines
+    ), lines
     lines.clear()
     fit(tiny_options(dataset, num_epochs=1), None, progress=False, log=quiet(lines))
     assert not any("converted to Å" in line for line in lines)
@@ -1342,15 +1642,17 @@ def test_explicit_indices_equal_mtt_train(tmp_path):
     validation/test sets given as indices into the training file. Regression values:
     indices/{training,validation,test}.txt of ``mtt train`` (metatrain 2026.4.1,
     seed 7, 21 structures) with the same options."""
-    from petfunc.datafiles import read_training_files
-    from petfunc.options import parse_loss
+    from petfunc.trainer.datasets import read_training_files
+    from petfunc.trainer.options import parse_loss
 
     data = make_default_dataset(tmp_path / "data.xyz", n_structures=21, seed=1)
     subset = [20, 3, 5, 7, 9, 11, 13, 15, 2, 0, 1, 18, 17, 16]
     (tmp_path / "subset.txt").write_text("\n".join(map(str, subset)) + "\n")
 
     def split(**options):
-        resolved = resolve_options({"seed": 7, "training_set": {"systems": str(data), "indices": subset}, **options})
+        resolved = resolve_options(
+            {"seed": 7, "training_set": {"systems": str(data), "indices": subset}, **options}
+        )
         weights, explicit = parse_loss(resolved["architecture"]["training"]["loss"])
         split = read_training_files(resolved, weights, explicit, 7, None, quiet()).split
         for key in ("digests", "validation_digests", "test_digests"):
@@ -1358,12 +1660,21 @@ def test_explicit_indices_equal_mtt_train(tmp_path):
         return split
 
     assert split(validation_set=0.3, test_set=0.2) == {
-        "training": [[18, 11, 5, 3, 1, 17, 20, 16]], "validation": [[7, 13, 0, 9]], "test": [[2, 15]]}
-    assert split(validation_set={"indices": [4, 6, 8]}, test_set={"indices": str(tmp_path / "subset.txt")})["test"] \
-        == [subset]
+        "training": [[18, 11, 5, 3, 1, 17, 20, 16]],
+        "validation": [[7, 13, 0, 9]],
+        "test": [[2, 15]],
+    }
+    assert split(validation_set={"indices": [4, 6, 8]}, test_set={"indices": str(tmp_path / "subset.txt")})[
+        "test"
+    ] == [subset]
     assert split(validation_set={"indices": [4, 6, 8]}, test_set={"indices": [10, 12, 14, 19]}) == {
-        "training": [subset], "validation": [[4, 6, 8]], "test": [[10, 12, 14, 19]]}
-    with pytest.raises(ValueError, match=r"option 'validation_set.indices': index 21 is out of range for a file of 21"):
+        "training": [subset],
+        "validation": [[4, 6, 8]],
+        "test": [[10, 12, 14, 19]],
+    }
+    with pytest.raises(
+        ValueError, match=r"option 'validation_set.indices': index 21 is out of range for a file of 21"
+    ):
         split(validation_set={"indices": [21]})
     with pytest.raises(ValueError, match=r"option 'training_set.indices': indices must not repeat"):
         resolve_options({"training_set": {"systems": str(data), "indices": [1, 1]}})
@@ -1377,11 +1688,15 @@ def test_explicit_indices_equal_mtt_train(tmp_path):
     stored = load_checkpoint(tmp_path / "run" / "last.ckpt")["split"]
     assert stored["validation"] == [[4, 6, 8]] and sorted(stored["training"][0]) == sorted(subset)
     options["architecture"]["training"]["num_epochs"] = 2
-    again = fit(options, tmp_path / "again", restart=tmp_path / "run" / "last.ckpt", progress=False, log=quiet())
+    again = fit(
+        options, tmp_path / "again", restart=tmp_path / "run" / "last.ckpt", progress=False, log=quiet()
+    )
     assert load_checkpoint(tmp_path / "again" / "last.ckpt")["split"] == stored
     assert first.history[0]["val_loss"] == again.history[0]["val_loss"]
     options["validation_set"] = {"indices": [4, 6]}  # a restart cannot change its split
-    with pytest.raises(ValueError, match=r"option 'validation_set' is indices \[4, 6\] here, indices \[4, 6, 8\]"):
+    with pytest.raises(
+        ValueError, match=r"option 'validation_set' is indices \[4, 6\] here, indices \[4, 6, 8\]"
+    ):
         fit(options, tmp_path / "third", restart=tmp_path / "run" / "last.ckpt", progress=False, log=quiet())
 
 
@@ -1394,8 +1709,13 @@ def test_restart_with_other_steps_per_epoch_ends_the_schedule(dataset, tmp_path)
     fit(options, tmp_path / "first", progress=False, log=quiet())
     options["architecture"]["training"].update(num_epochs=4, batch_size=2)
     lines = []
-    result = fit(options, tmp_path / "second", restart=tmp_path / "first" / "last.ckpt", progress=False,
-                 log=quiet(lines))
+    result = fit(
+        options,
+        tmp_path / "second",
+        restart=tmp_path / "first" / "last.ckpt",
+        progress=False,
+        log=quiet(lines),
+    )
     assert any("fitted to end with epoch 4" in line for line in lines), lines
     rates = [row["learning_rate"] for row in result.history]
     peak = options["architecture"]["training"]["learning_rate"]
@@ -1407,8 +1727,13 @@ def test_best_model_metric_counts_terms_of_weight_zero(dataset, compile_on):
     """metatrain's mae_prod multiplies the errors of every labelled quantity, whatever
     its loss weight: a forces term of weight 0 was left out of petfunc's product (and
     of its validation columns), so another best epoch could be picked."""
-    options = tiny_options(dataset, num_epochs=1, loss={"energy": {"forces": {"weight": 0}}},
-                           compile=compile_on, compile_backend="aot_eager")
+    options = tiny_options(
+        dataset,
+        num_epochs=1,
+        loss={"energy": {"forces": {"weight": 0}}},
+        compile=compile_on,
+        compile_backend="aot_eager",
+    )
     result = fit(options, None, progress=False, log=quiet())
     row = result.history[-1]
     assert "train_forces_mae" not in row  # no forces are computed in the training step

@@ -1,4 +1,4 @@
-"""petfunc._vec_strides: inductor's vectorization strides without sympy.simplify.
+"""petfunc._torch.vec_strides: inductor's vectorization strides without sympy.simplify.
 
 The fast path must give the stride inductor's own analysis gives: the same number
 where that is a number (0 broadcast, 1 contiguous, else a constant stride) and an
@@ -9,10 +9,10 @@ import random
 
 import pytest
 import sympy
-
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
-from petfunc import _vec_strides
+from petfunc._torch import vec_strides as _vec_strides
+
 
 # torch._inductor.sizevars (2.13) or torch._inductor.codegen.cpp (2.11)
 sizevars = _vec_strides.analysis_module()
@@ -35,8 +35,13 @@ PET_INDICES = [
     (x0 * x1 + 3, x1),
 ]
 NON_POLYNOMIAL = [
-    (16 * ks2 * x1 + 128 * ks2 * ModularIndexing(tmp5, ks2 + 1, ks1) + x1
-     + 16 * ModularIndexing(tmp5, 1, ks2 + 1), x1),
+    (
+        16 * ks2 * x1
+        + 128 * ks2 * ModularIndexing(tmp5, ks2 + 1, ks1)
+        + x1
+        + 16 * ModularIndexing(tmp5, 1, ks2 + 1),
+        x1,
+    ),
     (FloorDiv(x0, 16) * s53 + x0, x0),
     (ModularIndexing(x1, 1, 32) + 4 * x0, x1),
     (FloorDiv(x0 + 3, 2) + x0, x0),

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import ase
 import numpy as np
 import pytest
 import torch
+from ase.build import bulk, molecule
 from torch.func import grad, jacrev
 
-import ase
-from ase.build import bulk, molecule
-
 import petfunc
-from petfunc import structures, zbl
+from petfunc import structures
 from petfunc.derivatives import energy_forces_strain_derivative
-from petfunc.model import edge_vectors, energy, per_atom_energies
-from petfunc.neighbors import Neighbors
+from petfunc.graph.neighbors import Neighbors
+from petfunc.model import zbl
+from petfunc.model.pet import edge_vectors, energy, per_atom_energies
 
 
 SMALL = dict(d_pet=16, d_node=32, d_head=16, d_feedforward=32, num_heads=2)
@@ -40,9 +40,7 @@ def _heavy_frames(heavy, a=3.2):
     cell[0].number = heavy
     cell[1].symbol = "H"
     cell.positions += np.random.default_rng(1).normal(0.0, 0.1, cell.positions.shape)
-    cluster = ase.Atoms(
-        numbers=[heavy, 79, 1], positions=[[0.0, 0.0, 0.0], [2.0, 0.1, 0.0], [1.0, 1.0, 0.3]]
-    )
+    cluster = ase.Atoms(numbers=[heavy, 79, 1], positions=[[0.0, 0.0, 0.0], [2.0, 0.1, 0.0], [1.0, 1.0, 0.3]])
     return [cluster, cell]
 
 
@@ -363,7 +361,7 @@ def test_traces_with_dynamic_shapes():
 def _zbl_training_samples(config):
     from ase.build import bulk
 
-    from petfunc.data import sample_from_atoms
+    from petfunc.data.samples import sample_from_atoms
 
     samples = []
     for k in range(4):
@@ -378,7 +376,7 @@ def test_training_targets_exclude_zbl():
     """Labels made by the model itself (eval mode, ZBL included) are fitted exactly
     by its training-mode output: the loss is 0 only if ZBL's energy, forces and
     strain derivative are all removed from the targets."""
-    from petfunc.data import make_batch, zbl_baseline
+    from petfunc.data.samples import make_batch, zbl_baseline
 
     config = petfunc.PETConfig(atomic_types=(13, 29), zbl=True, **SMALL)
     model = petfunc.PET(config)
@@ -402,7 +400,7 @@ def test_training_targets_exclude_zbl():
 
 def test_composition_fit_excludes_zbl():
     """Energies = sum of per-species offsets + ZBL: the fit recovers the offsets."""
-    from petfunc.data import Dataset, zbl_baseline
+    from petfunc.data.samples import Dataset, zbl_baseline
 
     config = petfunc.PETConfig(atomic_types=(13, 29), zbl=True, **SMALL)
     samples = _zbl_training_samples(config)

@@ -8,9 +8,9 @@ smaller than PET's, so compiled tests of ensembles and third derivatives stay qu
 
 import torch
 
-from petfunc import nn
-from petfunc.cutoff import cosine
-from petfunc.model import edge_vectors
+from petfunc.model import nn
+from petfunc.model.cutoff import cosine
+from petfunc.model.pet import edge_vectors
 
 
 N_RBF = 4
@@ -60,7 +60,7 @@ import ase.build  # noqa: E402
 import numpy as np  # noqa: E402
 from ase.calculators.emt import EMT  # noqa: E402
 
-from petfunc.data import make_batch, sample_from_atoms  # noqa: E402
+from petfunc.data.samples import make_batch, sample_from_atoms
 
 
 MOLECULES = ("CH3CH2OH", "H2O", "CH4", "C2H6", "CH3OH", "NH3")

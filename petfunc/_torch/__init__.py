@@ -1,0 +1,1 @@
+"""petfunc._torch."""

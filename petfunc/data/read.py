@@ -1,0 +1,373 @@
+"""The labelled structure files of a training run.
+
+Reading extxyz files with ASE, choosing which label keys to read (with errors that
+name the file, the key and the option to change), turning frames into
+:class:`~petfunc.data.Sample` objects, and splitting each training file into
+training and validation structures the way ``mtt train`` does (same seed, same
+structures, same order). :func:`read_training_files` does all of it for the
+``training_set``/``validation_set`` options of :func:`petfunc.trainer.fit`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from petfunc.config import PETConfig
+from petfunc.data.samples import Sample, sample_from_atoms
+from petfunc.train.loss import LossWeights
+from petfunc.units import energy_unit_factor, length_unit_factor
+
+
+def read_frames(path, where: str, index=":") -> list:
+    """The structures of an ASE-readable file (``index`` as for ``ase.io.read``);
+    errors start with ``where`` (the option or role of the file) and name it."""
+    import ase.io
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{where}: dataset file not found: {str(path)!r}")
+    if not path.is_file():
+        raise ValueError(f"{where}: {str(path)!r} is not a file")
+    try:
+        frames = ase.io.read(str(path), index=index)
+    except Exception as error:  # ASE raises many kinds of errors on bad files
+        raise ValueError(
+            f"{where}: could not read dataset file {str(path)!r}: {type(error).__name__}: {error}"
+        ) from None
+    if not isinstance(frames, list):
+        frames = [frames]
+    if not frames:
+        raise ValueError(f"{where}: dataset file {str(path)!r} holds no structures")
+    return frames
+
+
+def _has_key(atoms, key) -> bool:
+    if key in atoms.info or key in atoms.arrays:
+        return True
+    calc = atoms.calc
+    return calc is not None and key in getattr(calc, "results", {})
+
+
+def _available_keys(frames) -> list[str]:
+    keys = set()
+    for atoms in frames[:50]:
+        keys.update(atoms.info)
+        keys.update(k for k in atoms.arrays if k not in ("numbers", "positions"))
+        if atoms.calc is not None:
+            keys.update(getattr(atoms.calc, "results", {}))
+    return sorted(keys)
+
+
+@dataclass
+class Labels:
+    energy: str | None
+    forces: str | None
+    stress: str | None
+    virial: str | None
+    energy_unit: float
+    length_unit: float
+    charge: str | None = None  # atoms.info keys for system conditioning (None: defaults)
+    spin_multiplicity: str | None = None
+
+
+def label_keys(frames, section: Mapping, weights: LossWeights, explicit: set, where: str) -> Labels:
+    """Which keys to read; raises when requested labels are missing from the file."""
+    path = section["systems"]["read_from"]
+    target = section["targets"]["energy"]
+
+    def present(key):
+        return sum(_has_key(a, key) for a in frames)
+
+    def missing(what, key, how):
+        keys = _available_keys(frames)
+        return ValueError(
+            f"{where}: {how}, but no structure in {path!r} has {what} labels under the key "
+            f"{key!r} (keys in the file: {keys}). Set '{where}.targets.energy.{what}' to the right "
+            f"key, or to false to train without {what} (and drop any {what} weight from the "
+            "'architecture.training.loss' option)."
+        )
+
+    energy = target["key"]
+    if weights.energy.weight > 0 and not present(energy):
+        keys = _available_keys(frames)
+        raise ValueError(
+            f"{where}: no structure in {path!r} has an energy under the key {energy!r} "
+            f"(keys in the file: {keys}); set '{where}.targets.energy.key'"
+        )
+    keys = {}
+    for name, term in (("forces", weights.forces), ("stress", weights.stress), ("virial", weights.stress)):
+        spec = target[name]
+        if spec is False:
+            keys[name] = None
+            continue
+        key = name if spec == "auto" else spec["key"]
+        if present(key):
+            keys[name] = key
+            continue
+        keys[name] = None
+        loss_term = "forces" if name == "forces" else "stress"
+        if spec != "auto":
+            raise missing(name, key, f"'{where}.targets.energy.{name}' asks for {name}")
+        if loss_term in explicit and not (name == "stress" and target["virial"]):
+            raise missing(name, key, f"the loss has a {loss_term} term (weight {term.weight})")
+    extra = section.get("extra_data") or {}
+    return Labels(
+        energy,
+        keys["forces"],
+        keys["stress"],
+        keys["virial"],
+        energy_unit_factor(target["unit"]),
+        length_unit_factor(section["systems"]["length_unit"]),
+        extra.get("charge"),
+        extra.get("spin_multiplicity"),
+    )
+
+
+def check_info_keys(frames, keys: Mapping, path, where: str) -> None:
+    """Raise when a named ``atoms.info`` key (charge, spin multiplicity) is in no
+    structure of the file: a misspelt key would otherwise give silent defaults."""
+    for name, key in keys.items():
+        if key is not None and not any(key in a.info for a in frames):
+            raise ValueError(
+                f"{where}{name}: no structure in {str(path)!r} has the info key {key!r} "
+                f"(keys in the file: {_available_keys(frames)})"
+            )
+
+
+def require_complete_labels(frames, labels: Labels, path, where: str = "") -> None:
+    """Raise when a label key is in some structures of ``frames`` and not in others.
+
+    Such a structure would silently train without that label. metatrain's reader
+    stops there too; a label that is deliberately absent is written as NaN, which
+    the loss skips (spec section 9), or its structures go to a file of their own.
+    ``frames`` is a whole file, whose indices the error names. (``petfunc eval``
+    predicts unlabelled structures too, so only training files are checked.)
+    """
+    for name in ("energy", "forces", "stress", "virial"):
+        key = getattr(labels, name)
+        if key is None:
+            continue
+        lacking = [i for i, atoms in enumerate(frames) if not _has_key(atoms, key)]
+        if lacking and len(lacking) < len(frames):
+            shown = ", ".join(map(str, lacking[:10])) + (", ..." if len(lacking) > 10 else "")
+            prefix = f"{where}: " if where else ""
+            raise ValueError(
+                f"{prefix}{str(path)!r}: {len(lacking)} of {len(frames)} structures "
+                f"{'has' if len(lacking) == 1 else 'have'} no {name} label under the key {key!r} "
+                f"(structure{'s' if len(lacking) > 1 else ''} {shown}). Write NaN {name} labels for "
+                f"{'it' if len(lacking) == 1 else 'them'} (the loss skips NaN labels) or move "
+                f"{'it' if len(lacking) == 1 else 'them'} to a dataset file of its own."
+            )
+
+
+def to_samples(
+    frames, config: PETConfig, labels: Labels, path, indices=None, for_loss: bool = False
+) -> list[Sample]:
+    """Samples of ``frames``; errors name ``indices[i]``, the frame's index in the file.
+
+    ``for_loss``: the samples feed the training loss, which cannot use a stress on a
+    structure that is not periodic in all three directions (no volume): that is an
+    error, and a NaN stress (skipped) is how to say none. Evaluation ignores it.
+    """
+    samples, no_volume = [], []
+    indices = range(len(frames)) if indices is None else indices
+    for i, atoms in zip(indices, frames):
+        label = f"{path}: structure {i}"
+        sample = sample_from_atoms(
+            atoms,
+            config,
+            labels.energy,
+            labels.forces,
+            labels.stress,
+            labels.virial,
+            labels.energy_unit,
+            labels.length_unit,
+            label=label,
+            charge_key=labels.charge,
+            spin_multiplicity_key=labels.spin_multiplicity,
+        )
+        for name in ("energy", "forces", "stress", "virial"):
+            value = getattr(sample, name)
+            if value is not None and np.isinf(np.asarray(value)).any():
+                raise ValueError(f"{label}: the {name} label is infinite")
+        stress = sample.stress
+        if (
+            for_loss
+            and stress is not None
+            and not np.isnan(stress).all()
+            and np.linalg.det(sample.structure.cell) == 0.0
+        ):
+            no_volume.append((i, np.asarray(atoms.pbc).tolist()))
+        samples.append(sample)
+    if no_volume:
+        shown = ", ".join(f"{i} (pbc={pbc})" for i, pbc in sorted(no_volume)[:10]) + (
+            ", ..." if len(no_volume) > 10 else ""
+        )
+        many = len(no_volume) > 1
+        raise ValueError(
+            f"{path}: {len(no_volume)} structure{'s have' if many else ' has'} a stress label but no cell volume: "
+            f"structure{'s' if many else ''} {shown}. A stress needs a cell periodic in all three directions; write "
+            f"a NaN stress for {'them' if many else 'it'} (the loss skips NaN labels)"
+        )
+    return samples
+
+
+def split_indices(n: int, fraction: float | None, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(train, validation)`` indices into a file of ``n`` structures, drawn as
+    ``mtt train`` draws them with the same ``seed``, so both train on the same
+    structures, in the same order (which the composition fit's accumulation sees).
+
+    metatrain seeds numpy's global generator and shuffles twice: the validation split
+    takes the last ``floor(n * fraction)`` of a shuffled ``range(n)``, then its test
+    split (``test_set: 0``, the only one petfunc accepts) shuffles the training part
+    again. ``fraction=None`` (a separate validation file) skips the first shuffle.
+    As in metatrain, a fraction below ``1/n`` gives no validation structure.
+    See :func:`split_datasets` for several files.
+    """
+    ((train, val, _),) = split_datasets([n], fraction, seed)
+    return train, val
+
+
+def restart_split(
+    ckpt: Mapping, sizes: Sequence[int], fraction: float | None, seed: int, partition: bool = True
+):
+    """The ``(train, validation, test)`` split of the run a checkpoint continues: as
+    stored, or for checkpoints written before the split was stored, as those
+    versions drew it (a seeded permutation, ``round(fraction * n)`` validation
+    structures, both parts sorted, no test set). ``partition``: the parts must
+    cover each file exactly (without explicit ``indices``, which may select a
+    subset)."""
+    empty = np.zeros(0, dtype=np.int64)
+    stored = ckpt.get("split")
+    if stored is None:
+        out = []
+        for n in sizes:
+            if fraction is None or fraction <= 0:
+                out.append((np.arange(n), empty, empty))
+                continue
+            n_val = max(1, int(round(fraction * n)))
+            order = np.random.default_rng(seed).permutation(n)
+            out.append((np.sort(order[n_val:]), np.sort(order[:n_val]), empty))
+        return out
+    train, val = stored["training"], stored["validation"]
+    test = stored.get("test") or [[] for _ in train]
+    if len(train) != len(sizes) or any(
+        max(list(t) + list(v) + list(s), default=-1) >= n or (partition and len(t) + len(v) + len(s) != n)
+        for t, v, s, n in zip(train, val, test, sizes)
+    ):
+        raise ValueError(
+            "the training data changed since the checkpoint was written: it was split into "
+            f"{[len(t) + len(v) + len(s) for t, v, s in zip(train, val, test)]} structures per file, "
+            f"the files now hold {list(sizes)}"
+        )
+    return [tuple(np.asarray(part, dtype=np.int64) for part in parts) for parts in zip(train, val, test)]
+
+
+def split_datasets(
+    sizes: Sequence[int], fraction: float | None, seed: int, test_fraction: float | None = 0.0
+):
+    """:func:`split_indices` for several files of ``sizes`` structures, with
+    metatrain's order of draws from one generator: the validation split of every
+    file, then the test split of every training part. Returns ``(train,
+    validation, test)`` file indices per file (test empty without a test fraction).
+
+    ``test_fraction``: the fraction of each whole file for the test set
+    (``test_set: f``; metatrain's default 0 still reshuffles the training part), or
+    ``None`` for a separate test file (no reshuffle)."""
+    rng = np.random.RandomState(seed % 2**32)
+    # metatrain's running "train_size": each split normalises (train, part) by their sum
+    train_size = 1.0
+    splits = []
+    if fraction is not None and fraction > 0:
+        train_size -= fraction
+    for n in sizes:
+        indices = list(range(n))
+        n_val = 0
+        if fraction is not None and fraction > 0:
+            rng.shuffle(indices)
+            n_val = math.floor(n * (fraction / (train_size + fraction)))
+            if n_val >= n:
+                raise ValueError(
+                    f"validation_set: a fraction of {fraction} of {n} structures leaves none for training"
+                )
+        splits.append((indices[: n - n_val], indices[n - n_val :]))
+    if test_fraction is not None:
+        train_size -= test_fraction
+        if not train_size > 0:
+            raise ValueError("validation_set and test_set take all of the data: nothing is left to train on")
+    out = []
+    for train, val in splits:
+        test = []
+        if test_fraction is not None:
+            order = list(range(len(train)))
+            rng.shuffle(order)
+            n_test = math.floor(len(train) * (test_fraction / (train_size + test_fraction)))
+            if n_test >= len(train):
+                raise ValueError(f"test_set: a fraction of {test_fraction} leaves no structure for training")
+            test = [train[i] for i in order[len(train) - n_test :]]
+            train = [train[i] for i in order[: len(train) - n_test]]
+        out.append(tuple(np.array(part, dtype=np.int64) for part in (train, val, test)))
+    return out
+
+
+def read_labelled(
+    path,
+    config: PETConfig,
+    energy_key="energy",
+    forces_key="forces",
+    stress_key="stress",
+    virial_key=None,
+    energy_unit="eV",
+    length_unit="angstrom",
+    charge_key=None,
+    spin_multiplicity_key=None,
+    require_labels: bool = True,
+    required_keys: Sequence[str] = (),
+) -> list[Sample]:
+    """Read an extxyz file into samples for ``config`` (missing label keys are skipped;
+    ``charge_key``/``spin_multiplicity_key``: see :func:`petfunc.data.sample_from_atoms`).
+    A file without any of the labels is an error unless ``require_labels`` is false
+    (its samples then have NaN labels). ``required_keys``: label keys the user named,
+    which no structure having is an error (a typo must not drop a row of errors)."""
+    frames = read_frames(path, "dataset")
+    check_info_keys(
+        frames, {"charge_key": charge_key, "spin_multiplicity_key": spin_multiplicity_key}, path, ""
+    )
+    missing = [key for key in required_keys if key and not any(_has_key(a, key) for a in frames)]
+    if missing:
+        raise ValueError(
+            f"{str(path)!r}: no structure has labels under the key(s) {missing} "
+            f"(keys in the file: {_available_keys(frames)})"
+        )
+
+    def key_or_none(key):
+        return key if key and any(_has_key(a, key) for a in frames) else None
+
+    labels = Labels(
+        key_or_none(energy_key),
+        key_or_none(forces_key),
+        key_or_none(stress_key),
+        key_or_none(virial_key),
+        energy_unit_factor(energy_unit),
+        length_unit_factor(length_unit),
+        charge_key,
+        spin_multiplicity_key,
+    )
+    unlabelled = (
+        labels.energy is None and labels.forces is None and labels.stress is None and labels.virial is None
+    )
+    if unlabelled and require_labels:
+        raise ValueError(
+            f"{str(path)!r} has no labels under the keys {energy_key!r}, {forces_key!r}, {stress_key!r} "
+            f"(keys in the file: {_available_keys(frames)}); to write predictions alone, give an output file"
+        )
+    return to_samples(frames, config, labels, path)
+
+
+# ---------------------------------------------------------------------------------------
+# the files of a training run

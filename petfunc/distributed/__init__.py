@@ -1,0 +1,26 @@
+"""petfunc.distributed."""
+
+from petfunc.distributed.process import (
+    CHECKPOINT_FORMAT,
+    DEFAULT_TIMEOUT_S,
+    TERMS,
+    DataParallel,
+    DistInfo,
+    DistributedError,
+    RunMismatchError,
+    all_reduce_metrics,
+    all_reduce_sums,
+    barrier,
+    broadcast_object,
+    check_identical,
+    check_same_run,
+    current,
+    init_from_env,
+    label_counts,
+    load_checkpoint,
+    make_scaled_grad_step,
+    save_checkpoint,
+    shard_batches,
+    share_factors,
+    shutdown,
+)
