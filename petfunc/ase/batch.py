@@ -130,9 +130,7 @@ class BatchEvaluator:
             named = ", ".join(partly[:3]) + (f" and {len(partly) - 3} more" if len(partly) > 3 else "")
             warnings.warn(partly_periodic_stress_warning(named), stacklevel=3)
 
-    def __call__(
-        self, frames: Sequence, labels: Sequence[str] | None = None
-    ) -> list[dict[str, np.ndarray]]:
+    def __call__(self, frames: Sequence, labels: Sequence[str] | None = None) -> list[dict[str, np.ndarray]]:
         _check_frames(frames)
         labels = list(labels) if labels is not None else [f"structure {i}" for i in range(len(frames))]
         self.check(frames, labels)
