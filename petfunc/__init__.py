@@ -50,7 +50,7 @@ from petfunc.derivatives import (
 from petfunc.determinism import deterministic_algorithms
 from petfunc.graph.neighbors import Neighbors
 from petfunc.hessian import hvp
-from petfunc.io.params import from_metatrain, load_params, save_params
+from petfunc.io import from_metatrain, load_model, load_params, save_params
 from petfunc.model.pet import PET, init
 from petfunc.structures import Structure, collate, from_atoms, prepare, prepare_atoms
 from petfunc.train import hessian_loss
@@ -65,7 +65,7 @@ from petfunc.train.step import (
     pack_state,
     warmup_cosine,
 )
-from petfunc.trainer.fit import fit, load_model
+from petfunc.trainer import fit
 
 
 __version__ = "0.1.0"

@@ -2,7 +2,7 @@
 
 import sys
 
-from petfunc.cli.main import main
+from petfunc.cli.commands import main
 
 
 sys.exit(main())

@@ -29,6 +29,7 @@ import torch
 from torch.func import vjp, vmap
 
 from petfunc.config import PETConfig
+from petfunc.io.metatrain import read_metatrain
 from petfunc.model.pet import PET, last_layer_features
 
 
@@ -50,38 +51,7 @@ def from_metatrain(source, dtype: torch.dtype | None = None, target: str | None 
     ensemble), in ``dtype`` (default: the network's). ``target`` is the energy
     target whose uncertainty is read (default as for :func:`petfunc.from_metatrain`).
     """
-    from petfunc.io.params import _read_metatrain
-
-    return _read_metatrain(source, dtype, target, llpr="required")
-
-
-def _uncertainty_of(checkpoint: dict, config: PETConfig, params, dtype, target: str, label: str) -> dict:
-    """The LLPR quantities of ``target`` in an LLPR ``checkpoint`` whose PET is
-    ``(config, params)`` (called by :func:`petfunc.io._read_metatrain`)."""
-    from petfunc.io.params import _llpr_state, network_dtype
-
-    state = _llpr_state(_upgraded(checkpoint, label))
-    name = (
-        "energy_uncertainty" if target == "energy" else f"mtt::aux::{target.replace('mtt::', '')}_uncertainty"
-    )
-    if f"cholesky_{name}" not in state:
-        raise ValueError(f"{label} has no covariance for {name!r}; it holds {sorted(state)}")
-    if f"multiplier_{name}" not in state:
-        raise ValueError(f"{label} has no calibrated multiplier for {name!r}")
-    dtype = dtype or network_dtype(params)
-    llpr = {
-        "cholesky": state[f"cholesky_{name}"].to(dtype),
-        "multiplier": state[f"multiplier_{name}"].reshape(()).to(dtype),
-    }
-    weights = state.get(f"llpr_ensemble_layers.{target}.weight")
-    if weights is not None:
-        llpr["ensemble_weights"] = weights.to(dtype)
-    features = 2 * config.num_readout_layers * config.d_head
-    if llpr["cholesky"].shape != (features, features):
-        raise ValueError(
-            f"{label}: covariance of shape {tuple(llpr['cholesky'].shape)} for {features} last-layer features"
-        )
-    return llpr
+    return read_metatrain(source, dtype, target, llpr="required")
 
 
 def structure_features(config: PETConfig) -> Callable:
@@ -175,23 +145,3 @@ def ensemble(config: PETConfig, stress: bool = False) -> Callable:
 
 
 # ---------------------------------------------------------------------------------------
-
-
-def _upgraded(checkpoint: dict, label: str) -> dict:
-    """The LLPR checkpoint at metatrain's latest LLPR version (older versions stored
-    the inverse covariance instead of its Cholesky factor), upgraded by metatrain."""
-    from metatrain.llpr import LLPRUncertaintyModel
-
-    from petfunc.io.params import _copy_checkpoint
-
-    version = checkpoint.get("model_ckpt_version") or 1
-    latest = LLPRUncertaintyModel.__checkpoint_version__
-    if version > latest:
-        raise ValueError(
-            f"{label} has LLPR model version {version}; the installed metatrain reads up to {latest}"
-        )
-    if version == latest:
-        return checkpoint
-    checkpoint = _copy_checkpoint(checkpoint)
-    checkpoint["model_ckpt_version"] = version
-    return LLPRUncertaintyModel.upgrade_checkpoint(checkpoint)

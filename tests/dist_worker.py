@@ -14,7 +14,7 @@ import torch
 from ase.calculators.emt import EMT
 
 import petfunc
-from petfunc import distributed as pdist
+from petfunc.distributed import process as pdist
 from petfunc.data.samples import make_batch, sample_from_atoms
 from petfunc.train.loss import LossTerm, LossWeights
 from petfunc.train.step import init_state, make_optimizer, warmup_cosine

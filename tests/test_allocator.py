@@ -57,7 +57,7 @@ def test_keep_freed_memory_serves_large_blocks_from_the_heap():
 
 
 def test_cli_applies_it(monkeypatch, tmp_path):
-    from petfunc import cli
+    from petfunc.cli import commands as cli
 
     calls = []
     monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(1) or True)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import yaml
 
-from petfunc.cli.main import main, make_default_dataset
-from petfunc.trainer.fit import evaluate
+from petfunc.cli.commands import main, make_default_dataset
+from petfunc.trainer.training import evaluate
 
 
 TINY = [
@@ -101,7 +101,7 @@ def test_sigterm_puts_the_folder_back(demo_run, tmp_path):
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import os, signal\n"
-        "import petfunc.trainer.fit as trainer\n"
+        "import petfunc.trainer.training as trainer\n"
         "original = trainer.fit\n"
         "def fit(*args, **kwargs):\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -186,7 +186,7 @@ def test_eval_writes_predictions(demo_run, tmp_path, capsys):
     import numpy as np
 
     from petfunc.ase.calculator import PETCalculator
-    from petfunc.trainer.fit import load_model
+    from petfunc.io import load_model
 
     frames = ase.io.read(demo_run / "dataset.xyz", ":3")
     molecule = ase.Atoms("Cu2", positions=[[0, 0, 0], [0, 0, 2.3]])
@@ -599,7 +599,7 @@ def test_options_read_exponent_numbers_as_metatrain_does(tmp_path):
     """metatrain reads options with OmegaConf, where ``1e-3`` is a number; PyYAML's
     YAML 1.1 rules alone would give the string '1e-3' (a rejected learning rate, or a
     validation "file" named 1e-1)."""
-    from petfunc.cli.main import _overrides, _parser, _read_options_file
+    from petfunc.cli.commands import _overrides, _parser, _read_options_file
     from petfunc.trainer.options import resolve_options
 
     path = tmp_path / "options.yaml"

@@ -194,7 +194,7 @@ def test_train_cli_compiled(tmp_path):
     epochs, with one training and one validation graph, and a restart resumes."""
     import csv
 
-    from petfunc.cli.main import main
+    from petfunc.cli.commands import main
 
     tiny = [
         "--set",
@@ -272,7 +272,7 @@ def test_export_equals_eager(tmp_path, aoti):
     """`petfunc export` for the device (the exported program, and its AOTInductor
     build) gives the eager energies, forces and strain derivatives on three sizes,
     adaptive cutoff included (float64)."""
-    from petfunc import export as pexport
+    from petfunc.export import package as pexport
     from petfunc.data.samples import padding_sample
     from petfunc.structures import collate, prepare_atoms
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import petfunc
-from petfunc import distributed as pdist
+from petfunc.distributed import process as pdist
 from petfunc.train.step import init_state, make_train_step
 
 
@@ -278,7 +278,7 @@ def test_petfunc_train_under_torchrun_equals_one_process(tmp_path):
     import inspect
     import shutil
 
-    import petfunc.cli.main
+    import petfunc.cli.commands
 
     if "petfunc.distributed" not in inspect.getsource(petfunc.cli):
         pytest.skip("petfunc.cli is not wired to petfunc.distributed")

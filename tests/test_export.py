@@ -17,9 +17,9 @@ import torch
 from test_long_range import _params as perturbed_params  # random weights with non-trivial charges
 
 import petfunc
-from petfunc import export as pexport
+from petfunc.export import package as pexport
 from petfunc.ase.calculator import PETCalculator
-from petfunc.cli.main import main
+from petfunc.cli.commands import main
 from petfunc.data.samples import padding_sample
 from petfunc.structures import collate, prepare_atoms
 
@@ -123,7 +123,7 @@ def test_export_errors(exported, tmp_path):
         PETCalculator(CONFIG, exported=model, dtype=torch.float32)  # it was ignored
     # an export given to the loaders of other files: they named torch's "corrupted
     # checkpoint" error or metatrain, not from_exported
-    from petfunc.trainer.fit import load_model
+    from petfunc.io import load_model
 
     for load in (petfunc.load_params, petfunc.from_metatrain, load_model, PETCalculator.from_checkpoint):
         with pytest.raises(ValueError, match=r"is a model written by petfunc export.*from_exported"):
@@ -195,7 +195,7 @@ def test_export_for_another_device_is_traced_on_the_cpu(monkeypatch):
     be on it, or the run fails."""
     import importlib
 
-    compile_module = importlib.import_module("petfunc.compile")
+    compile_module = importlib.import_module("petfunc.compile.compiled")
     own = compile_module._trace_device
     monkeypatch.setattr(
         compile_module,
@@ -219,7 +219,7 @@ def test_aoti_build_is_the_default_on_the_cpu_only(monkeypatch, tmp_path):
     CPU and not for a GPU (where its one build tried crashed the loading process);
     --aoti asks for it anyway. The CLI's choice is checked with the builder replaced
     by a recorder."""
-    from petfunc import cli
+    from petfunc.cli import commands as cli
 
     assert pexport.default_aoti("cpu") and pexport.default_aoti(torch.device("cpu"))
     assert not pexport.default_aoti("cuda") and not pexport.default_aoti("cuda:1")
@@ -241,7 +241,7 @@ def test_aoti_build_is_the_default_on_the_cpu_only(monkeypatch, tmp_path):
         return path
 
     monkeypatch.setattr(pexport, "export", recorder)
-    monkeypatch.setattr("petfunc.trainer.load_model", lambda *args, **kwargs: (CONFIG, make_params()))
+    monkeypatch.setattr("petfunc.io.load.load_model", lambda *args, **kwargs: (CONFIG, make_params()))
     for flags, expected in (
         ([], ("cpu", True)),
         (["--device", "cuda"], ("cuda", False)),

@@ -23,10 +23,11 @@ import torch
 
 import petfunc
 from petfunc import lora, tree
-from petfunc.cli.main import make_default_dataset
+from petfunc.cli.commands import make_default_dataset
 from petfunc.data.samples import make_batch, sample_from_atoms
 from petfunc.train.step import HEADS, trainable
-from petfunc.trainer.fit import fit, load_model
+from petfunc.io import load_model
+from petfunc.trainer.training import fit
 from petfunc.trainer.options import resolve_options, trained_parameters
 
 
@@ -218,7 +219,7 @@ def test_lora_on_a_lora_checkpoint_trains_its_adapters_on(tmp_path):
     from metatrain.pet.modules.finetuning import apply_finetuning_strategy
     from metatrain.utils.io import model_from_checkpoint
 
-    from petfunc.trainer.fit import _load_model
+    from petfunc.io.load import load_model_and_lora
 
     frames, params, batch = _batch_and_labels()
     model = ref.make_model(CONFIG)
@@ -231,7 +232,7 @@ def test_lora_on_a_lora_checkpoint_trains_its_adapters_on(tmp_path):
     path = tmp_path / "lora.ckpt"
     torch.save(checkpoint, path)
 
-    config, start, source = _load_model(path, torch.float64, "best", None, None, keep_lora=True)
+    config, start, source = load_model_and_lora(path, torch.float64, "best", None, None, keep_lora=True)
     assert source == {"rank": 2, "alpha": 3.0, "targets": lora.DEFAULT_TARGETS}
     flat = tree.flatten(start)
     wrapped = [k for k in model.state_dict() if ".lora_" in k or ".linear.weight" in k]
@@ -517,7 +518,7 @@ def test_inherit_heads_picks_the_source_target(base, tmp_path):
     from metatrain.utils.data import DatasetInfo
     from metatrain.utils.data.target_info import get_energy_target_info
 
-    from petfunc.trainer.fit import _initial_model
+    from petfunc.trainer.training import _initial_model
 
     data, checkpoint = base
     config, _ = load_model(checkpoint)
@@ -564,7 +565,7 @@ def test_inherit_heads_picks_the_source_target(base, tmp_path):
             log=lambda m: None,
         )
     # petfunc eval --target reads that head too
-    from petfunc.cli.main import main
+    from petfunc.cli.commands import main
 
     assert main(["eval", str(path), str(data), "--target", "mtt::b", "--json", str(tmp_path / "m.json")]) == 0
     assert main(["eval", str(path), str(data)]) == 2
@@ -618,7 +619,7 @@ def test_command_line_flags(base, tmp_path, capsys):
     """`petfunc train options.yaml --finetune MODEL --finetune-method lora`."""
     import yaml
 
-    from petfunc.cli.main import main
+    from petfunc.cli.commands import main
 
     data, checkpoint = base
     options = _heads_options(data, checkpoint)

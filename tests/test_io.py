@@ -121,7 +121,7 @@ def test_load_corrupt_and_truncated_files(tmp_path):
     broken[start + 3] ^= 0xFF
     (tmp_path / "directory").write_bytes(bytes(broken))
     assert zipfile.is_zipfile(tmp_path / "directory")
-    from petfunc.trainer.fit import load_model
+    from petfunc.io import load_model
 
     for load in (
         petfunc.load_params,
@@ -291,7 +291,7 @@ def test_from_metatrain_converts_other_units_to_angstrom_and_ev(tmp_path, length
 
     # petfunc eval reads a file without units in the model's units, as mtt eval does:
     # metatomic's predictions written in those units evaluate to zero errors
-    from petfunc.cli.main import main
+    from petfunc.cli.commands import main
     from petfunc.units import energy_unit_factor, length_unit_factor
 
     to_energy, to_length = 1 / energy_unit_factor(energy_unit), 1 / length_unit_factor(length_unit)
@@ -438,7 +438,7 @@ def test_from_metatrain_runs_no_pickled_code(tmp_path, monkeypatch):
     ):
         petfunc.from_metatrain(path)
     with pytest.raises(ValueError, match="builtins.exec"):
-        petfunc.trainer.load_model(path)
+        petfunc.load_model(path)
     assert not marker.exists()
 
     path = _saved_with(tmp_path, fractions.Fraction(1, 3))
@@ -616,7 +616,7 @@ def test_which_picks_best_or_last_weights_of_a_metatrain_checkpoint(tmp_path):
     """metatrain checkpoints hold the best and the last weights; ``which`` (``petfunc
     eval/export --which``) picks one, as it does for petfunc's own checkpoints."""
     ref = _metatrain()
-    from petfunc.trainer.fit import load_model
+    from petfunc.io import load_model
 
     config = _config()
     model = ref.make_model(config)
@@ -643,7 +643,7 @@ def test_which_picks_best_or_last_weights_of_a_metatrain_checkpoint(tmp_path):
 def test_float32_hypers_of_an_export_read_as_written():
     """An exported float32 long-range model keeps its smearing as a float32 tensor;
     read back as 1.100000023841858 its config would differ from the checkpoint's."""
-    from petfunc.io.params import _as_written
+    from petfunc.io.metatrain.exported import _as_written
 
     assert _as_written(torch.tensor(1.1, dtype=torch.float32)) == 1.1
     assert _as_written(torch.tensor(0.9, dtype=torch.float32)) == 0.9

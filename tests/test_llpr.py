@@ -215,7 +215,7 @@ def test_llpr_errors(tmp_path):
     with pytest.raises(ValueError, match="llpr needs params, and excludes ensemble_params"):
         PETCalculator(config, ensemble_params=[params, params], llpr=uncertainty)
     # petfunc export keeps the PET of an LLPR checkpoint, and says the uncertainty stays behind
-    from petfunc.io.params import is_llpr_checkpoint
+    from petfunc.io import is_llpr_checkpoint
 
     assert is_llpr_checkpoint(CHECKPOINTS[-1]) and not is_llpr_checkpoint(pet)
     assert not is_llpr_checkpoint(tmp_path / "missing.ckpt")

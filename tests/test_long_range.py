@@ -463,9 +463,9 @@ def test_old_inductor_is_not_used_for_p3m_on_a_gpu(monkeypatch):
     import importlib
 
     import petfunc.ase.calculator
-    from petfunc import export
+    from petfunc.export import package as export
 
-    compile_module = importlib.import_module("petfunc.compile")
+    compile_module = importlib.import_module("petfunc.compile.compiled")
     monkeypatch.setattr(long_range, "P3M_INDUCTOR_GPU_CORRECT", False)
     assert long_range.p3m_inductor_correct("cpu") and not long_range.p3m_inductor_correct("cuda")
     config = _config()

@@ -13,7 +13,7 @@ import torchopt
 from torch.utils import _pytree as pytree
 
 import petfunc
-from petfunc import train as train_mod
+from petfunc.train import step as train_mod
 from petfunc import tree
 
 

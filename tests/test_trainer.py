@@ -1,4 +1,4 @@
-"""The training loop (petfunc.trainer.fit): loss falls, exact resume, NaN stop,
+"""The training loop (petfunc.trainer.training): loss falls, exact resume, NaN stop,
 checkpoint format, data-parallel seam, option and label errors.
 
 All runs use a tiny PET (d_pet=8, one GNN layer, cutoff 3 Å: nearest neighbours of
@@ -14,19 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from petfunc import cli, tree
-from petfunc.cli.main import make_default_dataset
+from petfunc import tree
+from petfunc.cli import commands as cli
+from petfunc.cli.commands import make_default_dataset
 from petfunc.model.pet import PET
 from petfunc.train.step import make_optimizer, trainable, warmup_cosine
-from petfunc.trainer.fit import (
-    TrainingError,
-    batch_plan,
-    fit,
-    load_checkpoint,
-    load_model,
-    state_from_plain,
-    state_to_plain,
-)
+from petfunc.data.batching import batch_plan
+from petfunc.io import load_model, read_checkpoint
+from petfunc.io.checkpoint import state_from_plain, state_to_plain
+from petfunc.trainer.training import TrainingError, fit
 from petfunc.trainer.options import parse_loss, resolve_options
 
 
@@ -119,7 +115,7 @@ def test_missing_auto_labels_are_reported(dataset, tmp_path):
 def test_error_metrics_skip_missing_labels_not_nan_predictions():
     import numpy as np
 
-    from petfunc.trainer.fit import error_metrics
+    from petfunc.trainer.training import error_metrics
 
     pred = {
         "energy_per_atom": [1.0, 2.0, np.nan],
@@ -371,8 +367,8 @@ def test_exact_resume_float64(dataset, tmp_path):
     assert [r["epoch"] for r in resumed.history] == [1, 2, 3]
     for a, b in zip(full.history, resumed.history):
         assert a["train_loss"] == b["train_loss"] and a["val_loss"] == b["val_loss"]
-    a = load_checkpoint(tmp_path / "full" / "last.ckpt")["opt_state"]
-    b = load_checkpoint(tmp_path / "resumed" / "last.ckpt")["opt_state"]
+    a = read_checkpoint(tmp_path / "full" / "last.ckpt")["opt_state"]
+    b = read_checkpoint(tmp_path / "resumed" / "last.ckpt")["opt_state"]
     leaves_a, leaves_b = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
     assert len(leaves_a) == len(leaves_b)
     for x, y in zip(leaves_a, leaves_b):
@@ -387,7 +383,7 @@ def test_restart_keeps_the_split(dataset, tmp_path):
     import ase.io
 
     fit(tiny_options(dataset, num_epochs=1), tmp_path / "run", progress=False, log=quiet())
-    ckpt = load_checkpoint(tmp_path / "run" / "last.ckpt")
+    ckpt = read_checkpoint(tmp_path / "run" / "last.ckpt")
     train, val = ckpt["split"]["training"][0], ckpt["split"]["validation"][0]
     assert len(val) == 4 and sorted(train + val) == list(range(16))
 
@@ -445,7 +441,7 @@ def test_restart_makes_the_folder_agree_with_the_checkpoint(dataset, tmp_path):
     best_bytes = (run / "best.ckpt").read_bytes()
     best_epoch = result.best_epoch
     older = 1 if best_epoch != 1 else 2
-    assert load_checkpoint(run / "best.ckpt")["epoch"] == best_epoch
+    assert read_checkpoint(run / "best.ckpt")["epoch"] == best_epoch
 
     # the kill: best.ckpt of an older epoch, no best_params.pt, plots or last CSV row
     (run / "best.ckpt").write_bytes((run / f"epoch_{older}.ckpt").read_bytes())
@@ -463,7 +459,7 @@ def test_restart_makes_the_folder_agree_with_the_checkpoint(dataset, tmp_path):
 
     # a restart from epoch 1 into the same folder, with another learning rate: nothing
     # of the folder is replaced before its first last.ckpt (here it stops before)
-    changed = json.loads(load_checkpoint(run / "epoch_1.ckpt")["options"])
+    changed = json.loads(read_checkpoint(run / "epoch_1.ckpt")["options"])
     changed["architecture"]["training"].update(num_epochs=2, learning_rate=0.3)
     before = {p.name: p.read_bytes() for p in run.glob("*.ckpt")}
 
@@ -483,12 +479,12 @@ def test_restart_makes_the_folder_agree_with_the_checkpoint(dataset, tmp_path):
     )
     final = next(line for line in lines if line.startswith("files of this run"))
     assert "epoch_2.ckpt" in final and "epoch_3.ckpt" not in final
-    best = load_checkpoint(run / "best.ckpt")
-    assert best["epoch"] == load_checkpoint(run / "last.ckpt")["best_epoch"]
+    best = read_checkpoint(run / "best.ckpt")
+    assert best["epoch"] == read_checkpoint(run / "last.ckpt")["best_epoch"]
 
     # a restart at the last epoch into a new folder: a last.ckpt there too
     fit(None, tmp_path / "ended", restart=run / "epoch_2.ckpt", progress=False, log=quiet())
-    assert load_checkpoint(tmp_path / "ended" / "last.ckpt")["epoch"] == 2
+    assert read_checkpoint(tmp_path / "ended" / "last.ckpt")["epoch"] == 2
 
     # a fresh run into a used folder says what it replaces
     lines = []
@@ -507,7 +503,7 @@ def test_restart_makes_the_folder_agree_with_the_checkpoint(dataset, tmp_path):
     assert any(line.startswith(f"best.ckpt: epoch {best_epoch}") for line in lines)
     # no source of the best epoch: a stale best.ckpt is removed, and that is said
     (tmp_path / "lone").mkdir()
-    ckpt = load_checkpoint(tmp_path / "again" / "last.ckpt")
+    ckpt = read_checkpoint(tmp_path / "again" / "last.ckpt")
     ckpt["best_epoch"] = 2
     ckpt["best_params"] = {k: v + 1.0 for k, v in ckpt["params"].items()}  # held by no file
     torch.save(ckpt, tmp_path / "lone" / "last.ckpt")
@@ -536,7 +532,7 @@ def test_test_set(dataset, tmp_path):
         and "validation set: 4 structures, test set: 4 structures" in line
         for line in lines
     ), lines
-    split = load_checkpoint(tmp_path / "run" / "last.ckpt")["split"]
+    split = read_checkpoint(tmp_path / "run" / "last.ckpt")["split"]
     test = split["test"][0]
     assert len(test) == 4 and sorted(split["training"][0] + split["validation"][0] + test) == list(range(16))
     frames = ase.io.read(dataset, ":")
@@ -568,7 +564,7 @@ def test_test_set(dataset, tmp_path):
         log=quiet(lines),
     )
     assert any("test set: 4 structures" in line for line in lines)
-    assert load_checkpoint(tmp_path / "restarted" / "last.ckpt")["split"] == split
+    assert read_checkpoint(tmp_path / "restarted" / "last.ckpt")["split"] == split
 
     # a separate test file; fractions that leave nothing to train on are an error
     options = tiny_options(dataset, num_epochs=1)
@@ -621,7 +617,7 @@ def test_per_structure_targets(dataset, tmp_path):
     lines = []
     result = fit(options, tmp_path / "run", progress=False, log=quiet(lines))
     assert any("energy per structure (eV)" in line for line in lines), lines
-    split = load_checkpoint(tmp_path / "run" / "last.ckpt")["split"]
+    split = read_checkpoint(tmp_path / "run" / "last.ckpt")["split"]
     frames = ase.io.read(dataset, ":")
     config = result.config
     train = [sample_from_atoms(frames[i], config) for i in split["training"][0]]
@@ -915,7 +911,7 @@ def test_restart_with_other_processes_names_the_batch_size(dataset, tmp_path):
     """Checkpoints store their number of processes, so a restart with another one
     that takes other batches says which --batch-size gives the same global batches."""
     fit(tiny_options(dataset, num_epochs=1), tmp_path / "one", progress=False, log=quiet())
-    assert load_checkpoint(tmp_path / "one" / "last.ckpt")["world_size"] == 1
+    assert read_checkpoint(tmp_path / "one" / "last.ckpt")["world_size"] == 1
     lines = []
     fit(
         None,
@@ -928,7 +924,7 @@ def test_restart_with_other_processes_names_the_batch_size(dataset, tmp_path):
         reduce_grads=lambda g: g,
         reduce_metrics=lambda m: m,
     )
-    options = json.loads(load_checkpoint(tmp_path / "one" / "last.ckpt")["options"])
+    options = json.loads(read_checkpoint(tmp_path / "one" / "last.ckpt")["options"])
     assert options["architecture"]["training"]["batch_size"] == 4
     warning = next(line for line in lines if "steps in 1 epochs" in line)
     assert (
@@ -946,7 +942,7 @@ def test_validation_loss_does_not_depend_on_batching(dataset):
     from petfunc import PETConfig
     from petfunc.data.samples import fit_composition, fit_scale, make_batch, sample_from_atoms
     from petfunc.train.loss import LossTerm, LossWeights, make_loss
-    from petfunc.trainer.fit import _floats, _Sums
+    from petfunc.trainer.training import _floats, _Sums
 
     frames = ase.io.read(dataset, ":7")
     config = PETConfig(atomic_types=tuple(sorted({int(z) for a in frames for z in a.numbers})), **TINY_MODEL)
@@ -985,7 +981,7 @@ def test_augmentation_does_not_depend_on_the_process(dataset):
 
     from petfunc import PETConfig
     from petfunc.data.samples import sample_from_atoms
-    from petfunc.trainer.fit import iterate_batches
+    from petfunc.trainer.training import iterate_batches
 
     frames = ase.io.read(dataset, ":10")
     config = PETConfig(atomic_types=tuple(sorted({int(z) for a in frames for z in a.numbers})), **TINY_MODEL)
@@ -1406,7 +1402,7 @@ def test_finetune_from_metatrain_checkpoint(tmp_path):
     from ase.calculators.emt import EMT
     from ase.calculators.singlepoint import SinglePointCalculator
 
-    from petfunc.io.params import from_metatrain
+    from petfunc.io import from_metatrain
 
     checkpoint = os.path.join(
         os.path.dirname(metatrain_pet.__file__), "tests", "checkpoints", "model-v16_trainer-v15.ckpt.gz"
@@ -1444,7 +1440,7 @@ def test_finetune_from_metatrain_checkpoint(tmp_path):
     assert torch.equal(result.params["energy_scale"], start["energy_scale"])
     # Options may not redefine the architecture when fine-tuning; as in metatrain, the
     # keys they give must match the checkpoint's (an unchanged options file works).
-    from petfunc.trainer.fit import check_model_section
+    from petfunc.trainer.training import check_model_section
 
     check_model_section(
         {"d_pet": config.d_pet, "cutoff": config.cutoff, "normalization": config.normalization.lower()},
@@ -1495,7 +1491,7 @@ def test_charge_and_spin_conditioned_training(dataset, tmp_path):
     assert config.system_conditioning and config.max_charge == 2
     gate = tree.flatten(params)["system_conditioning.project.2.weight"]
     assert gate.abs().max() > 0
-    from petfunc.trainer.fit import read_labelled
+    from petfunc.trainer.training import read_labelled
 
     samples = read_labelled(path, config, charge_key="q", spin_multiplicity_key="mult")
     assert [s.structure.charge for s in samples[:4]] == [-1, 0, 1, -1]
@@ -1574,7 +1570,7 @@ def test_partial_model_section_is_checked_against_the_checkpoint(dataset):
     there, not against the defaults ({d_pet: 4} fails with the default num_heads 8 but
     suits a checkpoint with num_heads 2)."""
     from petfunc.config import PETConfig
-    from petfunc.trainer.fit import check_model_section
+    from petfunc.trainer.training import check_model_section
 
     config = PETConfig(atomic_types=(13, 28, 29), **{**TINY_MODEL, "d_pet": 4, "num_heads": 2})
     options = tiny_options(dataset)
@@ -1685,13 +1681,13 @@ def test_explicit_indices_equal_mtt_train(tmp_path):
     options["training_set"] = {"systems": str(data), "indices": subset}
     options["validation_set"] = {"indices": [4, 6, 8]}
     first = fit(options, tmp_path / "run", progress=False, log=quiet())
-    stored = load_checkpoint(tmp_path / "run" / "last.ckpt")["split"]
+    stored = read_checkpoint(tmp_path / "run" / "last.ckpt")["split"]
     assert stored["validation"] == [[4, 6, 8]] and sorted(stored["training"][0]) == sorted(subset)
     options["architecture"]["training"]["num_epochs"] = 2
     again = fit(
         options, tmp_path / "again", restart=tmp_path / "run" / "last.ckpt", progress=False, log=quiet()
     )
-    assert load_checkpoint(tmp_path / "again" / "last.ckpt")["split"] == stored
+    assert read_checkpoint(tmp_path / "again" / "last.ckpt")["split"] == stored
     assert first.history[0]["val_loss"] == again.history[0]["val_loss"]
     options["validation_set"] = {"indices": [4, 6]}  # a restart cannot change its split
     with pytest.raises(

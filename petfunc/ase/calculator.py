@@ -67,6 +67,9 @@ from petfunc import allocator, tree
 from petfunc.config import PETConfig
 from petfunc.data.samples import padding_sample
 from petfunc.derivatives import energy_terms_forces_strain_derivative
+from petfunc.io.checkpoint import is_checkpoint
+from petfunc.io.load import load_model, torch_payload
+from petfunc.io.metatrain import read_metatrain
 from petfunc.io.params import cast_params, load_params, network_dtype
 from petfunc.model.long_range import calculator_backend, mesh_layout
 from petfunc.model.pet import PET
@@ -272,21 +275,21 @@ class PETCalculator(Calculator):
     def from_checkpoint(cls, path, **kwargs) -> PETCalculator:
         """Calculator for a petfunc parameter file (:func:`petfunc.save_params`).
 
-        A ``petfunc train`` checkpoint (plain data with ``"config"`` and ``"params"``
-        / ``"best_params"``) is accepted too; its best parameters are used. For
+        A ``petfunc train`` checkpoint is accepted too; its best parameters are used
+        (LoRA adapters merged). For
         metatrain checkpoints and exported models use :meth:`from_metatrain`.
         """
         path = os.fspath(path)
         try:
             config, params = load_params(path)
         except ValueError as error:
-            loaded = _training_checkpoint(path)
-            if loaded is None:
+            payload, _ = torch_payload(path)
+            if not is_checkpoint(payload):
                 raise ValueError(
                     f"{error}. For a metatrain checkpoint (.ckpt) or an exported model "
                     "(.pt), use PETCalculator.from_metatrain."
                 ) from error
-            config, params = loaded
+            config, params = load_model(path, which="best")
         return cls(config, params, **kwargs)
 
     @classmethod
@@ -297,9 +300,7 @@ class PETCalculator(Calculator):
         checkpoint (PET-MAD's) also gives its uncertainties (``llpr``); the file is
         read once.
         """
-        from petfunc.io.params import _read_metatrain
-
-        config, params, uncertainty = _read_metatrain(path, target=target, llpr="if present")
+        config, params, uncertainty = read_metatrain(path, target=target, llpr="if present")
         return cls(config, params, llpr=uncertainty, **kwargs)
 
     @classmethod
@@ -552,34 +553,3 @@ def _uncertainty_outputs(committee: bool, llpr) -> list:
             "forces_ensemble",
         ]
     return ["energy_uncertainty"] if llpr is not None else []
-
-
-def _training_checkpoint(path):
-    """``(config, params)`` of a petfunc training checkpoint, or ``None``.
-
-    A training checkpoint (``petfunc train``, format ``"petfunc.checkpoint"``) is a
-    plain-data ``torch.save`` with a ``config`` (JSON string or hypers dict) and
-    ``params`` / ``best_params`` (``{dotted.name: tensor}`` or a tree); the best
-    parameters are used when present, as metatrain's export does.
-    """
-    import json
-
-    from petfunc.io.params import check_params
-
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:
-        return None
-    if not isinstance(payload, dict) or "config" not in payload:
-        return None
-    params = payload.get("best_params") or payload.get("params")
-    if not isinstance(params, dict):
-        return None
-    hypers = payload["config"]
-    if isinstance(hypers, str):
-        hypers = json.loads(hypers)
-    config = PETConfig.from_hypers(hypers)
-    if any(isinstance(k, str) and "." in k for k in params):
-        params = tree.unflatten(dict(params))
-    check_params(config, params, what=f"the parameters in {path!r}")
-    return config, params

@@ -1,6 +1,6 @@
 """petfunc.cli."""
 
-from petfunc.cli.main import (
+from petfunc.cli.commands import (
     DEMO_OPTIONS,
     DEMO_STRUCTURES,
     main,

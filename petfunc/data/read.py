@@ -5,7 +5,7 @@ name the file, the key and the option to change), turning frames into
 :class:`~petfunc.data.Sample` objects, and splitting each training file into
 training and validation structures the way ``mtt train`` does (same seed, same
 structures, same order). :func:`read_training_files` does all of it for the
-``training_set``/``validation_set`` options of :func:`petfunc.trainer.fit`.
+``training_set``/``validation_set`` options of :func:`petfunc.trainer.training`.
 """
 
 from __future__ import annotations

@@ -295,7 +295,7 @@ class DataParallel:
             the same, but ``*_sse``/``*_sae``/``*_count`` divided by the world size,
             so that an epoch-end :func:`all_reduce_metrics` (a SUM) gives the global
             sums; this is the convention of
-            :func:`petfunc.trainer.fit`'s ``reduce_metrics`` hook.
+            :func:`petfunc.trainer.training`'s ``reduce_metrics`` hook.
         autodiff: ``"func"`` or ``"autograd"`` (see :func:`petfunc.train.make_grad_step`);
             by default ``"func"`` when compiling, ``"autograd"`` (faster eagerly) when not.
         train: which parameters are trained (:func:`petfunc.train.trainable`); the
@@ -418,7 +418,7 @@ def _is_sum(key: str) -> bool:
 
 def all_reduce_metrics(values: dict[str, float], info: DistInfo | None = None) -> dict[str, float]:
     """Epoch metrics across ranks: the ``reduce_metrics`` hook of
-    :func:`petfunc.trainer.fit`. Every value there is a sum (batch losses, batch count,
+    :func:`petfunc.trainer.training`. Every value there is a sum (batch losses, batch count,
     ``*_sse``/``*_sae``/``*_count``), so this is a SUM all-reduce; the means are taken
     after it. With ``DataParallel(metrics="share")`` every rank holds the union batch's
     loss, and the summed batch count is ``world_size`` times larger too, so the mean
@@ -514,7 +514,7 @@ def save_checkpoint(
     """Rank 0 writes ``{params, opt_state, step, world_size, extra}`` atomically; all ranks
     then wait at a barrier. The file does not depend on the world size: a run with any
     number of processes resumes it (:func:`load_checkpoint`)."""
-    from petfunc.trainer.fit import _atomic_save, state_to_plain
+    from petfunc.trainer.training import _atomic_save, state_to_plain
 
     info = info or current()
     if info.is_main:
@@ -535,7 +535,7 @@ def save_checkpoint(
 def load_checkpoint(path, optimizer, device=None, train=None):
     """``(TrainState, step, extra)`` from :func:`save_checkpoint`'s file (``train``: the
     selection of trained parameters the state was made with)."""
-    from petfunc.trainer.fit import state_from_plain
+    from petfunc.trainer.training import state_from_plain
 
     payload = torch.load(path, map_location="cpu", weights_only=True)
     if payload.get("format") != CHECKPOINT_FORMAT:

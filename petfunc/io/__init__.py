@@ -1,23 +1,36 @@
-"""petfunc.io."""
+"""Files: petfunc's parameter files and training checkpoints, and metatrain's models.
 
-from petfunc.io.params import (
-    EXTRA_KEYS,
-    FORMAT,
-    FORMAT_VERSION,
-    LONG_RANGE_WEIGHTS,
-    TRUST_ENV,
-    UnreadableCheckpointError,
-    atomic_save,
-    cast_params,
-    check_params,
-    from_metatrain,
-    is_llpr_checkpoint,
-    is_petfunc_export,
-    load_params,
-    metatrain_units,
-    network_dtype,
-    params_from_payload,
-    read_metatrain_baseline,
-    save_params,
-    to_metatrain_state_dict,
-)
+- :mod:`petfunc.io.params`: :func:`save_params` / :func:`load_params`, and checks of
+  a parameter tree against a config.
+- :mod:`petfunc.io.checkpoint`: the training checkpoint of ``petfunc train``.
+- :mod:`petfunc.io.load`: :func:`load_model`, ``(config, params)`` of any model file.
+- :mod:`petfunc.io.metatrain`: metatrain checkpoints and exported models
+  (:func:`from_metatrain`), and :func:`to_metatrain_state_dict`.
+
+Every file is read with ``torch.load(weights_only=True)`` (metatrain's with only
+its own objects allowed) and written atomically (:func:`atomic_write`).
+"""
+
+from petfunc._files import atomic_write as atomic_write
+from petfunc.io.checkpoint import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT
+from petfunc.io.checkpoint import read_checkpoint as read_checkpoint
+from petfunc.io.checkpoint import write_checkpoint as write_checkpoint
+from petfunc.io.formats import is_petfunc_export as is_petfunc_export
+from petfunc.io.load import load_model as load_model
+from petfunc.io.metatrain import TRUST_ENV as TRUST_ENV
+from petfunc.io.metatrain import UnreadableCheckpointError as UnreadableCheckpointError
+from petfunc.io.metatrain import from_metatrain as from_metatrain
+from petfunc.io.metatrain import is_llpr_checkpoint as is_llpr_checkpoint
+from petfunc.io.metatrain import metatrain_units as metatrain_units
+from petfunc.io.metatrain import read_metatrain_baseline as read_metatrain_baseline
+from petfunc.io.metatrain import to_metatrain_state_dict as to_metatrain_state_dict
+from petfunc.io.params import EXTRA_KEYS as EXTRA_KEYS
+from petfunc.io.params import FORMAT as FORMAT
+from petfunc.io.params import FORMAT_VERSION as FORMAT_VERSION
+from petfunc.io.params import LONG_RANGE_WEIGHTS as LONG_RANGE_WEIGHTS
+from petfunc.io.params import cast_params as cast_params
+from petfunc.io.params import check_params as check_params
+from petfunc.io.params import load_params as load_params
+from petfunc.io.params import network_dtype as network_dtype
+from petfunc.io.params import params_from_payload as params_from_payload
+from petfunc.io.params import save_params as save_params

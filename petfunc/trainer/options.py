@@ -64,7 +64,7 @@ TRAINING_DEFAULTS: dict[str, Any] = {
     # true, false, or null = on CPU only
     "deterministic": None,
     # metatrain's deprecated switch: null or false, or true in a run of several
-    # processes (petfunc.trainer.fit checks that; torchrun makes the processes)
+    # processes (petfunc.trainer.training checks that; torchrun makes the processes)
     "distributed": None,
 }
 

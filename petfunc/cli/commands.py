@@ -530,12 +530,13 @@ def _overrides(args) -> list[tuple]:
 
 
 def _train(args) -> int:
-    from petfunc.trainer.fit import TrainingError, load_checkpoint
+    from petfunc.io.checkpoint import read_checkpoint
+    from petfunc.trainer.training import TrainingError
     from petfunc.trainer.options import set_option
 
     restart = args.restart
     if restart is not None:
-        ckpt = load_checkpoint(restart)
+        ckpt = read_checkpoint(restart)
         stored = json.loads(ckpt["options"])
     if args.options:
         options = _read_options_file(args.options)
@@ -672,7 +673,7 @@ def _train_into(args, options, output, demo, restart, rank, dist_kwargs) -> int:
     import yaml
 
     from petfunc.distributed import process as pdist
-    from petfunc.trainer.fit import fit
+    from petfunc.trainer.training import fit
     from petfunc.trainer.options import resolve_options
 
     if demo:
@@ -689,7 +690,7 @@ def _train_into(args, options, output, demo, restart, rank, dist_kwargs) -> int:
         pdist.barrier()
         options["training_set"] = str(path.resolve())
 
-    from petfunc.trainer.fit import _absolute_paths
+    from petfunc.trainer.training import _absolute_paths
 
     resolved = _absolute_paths(resolve_options(options))
     if rank == 0:  # petfunc.distributed
@@ -725,7 +726,7 @@ def _label_options(args) -> None:
     training file of a petfunc checkpoint's options (a model trained on ``U0`` in
     kcal/mol is evaluated on ``U0`` in kcal/mol), the units of a metatrain model's
     training data, else the defaults."""
-    from petfunc.trainer.fit import training_label_options
+    from petfunc.trainer.training import training_label_options
 
     missing = [name for name in _LABEL_DEFAULTS if getattr(args, name) is None]
     trained = training_label_options(args.model, args.target) if missing else {}
@@ -756,7 +757,7 @@ def _label_options(args) -> None:
 def _eval(args) -> int:
     import torch
 
-    from petfunc.trainer.fit import evaluate
+    from petfunc.trainer.training import evaluate
 
     dtype = {"float32": torch.float32, "float64": torch.float64, None: None}[args.dtype]
     # keys given on the command line must be in the file; defaults may be absent
@@ -820,7 +821,7 @@ def _export(args) -> int:
     import torch
 
     from petfunc.export.package import default_aoti, export
-    from petfunc.trainer.fit import load_model
+    from petfunc.io.load import load_model
 
     if not args.output.endswith(".pt2"):
         raise ValueError(f"the output file name must end in .pt2, got {args.output!r}")
@@ -832,7 +833,7 @@ def _export(args) -> int:
     )
     lr = f", long range by {args.long_range or 'p3m'}" if config.long_range.enable else ""
     print(f"exporting {args.model} ({args.dtype}, {args.device}{lr}): {what}")
-    from petfunc.io.params import is_llpr_checkpoint
+    from petfunc.io.metatrain import is_llpr_checkpoint
 
     if is_llpr_checkpoint(args.model):
         print(
@@ -858,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
     training (NaN/inf loss) returns 1.
     """
     from petfunc.allocator import keep_freed_memory
-    from petfunc.trainer.fit import TrainingError
+    from petfunc.trainer.training import TrainingError
 
     parser = _parser()
     args = parser.parse_args(argv)

@@ -76,14 +76,17 @@ import numpy as np
 import torch
 
 from petfunc import lora, tree
-from petfunc._files import not_a_file, remove_leftover_temporaries
+from petfunc._files import atomic_write, remove_leftover_temporaries
 from petfunc.config import PETConfig
 from petfunc.data.batching import batch_plan, derived_seed, pack_by_atoms
 from petfunc.data.read import read_labelled
 from petfunc.data.samples import Sample, fit_composition, fit_scale, make_batch, random_rotations
 from petfunc.derivatives import energy_and_forces, energy_forces_strain_derivative
 from petfunc.determinism import deterministic_algorithms
-from petfunc.io.params import atomic_save, atomic_write, read_metatrain_baseline
+from petfunc.io.checkpoint import CHECKPOINT_FORMAT, read_checkpoint, state_from_plain, write_checkpoint
+from petfunc.io.load import load_model, load_model_and_lora, torch_payload
+from petfunc.io.metatrain import metatrain_units, read_metatrain_baseline
+from petfunc.io.params import save_params
 from petfunc.model.pet import PET
 from petfunc.remat import remat
 from petfunc.structures import collate
@@ -109,8 +112,6 @@ from petfunc.trainer.options import (
 )
 
 
-CHECKPOINT_FORMAT = "petfunc.checkpoint"
-CHECKPOINT_VERSION = 1
 TERMS = ("energy", "forces", "stress")
 
 
@@ -149,221 +150,8 @@ class FitResult:
     test_errors: dict[str, float] = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------------------------------
-# optimizer state <-> plain containers
-
-
-def state_to_plain(state):
-    """A torchopt state (NamedTuples, tuples, lists, dicts of tensors) as plain
-    dicts/lists of CPU tensors; NamedTuples become ``{"__namedtuple__": name, field: ...}``."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu").clone()
-    if isinstance(state, tuple) and hasattr(state, "_fields"):
-        out = {"__namedtuple__": type(state).__name__}
-        out.update({f: state_to_plain(getattr(state, f)) for f in state._fields})
-        return out
-    if isinstance(state, (list, tuple)):
-        return [state_to_plain(x) for x in state]
-    if isinstance(state, dict):
-        return {str(k): state_to_plain(v) for k, v in state.items()}
-    if state is None or isinstance(state, (bool, int, float, str)):
-        return state
-    raise TypeError(f"cannot store optimizer state of type {type(state).__name__}")
-
-
-def state_from_plain(plain, template, where: str = "opt_state"):
-    """Inverse of :func:`state_to_plain`, guided by ``template`` (``optimizer.init(...)``),
-    whose types, dtypes and devices it restores. Raises ``ValueError`` on any mismatch."""
-    if isinstance(template, torch.Tensor):
-        if not isinstance(plain, torch.Tensor) or plain.shape != template.shape:
-            got = list(plain.shape) if isinstance(plain, torch.Tensor) else type(plain).__name__
-            raise ValueError(f"{where}: expected a tensor of shape {list(template.shape)}, got {got}")
-        return plain.to(dtype=template.dtype, device=template.device)
-    if isinstance(template, tuple) and hasattr(template, "_fields"):
-        name = type(template).__name__
-        if not isinstance(plain, Mapping) or plain.get("__namedtuple__") != name:
-            raise ValueError(f"{where}: expected a {name}")
-        return type(template)(
-            *[state_from_plain(plain[f], getattr(template, f), f"{where}.{f}") for f in template._fields]
-        )
-    if isinstance(template, (list, tuple)):
-        if not isinstance(plain, (list, tuple)) or len(plain) != len(template):
-            raise ValueError(f"{where}: expected a sequence of length {len(template)}")
-        return type(template)(
-            state_from_plain(p, t, f"{where}.{i}") for i, (p, t) in enumerate(zip(plain, template))
-        )
-    if isinstance(template, dict):
-        if not isinstance(plain, Mapping) or set(plain) != {str(k) for k in template}:
-            raise ValueError(f"{where}: keys differ from the optimizer's")
-        return {k: state_from_plain(plain[str(k)], v, f"{where}.{k}") for k, v in template.items()}
-    return template
-
-
-# ---------------------------------------------------------------------------------------
-# files
-
-
-def _atomic_save(payload, path: Path) -> None:
-    """See :func:`petfunc.io.atomic_save`."""
-    atomic_save(payload, path)
-
-
-def _atomic_write_text(text: str, path: Path) -> None:
+def _write_text(text: str, path: Path) -> None:
     atomic_write(path, lambda handle: handle.write(text), text=True)
-
-
-def load_checkpoint(path) -> dict:
-    """Read a ``petfunc train`` checkpoint (``torch.load(weights_only=True)``).
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: unreadable, or not a petfunc training checkpoint.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(not_a_file(path, "checkpoint file"))
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        try:
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        except Exception:  # not a torch archive at all
-            names = []
-        if any(name.startswith("metatrain.") for name in names):
-            raise ValueError(
-                f"{str(path)!r} is a metatrain checkpoint, not a petfunc training checkpoint: a run "
-                "continues from its own last.ckpt; to train on from a metatrain model, fine-tune it "
-                "(--finetune, or architecture.training.finetune.read_from)"
-            ) from None
-        raise ValueError(
-            f"{str(path)!r} is not a readable petfunc checkpoint ({type(error).__name__})"
-        ) from error
-    return _checked_checkpoint(payload, path)
-
-
-def _checked_checkpoint(payload, path) -> dict:
-    """:func:`load_checkpoint`'s checks of a loaded ``payload`` (read from ``path``)."""
-    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{str(path)!r} is not a petfunc training checkpoint")
-    if payload.get("format_version") != CHECKPOINT_VERSION:
-        raise ValueError(
-            f"{str(path)!r} has checkpoint version {payload.get('format_version')!r}; this petfunc "
-            f"reads version {CHECKPOINT_VERSION}"
-        )
-    return payload
-
-
-def load_model(
-    path, dtype: torch.dtype | None = None, which: str = "best", device=None, target: str | None = None
-):
-    """``(config, params)`` from a training checkpoint, a :func:`petfunc.save_params`
-    file, or (with metatrain installed) a metatrain checkpoint / exported model.
-
-    ``which`` picks the parameters of a training checkpoint: ``"best"`` (default;
-    ``best_params`` when present) or ``"last"``. ``target``: which energy target of
-    a metatrain checkpoint (see :func:`petfunc.from_metatrain`); petfunc files have
-    one, ``"energy"``. LoRA adapters are merged into the weights.
-    """
-    config, params, _ = _load_model(path, dtype, which, device, target, keep_lora=False)
-    return config, params
-
-
-def _torch_payload(path):
-    """``(torch.load(path, weights_only=True), None)``, or ``(None, error)`` where
-    that fails (a metatrain checkpoint, whose objects it refuses, or a damaged
-    file). An exported TorchScript model gives ``(None, None)`` unread: torch.load
-    would load it with torch.jit.load, only to refuse it."""
-    from petfunc.io.params import _is_torchscript
-
-    if _is_torchscript(path):
-        return None, None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True), None
-    except Exception as error:  # noqa: BLE001 - whatever the archive or pickle raised
-        return None, error
-
-
-def _load_model(path, dtype, which, device, target, keep_lora: bool):
-    """:func:`load_model`, plus ``lora``: with ``keep_lora``, a source's LoRA
-    adapters stay in ``params["lora"]`` and ``lora`` is their ``{rank, alpha,
-    targets}`` (else ``None``)."""
-    from petfunc.io.params import (
-        UnreadableCheckpointError,
-        _read_metatrain,
-        is_petfunc_export,
-        params_from_payload,
-    )
-
-    source_lora = None
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(not_a_file(path, "model file"))
-    if is_petfunc_export(path):
-        raise ValueError(
-            f"{str(path)!r} is a model written by petfunc export, which runs as it is: load it with "
-            "petfunc.ase.PETCalculator.from_exported(path); petfunc eval, load_model and fine-tuning take the "
-            "checkpoint or parameter file it was exported from"
-        )
-    payload, load_error = _torch_payload(path)
-    is_petfunc = isinstance(payload, dict) and payload.get("format") in (CHECKPOINT_FORMAT, "petfunc.params")
-    if is_petfunc and target not in (None, "energy"):
-        raise ValueError(f"{str(path)!r} is a petfunc file, whose only target is 'energy', not {target!r}")
-    if isinstance(payload, dict) and payload.get("format") == CHECKPOINT_FORMAT:
-        payload = _checked_checkpoint(payload, path)  # read once
-        config = PETConfig.from_hypers(json.loads(payload["config"]))
-        flat = payload["best_params"] if which == "best" and payload.get("best_params") else payload["params"]
-        params = tree.unflatten(dict(flat))
-        if lora.KEY in params:  # a LoRA fine-tuning run: merge its adapters, or keep them
-            finetune = json.loads(payload["options"])["architecture"]["training"]["finetune"]
-            source_lora = lora.config_of(finetune)
-            if not keep_lora:
-                params = lora.merge(params, lora.scaling_of(source_lora["alpha"], params))
-    elif isinstance(payload, dict) and payload.get("format") == "petfunc.params":
-        config, params = params_from_payload(payload, path)
-    elif payload is not None:
-        raise ValueError(f"{str(path)!r} is not a petfunc checkpoint, parameter file or metatrain checkpoint")
-    else:
-        with open(path, "rb") as handle:
-            magic = handle.read(4)
-        if magic[:2] != b"\x1f\x8b" and magic != b"PK\x03\x04":
-            raise ValueError(
-                f"{str(path)!r} is not a model file (expected a petfunc checkpoint or parameter "
-                "file, or a metatrain checkpoint)"
-            )
-        lora_out = {} if keep_lora else None
-
-        def damaged() -> ValueError:
-            # a damaged archive (a truncated copy, say): torch's own reason says most
-            first = str(load_error).splitlines()[0] if load_error is not None else ""
-            return ValueError(
-                f"{str(path)!r} is not a readable petfunc or metatrain model file, damaged or "
-                f"truncated? (torch.load: {type(load_error).__name__}: {first})"
-            )
-
-        try:
-            config, params, _ = _read_metatrain(path, target=target, lora_out=lora_out, which=which)
-            source_lora = lora_out or None
-        except ImportError:
-            try:  # a damaged archive says so whether metatrain is installed or not
-                torch.serialization.get_unsafe_globals_in_checkpoint(path)
-            except Exception:
-                raise damaged() from None
-            raise ValueError(
-                f"{str(path)!r} is neither a petfunc checkpoint nor a petfunc parameter file "
-                "(metatrain checkpoints need `pip install 'petfunc[metatrain]'`)"
-            ) from None
-        except UnreadableCheckpointError as error:
-            raise damaged() from error
-    frozen = ("composition_weights", "energy_scale")
-
-    def cast(name, t):
-        keep64 = name in frozen
-        return t.to(dtype=torch.float64 if keep64 else (dtype or t.dtype), device=device)
-
-    params = {
-        k: (cast(k, v) if k in frozen else tree.tree_map(lambda t: cast(k, t), v)) for k, v in params.items()
-    }
-    return config, params, (source_lora if keep_lora and lora.KEY in params else None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -656,7 +444,7 @@ def _write_results(evaluated, path, energy_unit: str = "eV", length_unit: str = 
     path = Path(path)
     text = _io.StringIO()
     ase.io.write(text, frames, format="extxyz")
-    _atomic_write_text(text.getvalue(), path)
+    _write_text(text.getvalue(), path)
     return path
 
 
@@ -731,14 +519,12 @@ def training_label_options(path, target: str | None = None) -> dict[str, Any]:
     from petfunc.trainer.options import dataset_sections
     from petfunc.units import energy_unit_factor, length_unit_factor
 
-    payload, _ = _torch_payload(path)  # None: a metatrain model, or no model at all
+    payload, _ = torch_payload(path)  # None: a metatrain model, or no model at all
     if isinstance(payload, dict):  # petfunc's own files; only a training checkpoint has options
         if payload.get("format") != CHECKPOINT_FORMAT:
             return {}
         section = dataset_sections(json.loads(payload["options"])["training_set"])[0]
     else:
-        from petfunc.io.params import metatrain_units
-
         try:
             length, energy = metatrain_units(path, target)
         except Exception:  # noqa: BLE001 - not a metatrain model either (or no metatrain): no defaults
@@ -928,7 +714,7 @@ def _target_params(path, name: str, dtype, device):
     """The parameters of target ``name`` of a model file, or ``None`` if it has no
     such target."""
     try:
-        return _load_model(path, dtype, "best", device, name, False)[1]
+        return load_model_and_lora(path, dtype, "best", device, name, False)[1]
     except ValueError as error:
         if _lacks_target(error):
             return None
@@ -936,7 +722,7 @@ def _target_params(path, name: str, dtype, device):
 
 
 def _lacks_target(error: ValueError) -> bool:
-    """Whether ``error`` of :func:`_load_model` says the file has no such target (a
+    """Whether ``error`` of :func:`petfunc.io.load.load_model_and_lora` says the file has no such target (a
     metatrain checkpoint without it, or a petfunc file, whose only target is energy)."""
     return "no target" in str(error) or "only target is" in str(error)
 
@@ -958,7 +744,9 @@ def _initial_model(options, model_hypers, atomic_types, dtype, device, seed, log
         # metatrain does (it injects no new ones); other methods merge them
         continue_lora = finetune_options.get("method") == "lora"
         try:
-            config, params, source_lora = _load_model(finetune, dtype, "best", device, source, continue_lora)
+            config, params, source_lora = load_model_and_lora(
+                finetune, dtype, "best", device, source, continue_lora
+            )
         except ValueError as error:
             if by_name and _lacks_target(error):
                 raise ValueError(
@@ -1059,7 +847,7 @@ def fit(
     reduce_metrics = reduce_metrics or (lambda sums: sums)
     ckpt = None
     if restart is not None:
-        ckpt = load_checkpoint(restart)
+        ckpt = read_checkpoint(restart)
         if output_dir is None:
             output_dir = Path(restart).resolve().parent
         if options is None:
@@ -1673,40 +1461,31 @@ def _fit(
             )
     elif not is_main:
         output_dir = None
-    options_json = json.dumps(options, sort_keys=True)
     dtype_name = str(dtype).replace("torch.", "")
 
     def checkpoint(path: Path, current: TrainState, epoch: int):
         if not _all_finite(current.params):
             raise TrainingError(f"refusing to write {path.name}: the parameters are not finite")
-        flat = {k: v.detach().to("cpu").clone() for k, v in tree.flatten(current.params).items()}
-        payload = {
-            "format": CHECKPOINT_FORMAT,
-            "format_version": CHECKPOINT_VERSION,
-            "petfunc_version": _version(),
-            "config": json.dumps(config.to_hypers(), sort_keys=True),
-            "params": flat,
-            "opt_state": state_to_plain(current.opt_state),
-            "epoch": int(epoch),
-            "step": int(step),
-            "best_epoch": int(best_epoch),
-            "best_metric": None if math.isinf(best_metric) else float(best_metric),
-            "best_params": None
-            if best_params is None
-            else {k: v.detach().to("cpu").clone() for k, v in tree.flatten(best_params).items()},
-            "composition": {
-                "atomic_types": list(config.atomic_types),
-                "weights": torch.as_tensor(composition, dtype=torch.float64),
-            },
-            "energy_scale": float(scale),
-            "dtype": dtype_name,
-            "rng": {"seed": int(seed), "torch": torch.get_rng_state()},
-            "options": options_json,
-            "history": [dict(row) for row in history],
-            "split": split_json,
-            "world_size": int(world_size),  # processes that trained it (batch_size is per process)
-        }
-        _atomic_save(payload, path)
+        write_checkpoint(
+            path,
+            config=config,
+            params=current.params,
+            opt_state=current.opt_state,
+            epoch=epoch,
+            step=step,
+            best_epoch=best_epoch,
+            best_metric=best_metric,
+            best_params=best_params,
+            composition=composition,
+            energy_scale=scale,
+            dtype=dtype,
+            seed=seed,
+            options=options,
+            history=history,
+            split=split_json,
+            world_size=world_size,
+            version=_version(),
+        )
 
     def write_csv():
         if not history:
@@ -1719,7 +1498,7 @@ def _fit(
         writer.writeheader()
         for row in history:
             writer.writerow({k: (f"{v:.8g}" if isinstance(v, float) else v) for k, v in row.items()})
-        _atomic_write_text(text.getvalue(), files["csv"])
+        _write_text(text.getvalue(), files["csv"])
 
     # --- report ---------------------------------------------------------------------------
     n_params = tree.count(trainable(params, train))
@@ -1913,8 +1692,6 @@ def _fit(
             + _errors_line(test_errors)
         )
     if files:
-        from petfunc.io.params import save_params
-
         save_params(files["params"], config, best_cpu)
         eval_samples = val_samples or train_samples
         pred = predict(config, plain(best_params), eval_samples, batch_size=batch_size)
@@ -1984,7 +1761,7 @@ class _RestartFiles:
         if path.resolve() == self.restart.resolve():  # holds its own epoch, the best one if that is it
             return self.epoch == epoch
         try:
-            other = load_checkpoint(path)
+            other = read_checkpoint(path)
         except (OSError, ValueError):
             return False
         mine = other["params"]

@@ -1,0 +1,206 @@
+"""The training checkpoint of ``petfunc train``: its one writer and its one reader.
+
+A checkpoint (``last.ckpt``, ``best.ckpt``, ``epoch_N.ckpt``) is a ``torch.save``
+file of plain data (strings, numbers, lists, dicts and tensors; the torchopt
+NamedTuple state is stored as nested dicts), so it loads with
+``torch.load(path, weights_only=True)`` and reading it runs no pickled code. It is
+written to a temporary file and renamed over the old one, so a kill never leaves a
+half-written checkpoint. Keys:
+
+``format``, ``format_version``, ``petfunc_version``
+    ``"petfunc.checkpoint"``, :data:`CHECKPOINT_VERSION`, the writer's version.
+``config``
+    the model hypers (JSON).
+``params``, ``best_params``
+    ``{dotted name: tensor}`` of the current and the best parameters (CPU).
+``opt_state``
+    the optimizer state, as :func:`state_to_plain` stores it.
+``epoch``, ``step``, ``best_epoch``, ``best_metric``
+    completed epochs and steps; the best epoch and its validation metric.
+``composition``, ``energy_scale``
+    ``{"atomic_types", "weights"}`` (float64) and the energy scale.
+``dtype``, ``rng``, ``options``, ``history``, ``split``, ``world_size``
+    the training dtype; the seed and torch's global RNG state; the resolved options
+    (JSON); one dict of metrics per epoch; the file indices of the training,
+    validation and test structures with a digest of each file; the number of
+    processes that trained it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from petfunc import tree
+from petfunc._files import atomic_write, not_a_file
+from petfunc.config import PETConfig
+
+
+CHECKPOINT_FORMAT = "petfunc.checkpoint"
+CHECKPOINT_VERSION = 1
+
+
+def _cpu_flat(params) -> dict[str, torch.Tensor]:
+    """``{dotted name: tensor}`` of ``params``, detached copies on the CPU."""
+    return {k: v.detach().to("cpu").clone() for k, v in tree.flatten(params).items()}
+
+
+def write_checkpoint(
+    path,
+    *,
+    config: PETConfig,
+    params,
+    opt_state,
+    epoch: int,
+    step: int,
+    best_epoch: int,
+    best_metric: float,
+    best_params,
+    composition: Sequence[float] | np.ndarray | torch.Tensor,
+    energy_scale: float,
+    dtype: torch.dtype,
+    seed: int,
+    options: Mapping,
+    history: Sequence[Mapping],
+    split: Mapping,
+    world_size: int,
+    version: str,
+) -> None:
+    """Write a training checkpoint to ``path`` atomically (keys: see the module doc).
+
+    ``best_metric`` may be ``inf`` (no epoch validated yet; stored as ``None``) and
+    ``best_params`` ``None``; ``options`` are the run's resolved options; ``version``
+    is the writing petfunc's.
+    """
+    payload = {
+        "format": CHECKPOINT_FORMAT,
+        "format_version": CHECKPOINT_VERSION,
+        "petfunc_version": version,
+        "config": json.dumps(config.to_hypers(), sort_keys=True),
+        "params": _cpu_flat(params),
+        "opt_state": state_to_plain(opt_state),
+        "epoch": int(epoch),
+        "step": int(step),
+        "best_epoch": int(best_epoch),
+        "best_metric": None if math.isinf(best_metric) else float(best_metric),
+        "best_params": None if best_params is None else _cpu_flat(best_params),
+        "composition": {
+            "atomic_types": list(config.atomic_types),
+            "weights": torch.as_tensor(composition, dtype=torch.float64),
+        },
+        "energy_scale": float(energy_scale),
+        "dtype": str(dtype).replace("torch.", ""),
+        "rng": {"seed": int(seed), "torch": torch.get_rng_state()},
+        "options": json.dumps(options, sort_keys=True),
+        "history": [dict(row) for row in history],
+        "split": split,
+        "world_size": int(world_size),  # processes that trained it (batch_size is per process)
+    }
+    atomic_write(path, lambda handle: torch.save(payload, handle))
+
+
+def is_checkpoint(payload: Any) -> bool:
+    """Whether a loaded file ``payload`` is a training checkpoint (any version)."""
+    return isinstance(payload, dict) and payload.get("format") == CHECKPOINT_FORMAT
+
+
+def model_of(payload: Mapping, which: str = "best") -> tuple[PETConfig, Any]:
+    """``(config, params)`` of a checked checkpoint ``payload``: its best parameters
+    (``which="best"``, when it has them) or its last ones (``"last"``), as stored
+    (CPU tensors; LoRA adapters, if any, in ``params["lora"]``)."""
+    config = PETConfig.from_hypers(json.loads(payload["config"]))
+    flat = payload["best_params"] if which == "best" and payload.get("best_params") else payload["params"]
+    return config, tree.unflatten(dict(flat))
+
+
+def state_to_plain(state):
+    """A torchopt state (NamedTuples, tuples, lists, dicts of tensors) as plain
+    dicts/lists of CPU tensors; NamedTuples become ``{"__namedtuple__": name, field: ...}``."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu").clone()
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        out = {"__namedtuple__": type(state).__name__}
+        out.update({f: state_to_plain(getattr(state, f)) for f in state._fields})
+        return out
+    if isinstance(state, (list, tuple)):
+        return [state_to_plain(x) for x in state]
+    if isinstance(state, dict):
+        return {str(k): state_to_plain(v) for k, v in state.items()}
+    if state is None or isinstance(state, (bool, int, float, str)):
+        return state
+    raise TypeError(f"cannot store optimizer state of type {type(state).__name__}")
+
+
+def state_from_plain(plain, template, where: str = "opt_state"):
+    """Inverse of :func:`state_to_plain`, guided by ``template`` (``optimizer.init(...)``),
+    whose types, dtypes and devices it restores. Raises ``ValueError`` on any mismatch."""
+    if isinstance(template, torch.Tensor):
+        if not isinstance(plain, torch.Tensor) or plain.shape != template.shape:
+            got = list(plain.shape) if isinstance(plain, torch.Tensor) else type(plain).__name__
+            raise ValueError(f"{where}: expected a tensor of shape {list(template.shape)}, got {got}")
+        return plain.to(dtype=template.dtype, device=template.device)
+    if isinstance(template, tuple) and hasattr(template, "_fields"):
+        name = type(template).__name__
+        if not isinstance(plain, Mapping) or plain.get("__namedtuple__") != name:
+            raise ValueError(f"{where}: expected a {name}")
+        return type(template)(
+            *[state_from_plain(plain[f], getattr(template, f), f"{where}.{f}") for f in template._fields]
+        )
+    if isinstance(template, (list, tuple)):
+        if not isinstance(plain, (list, tuple)) or len(plain) != len(template):
+            raise ValueError(f"{where}: expected a sequence of length {len(template)}")
+        return type(template)(
+            state_from_plain(p, t, f"{where}.{i}") for i, (p, t) in enumerate(zip(plain, template))
+        )
+    if isinstance(template, dict):
+        if not isinstance(plain, Mapping) or set(plain) != {str(k) for k in template}:
+            raise ValueError(f"{where}: keys differ from the optimizer's")
+        return {k: state_from_plain(plain[str(k)], v, f"{where}.{k}") for k, v in template.items()}
+    return template
+
+
+def read_checkpoint(path) -> dict:
+    """Read a ``petfunc train`` checkpoint (``torch.load(weights_only=True)``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: unreadable, or not a petfunc training checkpoint.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(not_a_file(path, "checkpoint file"))
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:  # noqa: BLE001 - not a torch archive at all
+            names = []
+        if any(name.startswith("metatrain.") for name in names):
+            raise ValueError(
+                f"{str(path)!r} is a metatrain checkpoint, not a petfunc training checkpoint: a run "
+                "continues from its own last.ckpt; to train on from a metatrain model, fine-tune it "
+                "(--finetune, or architecture.training.finetune.read_from)"
+            ) from None
+        raise ValueError(
+            f"{str(path)!r} is not a readable petfunc checkpoint ({type(error).__name__})"
+        ) from error
+    return check_checkpoint(payload, path)
+
+
+def check_checkpoint(payload, path) -> dict:
+    """:func:`read_checkpoint`'s checks of a loaded ``payload`` (read from ``path``)."""
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{str(path)!r} is not a petfunc training checkpoint")
+    if payload.get("format_version") != CHECKPOINT_VERSION:
+        raise ValueError(
+            f"{str(path)!r} has checkpoint version {payload.get('format_version')!r}; this petfunc "
+            f"reads version {CHECKPOINT_VERSION}"
+        )
+    return payload

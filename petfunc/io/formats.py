@@ -1,0 +1,36 @@
+"""What kind of file a model file is, told from its archive, before anything loads it."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+
+from petfunc._files import PathLike
+
+
+def is_petfunc_export(path: PathLike) -> bool:
+    """Whether ``path`` is a PT2 archive written by ``petfunc export`` (it holds
+    ``petfunc.json``; see :mod:`petfunc.export`)."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return False
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("extra/petfunc.json") for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def is_torchscript(source) -> bool:
+    """Whether ``source`` (the bytes or the path of a file) is a TorchScript archive,
+    such as an exported metatomic model."""
+    if isinstance(source, (bytes, bytearray)):
+        source = io.BytesIO(source)
+    if not zipfile.is_zipfile(source):
+        return False
+    try:
+        with zipfile.ZipFile(source) as archive:
+            return any("/code/" in name for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        # found an end record, but a damaged directory: the loader that reads it
+        # next says which file is unreadable
+        return False
