@@ -7,8 +7,9 @@ A node whose keys are ``"0", "1", ...`` in order becomes a list on ``unflatten``
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -163,3 +164,18 @@ def pack(tree: Any) -> Any:
         for i, view in zip(indices, unravel(flat, [m.shape for m in members])):
             out[i] = view
     return torch.utils._pytree.tree_unflatten(out, spec)
+
+
+def differences(before: Mapping, after: Mapping, prefix: str = "") -> list[str]:
+    """``"path: old -> new"`` (values as JSON) for each leaf whose value differs
+    between two nested mappings (two runs' resolved options, say); a key present in
+    one only differs from ``null``."""
+    changed = []
+    for key in list(before) + [k for k in after if k not in before]:
+        path = f"{prefix}{key}"
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, Mapping) and isinstance(new, Mapping):
+            changed += differences(old, new, path + ".")
+        elif old != new:
+            changed.append(f"{path}: {json.dumps(old)} -> {json.dumps(new)}")
+    return changed

@@ -96,7 +96,7 @@ def reference(tmp_path_factory):
         losses.append(float(metrics["loss"]))
         if i + 1 == W.CHECKPOINT_STEP:
             state3 = state
-            pdist.save_checkpoint(out / "single.ckpt", state, i + 1, info=pdist.DistInfo())
+            W.save_state(out / "single.ckpt", state, i + 1, pdist.DistInfo())
     summed_step = make_train_step(petfunc.PET(W.CONFIG), optimizer, W.SUM_WEIGHTS, grad_clip_norm=None)
     summed, summed_losses = init_state(W.setup()[3], optimizer), []
     for i in range(W.SUM_STEPS):
@@ -155,7 +155,7 @@ def test_two_processes_equal_union_batch_and_checkpoints_cross_world_sizes(refer
 
     # 2-process checkpoint (step 3) -> 1 process, 2 more steps
     data, w, c, optimizer = reference["setup"]
-    state, step, _ = pdist.load_checkpoint(out / "dp.ckpt", optimizer)
+    state, step = W.load_state(out / "dp.ckpt", optimizer)
     assert step == W.CHECKPOINT_STEP
     _assert_close(petfunc.tree.flatten(state.params), petfunc.tree.flatten(reference["state3"].params))
     train_step = make_train_step(petfunc.PET(W.CONFIG), optimizer, W.WEIGHTS, grad_clip_norm=1.0)

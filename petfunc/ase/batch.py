@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from petfunc import allocator
-from petfunc.ase.calculator import _voigt, partly_periodic_stress_warning
+from petfunc.ase.calculator import voigt, partly_periodic_stress_warning
 from petfunc.config import PETConfig
 from petfunc.data.samples import padding_sample
 from petfunc.derivatives import energy_and_forces, energy_forces_strain_derivative
@@ -161,7 +161,7 @@ class BatchEvaluator:
                     "forces": forces[start : start + n].copy(),
                 }
                 if strain is not None:
-                    result["stress"] = _voigt(strain[k] / abs(frames[i].cell.volume))
+                    result["stress"] = voigt(strain[k] / abs(frames[i].cell.volume))
                 start += n
                 results[i] = result
         return results

@@ -84,7 +84,7 @@ def _symbol(z: int) -> str:
     return chemical_symbols[z] if 0 <= z < len(chemical_symbols) else f"Z={z}"
 
 
-def _voigt(stress: np.ndarray) -> np.ndarray:
+def voigt(stress: np.ndarray) -> np.ndarray:
     """[..., 3, 3] -> [..., 6] in ASE order, off-diagonals symmetrised like metatomic."""
     s = stress
     return np.stack(
@@ -475,14 +475,14 @@ class PETCalculator(Calculator):
         results["free_energy"] = energy
         results["forces"] = forces
         if want_stress:
-            results["stress"] = _voigt(strain / volume)
+            results["stress"] = voigt(strain / volume)
         if ensemble is not None:
             results["energy_ensemble"] = ensemble[0]
             results["forces_ensemble"] = ensemble[1]
             results.setdefault("energy_uncertainty", float(ensemble[0].std()))
             results["forces_uncertainty"] = ensemble[1].std(axis=0)
             if want_stress:
-                results["stress_uncertainty"] = _voigt(ensemble[2] / volume).std(axis=0)
+                results["stress_uncertainty"] = voigt(ensemble[2] / volume).std(axis=0)
         self.results = results
 
     def _llpr_results(self, inputs, n_atoms, results, energy, forces, strain, properties):

@@ -19,7 +19,6 @@ import numpy as np
 
 from petfunc.config import PETConfig
 from petfunc.data.samples import Sample, sample_from_atoms
-from petfunc.train.loss import LossWeights
 from petfunc.units import energy_unit_factor, length_unit_factor
 
 
@@ -46,14 +45,14 @@ def read_frames(path, where: str, index=":") -> list:
     return frames
 
 
-def _has_key(atoms, key) -> bool:
+def has_key(atoms, key) -> bool:
     if key in atoms.info or key in atoms.arrays:
         return True
     calc = atoms.calc
     return calc is not None and key in getattr(calc, "results", {})
 
 
-def _available_keys(frames) -> list[str]:
+def available_keys(frames) -> list[str]:
     keys = set()
     for atoms in frames[:50]:
         keys.update(atoms.info)
@@ -75,59 +74,6 @@ class Labels:
     spin_multiplicity: str | None = None
 
 
-def label_keys(frames, section: Mapping, weights: LossWeights, explicit: set, where: str) -> Labels:
-    """Which keys to read; raises when requested labels are missing from the file."""
-    path = section["systems"]["read_from"]
-    target = section["targets"]["energy"]
-
-    def present(key):
-        return sum(_has_key(a, key) for a in frames)
-
-    def missing(what, key, how):
-        keys = _available_keys(frames)
-        return ValueError(
-            f"{where}: {how}, but no structure in {path!r} has {what} labels under the key "
-            f"{key!r} (keys in the file: {keys}). Set '{where}.targets.energy.{what}' to the right "
-            f"key, or to false to train without {what} (and drop any {what} weight from the "
-            "'architecture.training.loss' option)."
-        )
-
-    energy = target["key"]
-    if weights.energy.weight > 0 and not present(energy):
-        keys = _available_keys(frames)
-        raise ValueError(
-            f"{where}: no structure in {path!r} has an energy under the key {energy!r} "
-            f"(keys in the file: {keys}); set '{where}.targets.energy.key'"
-        )
-    keys = {}
-    for name, term in (("forces", weights.forces), ("stress", weights.stress), ("virial", weights.stress)):
-        spec = target[name]
-        if spec is False:
-            keys[name] = None
-            continue
-        key = name if spec == "auto" else spec["key"]
-        if present(key):
-            keys[name] = key
-            continue
-        keys[name] = None
-        loss_term = "forces" if name == "forces" else "stress"
-        if spec != "auto":
-            raise missing(name, key, f"'{where}.targets.energy.{name}' asks for {name}")
-        if loss_term in explicit and not (name == "stress" and target["virial"]):
-            raise missing(name, key, f"the loss has a {loss_term} term (weight {term.weight})")
-    extra = section.get("extra_data") or {}
-    return Labels(
-        energy,
-        keys["forces"],
-        keys["stress"],
-        keys["virial"],
-        energy_unit_factor(target["unit"]),
-        length_unit_factor(section["systems"]["length_unit"]),
-        extra.get("charge"),
-        extra.get("spin_multiplicity"),
-    )
-
-
 def check_info_keys(frames, keys: Mapping, path, where: str) -> None:
     """Raise when a named ``atoms.info`` key (charge, spin multiplicity) is in no
     structure of the file: a misspelt key would otherwise give silent defaults."""
@@ -135,7 +81,7 @@ def check_info_keys(frames, keys: Mapping, path, where: str) -> None:
         if key is not None and not any(key in a.info for a in frames):
             raise ValueError(
                 f"{where}{name}: no structure in {str(path)!r} has the info key {key!r} "
-                f"(keys in the file: {_available_keys(frames)})"
+                f"(keys in the file: {available_keys(frames)})"
             )
 
 
@@ -152,7 +98,7 @@ def require_complete_labels(frames, labels: Labels, path, where: str = "") -> No
         key = getattr(labels, name)
         if key is None:
             continue
-        lacking = [i for i, atoms in enumerate(frames) if not _has_key(atoms, key)]
+        lacking = [i for i, atoms in enumerate(frames) if not has_key(atoms, key)]
         if lacking and len(lacking) < len(frames):
             shown = ", ".join(map(str, lacking[:10])) + (", ..." if len(lacking) > 10 else "")
             prefix = f"{where}: " if where else ""
@@ -338,15 +284,15 @@ def read_labelled(
     check_info_keys(
         frames, {"charge_key": charge_key, "spin_multiplicity_key": spin_multiplicity_key}, path, ""
     )
-    missing = [key for key in required_keys if key and not any(_has_key(a, key) for a in frames)]
+    missing = [key for key in required_keys if key and not any(has_key(a, key) for a in frames)]
     if missing:
         raise ValueError(
             f"{str(path)!r}: no structure has labels under the key(s) {missing} "
-            f"(keys in the file: {_available_keys(frames)})"
+            f"(keys in the file: {available_keys(frames)})"
         )
 
     def key_or_none(key):
-        return key if key and any(_has_key(a, key) for a in frames) else None
+        return key if key and any(has_key(a, key) for a in frames) else None
 
     labels = Labels(
         key_or_none(energy_key),
@@ -364,7 +310,7 @@ def read_labelled(
     if unlabelled and require_labels:
         raise ValueError(
             f"{str(path)!r} has no labels under the keys {energy_key!r}, {forces_key!r}, {stress_key!r} "
-            f"(keys in the file: {_available_keys(frames)}); to write predictions alone, give an output file"
+            f"(keys in the file: {available_keys(frames)}); to write predictions alone, give an output file"
         )
     return to_samples(frames, config, labels, path)
 

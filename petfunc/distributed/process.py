@@ -32,7 +32,9 @@ that fails (a peer died or timed out) raises :class:`DistributedError` naming th
 rank, the step and the timeout instead of hanging. Under ``torchrun`` the agent
 also stops the other ranks when one exits with an error.
 
-Only rank 0 writes files (:func:`save_checkpoint`).
+Only rank 0 writes files (``petfunc train`` writes its checkpoints there, with
+:func:`petfunc.io.write_checkpoint`; a checkpoint does not depend on the number of
+processes, so a run with any number of them restarts from it).
 
 Typical use (``torchrun --nproc_per_node=2 script.py``)::
 
@@ -43,7 +45,7 @@ Typical use (``torchrun --nproc_per_node=2 script.py``)::
                                  info.rank, info.world_size):
             batch = make_batch([dataset[i] for i in idx], config, w, c, dtype, info.device)
             state, metrics = dp.step(state, batch)   # metrics are global
-    if info.rank == 0: save_checkpoint(...)
+    if info.rank == 0: petfunc.io.write_checkpoint(...)
 """
 
 from __future__ import annotations
@@ -52,7 +54,6 @@ import datetime
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -60,7 +61,7 @@ import torch.distributed as dist
 
 from petfunc import tree
 from petfunc.train.loss import LossWeights, make_loss
-from petfunc.train.step import TrainState, apply_gradients, pack_state, trainable, with_trained
+from petfunc.train.step import TrainState, apply_gradients, trainable, with_trained
 
 
 TERMS = ("energy", "forces", "stress")
@@ -464,8 +465,6 @@ def check_same_run(description: Mapping, info: DistInfo | None = None) -> None:
     info = info or current()
     if not info.distributed:
         return
-    from petfunc.trainer.options import changed_options
-
     described = [None] * info.world_size
     try:
         dist.all_gather_object(described, dict(description))
@@ -473,7 +472,7 @@ def check_same_run(description: Mapping, info: DistInfo | None = None) -> None:
         raise _failed(info, "comparing the ranks' options failed", error) from error
     differences = []
     for rank in range(1, info.world_size):
-        changed = changed_options(described[0], described[rank])
+        changed = tree.differences(described[0], described[rank])
         if changed:
             differences.append(
                 f"rank {rank}: " + "; ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
@@ -488,61 +487,3 @@ def check_same_run(description: Mapping, info: DistInfo | None = None) -> None:
             "the processes do not train the same run (each reads its own options and data; "
             "they must agree). Differences from rank 0's: " + " | ".join(differences)
         )
-
-
-def check_identical(params, info: DistInfo | None = None) -> float:
-    """Max abs difference of ``params`` between rank 0 and this rank (0.0 with one
-    process); a cheap consistency check to run now and then."""
-    info = info or current()
-    if not info.distributed:
-        return 0.0
-    flat = torch.cat([t.reshape(-1) for t in tree.flatten(params).values()])
-    reference = flat.clone()
-    dist.broadcast(reference, src=0)
-    return float((flat - reference).abs().max())
-
-
-# ---------------------------------------------------------------------------------------
-# checkpoints (rank 0 writes; any world size reads)
-
-CHECKPOINT_FORMAT = "petfunc-dp-state"
-
-
-def save_checkpoint(
-    path, state: TrainState, step: int, extra: dict | None = None, info: DistInfo | None = None
-) -> None:
-    """Rank 0 writes ``{params, opt_state, step, world_size, extra}`` atomically; all ranks
-    then wait at a barrier. The file does not depend on the world size: a run with any
-    number of processes resumes it (:func:`load_checkpoint`)."""
-    from petfunc.trainer.training import _atomic_save, state_to_plain
-
-    info = info or current()
-    if info.is_main:
-        payload = {
-            "format": CHECKPOINT_FORMAT,
-            "params": {k: v.detach().to("cpu").clone() for k, v in tree.flatten(state.params).items()},
-            "opt_state": state_to_plain(state.opt_state),
-            "step": int(step),
-            "world_size": int(info.world_size),
-            "extra": extra or {},
-        }
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        _atomic_save(payload, Path(path))
-    if info.distributed:
-        dist.barrier()
-
-
-def load_checkpoint(path, optimizer, device=None, train=None):
-    """``(TrainState, step, extra)`` from :func:`save_checkpoint`'s file (``train``: the
-    selection of trained parameters the state was made with)."""
-    from petfunc.trainer.training import state_from_plain
-
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if payload.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a {CHECKPOINT_FORMAT} checkpoint")
-    params = tree.unflatten(dict(payload["params"]))
-    if device is not None:
-        params = tree.tree_map(lambda t: t.to(device), params)
-    template = optimizer.init(trainable(params, train))
-    state = pack_state(TrainState(params, state_from_plain(payload["opt_state"], template)), train)
-    return state, int(payload["step"]), payload["extra"]

@@ -1,24 +1,32 @@
-"""petfunc.train."""
+"""Training as pure functions: the loss, optimizers, and steps ``state, metrics = step(state, batch)``.
 
-from petfunc.train.step import (
-    FROZEN,
-    HEADS,
-    AdamState,
-    TrainState,
-    adam,
-    apply_gradients,
-    apply_updates,
-    clip_by_global_norm,
-    grad_step_of,
-    init_state,
-    make_grad_step,
-    make_optimizer,
-    make_train_step,
-    pack_params,
-    pack_state,
-    train_step_of,
-    trainable,
-    value_and_grad,
-    warmup_cosine,
-    with_trained,
-)
+- :mod:`petfunc.train.loss`: metatrain's loss (energy, forces, stress; mse/mae/huber).
+- :mod:`petfunc.train.step`: :class:`TrainState`, Adam(W), the learning-rate schedule,
+  gradient clipping, and the train and gradient steps (a grad of a grad).
+- :mod:`petfunc.train.hessian_loss`: a loss on Hessian-vector products.
+"""
+
+from petfunc.train.loss import LossTerm as LossTerm
+from petfunc.train.loss import LossWeights as LossWeights
+from petfunc.train.loss import atoms_per_structure as atoms_per_structure
+from petfunc.train.loss import make_loss as make_loss
+from petfunc.train.step import FROZEN as FROZEN
+from petfunc.train.step import HEADS as HEADS
+from petfunc.train.step import AdamState as AdamState
+from petfunc.train.step import TrainState as TrainState
+from petfunc.train.step import adam as adam
+from petfunc.train.step import apply_gradients as apply_gradients
+from petfunc.train.step import apply_updates as apply_updates
+from petfunc.train.step import clip_by_global_norm as clip_by_global_norm
+from petfunc.train.step import grad_step_of as grad_step_of
+from petfunc.train.step import init_state as init_state
+from petfunc.train.step import make_grad_step as make_grad_step
+from petfunc.train.step import make_optimizer as make_optimizer
+from petfunc.train.step import make_train_step as make_train_step
+from petfunc.train.step import pack_params as pack_params
+from petfunc.train.step import pack_state as pack_state
+from petfunc.train.step import train_step_of as train_step_of
+from petfunc.train.step import trainable as trainable
+from petfunc.train.step import value_and_grad as value_and_grad
+from petfunc.train.step import warmup_cosine as warmup_cosine
+from petfunc.train.step import with_trained as with_trained

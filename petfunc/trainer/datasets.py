@@ -17,19 +17,21 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from petfunc.config import PETConfig
-from petfunc.data.read import (
+from petfunc.data import (
     Labels,
+    Sample,
+    available_keys,
     check_info_keys,
-    label_keys,
+    has_key,
     read_frames,
     require_complete_labels,
     restart_split,
     split_datasets,
     to_samples,
 )
-from petfunc.data.samples import Sample
-from petfunc.train.loss import LossTerm, LossWeights
+from petfunc.train import LossTerm, LossWeights
 from petfunc.trainer.options import dataset_sections, indices_only
+from petfunc.units import energy_unit_factor, length_unit_factor
 
 
 @dataclass
@@ -369,4 +371,57 @@ def read_training_files(
 
     return TrainingFiles(
         train_parts, val_parts, train_labels, val_labels, weights, split_json, test_parts, test_labels
+    )
+
+
+def label_keys(frames, section: Mapping, weights: LossWeights, explicit: set, where: str) -> Labels:
+    """Which keys to read; raises when requested labels are missing from the file."""
+    path = section["systems"]["read_from"]
+    target = section["targets"]["energy"]
+
+    def present(key):
+        return sum(has_key(a, key) for a in frames)
+
+    def missing(what, key, how):
+        keys = available_keys(frames)
+        return ValueError(
+            f"{where}: {how}, but no structure in {path!r} has {what} labels under the key "
+            f"{key!r} (keys in the file: {keys}). Set '{where}.targets.energy.{what}' to the right "
+            f"key, or to false to train without {what} (and drop any {what} weight from the "
+            "'architecture.training.loss' option)."
+        )
+
+    energy = target["key"]
+    if weights.energy.weight > 0 and not present(energy):
+        keys = available_keys(frames)
+        raise ValueError(
+            f"{where}: no structure in {path!r} has an energy under the key {energy!r} "
+            f"(keys in the file: {keys}); set '{where}.targets.energy.key'"
+        )
+    keys = {}
+    for name, term in (("forces", weights.forces), ("stress", weights.stress), ("virial", weights.stress)):
+        spec = target[name]
+        if spec is False:
+            keys[name] = None
+            continue
+        key = name if spec == "auto" else spec["key"]
+        if present(key):
+            keys[name] = key
+            continue
+        keys[name] = None
+        loss_term = "forces" if name == "forces" else "stress"
+        if spec != "auto":
+            raise missing(name, key, f"'{where}.targets.energy.{name}' asks for {name}")
+        if loss_term in explicit and not (name == "stress" and target["virial"]):
+            raise missing(name, key, f"the loss has a {loss_term} term (weight {term.weight})")
+    extra = section.get("extra_data") or {}
+    return Labels(
+        energy,
+        keys["forces"],
+        keys["stress"],
+        keys["virial"],
+        energy_unit_factor(target["unit"]),
+        length_unit_factor(section["systems"]["length_unit"]),
+        extra.get("charge"),
+        extra.get("spin_multiplicity"),
     )

@@ -864,17 +864,3 @@ def trained_parameters(finetune: Mapping) -> tuple[str, ...] | None:
         return HEADS
     names = list(config.get("head_modules", [])) + list(config.get("last_layer_modules", []))
     return tuple(name[len("backend.") :] if name.startswith("backend.") else name for name in names)
-
-
-def changed_options(before: Mapping, after: Mapping, prefix: str = "") -> list[str]:
-    """``"path: old -> new"`` for each option whose value differs between two resolved
-    option trees (a restart's checkpoint and the options it runs with)."""
-    changed = []
-    for key in list(before) + [k for k in after if k not in before]:
-        path = f"{prefix}{key}"
-        old, new = before.get(key), after.get(key)
-        if isinstance(old, Mapping) and isinstance(new, Mapping):
-            changed += changed_options(old, new, path + ".")
-        elif old != new:
-            changed.append(f"{path}: {json.dumps(old)} -> {json.dumps(new)}")
-    return changed

@@ -103,7 +103,6 @@ from petfunc.train.step import (
 )
 from petfunc.trainer.datasets import read_training_files
 from petfunc.trainer.options import (
-    changed_options,
     dataset_sections,
     fixed_composition,
     parse_loss,
@@ -422,7 +421,7 @@ def _write_results(evaluated, path, energy_unit: str = "eV", length_unit: str = 
     import ase.io
     from ase.calculators.singlepoint import SinglePointCalculator
 
-    from petfunc.ase.calculator import _voigt
+    from petfunc.ase.calculator import voigt
     from petfunc.units import energy_unit_factor, length_unit_factor
 
     ev, angstrom = energy_unit_factor(energy_unit or "eV"), length_unit_factor(length_unit)
@@ -438,7 +437,7 @@ def _write_results(evaluated, path, energy_unit: str = "eV", length_unit: str = 
         )
         results = {"energy": energy / ev, "forces": np.asarray(forces) * (angstrom / ev)}
         if strain is not None:
-            results["stress"] = _voigt(strain / abs(np.linalg.det(cell))) * (angstrom**3 / ev)
+            results["stress"] = voigt(strain / abs(np.linalg.det(cell))) * (angstrom**3 / ev)
         atoms.calc = SinglePointCalculator(atoms, **results)
         frames.append(atoms)
     path = Path(path)
@@ -1056,7 +1055,7 @@ def _fit(
     # --- data ----------------------------------------------------------------------
     files = read_training_files(options, weights, explicit, seed, ckpt, log)
     if ckpt is not None:  # after the data: options asking for another split are an error there
-        changed = changed_options(_effective(json.loads(ckpt["options"])), _effective(options))
+        changed = tree.differences(_effective(json.loads(ckpt["options"])), _effective(options))
         if changed:
             log(
                 "options changed since the checkpoint, this run takes the new values: "
