@@ -51,7 +51,7 @@ from petfunc.determinism import deterministic_algorithms
 from petfunc.graph.neighbors import Neighbors
 from petfunc.hessian import hvp
 from petfunc.io import from_metatrain, load_model, load_params, save_params
-from petfunc.model.pet import PET, init
+from petfunc.model import PET, init
 from petfunc.structures import Structure, collate, from_atoms, prepare, prepare_atoms
 from petfunc.train import hessian_loss
 from petfunc.train.loss import LossTerm, LossWeights, make_loss

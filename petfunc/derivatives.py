@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch.func import grad
 
-from petfunc.graph.neighbors import check_sizes
+from petfunc.graph import check_sizes
 
 
 AUTODIFF = ("func", "autograd")

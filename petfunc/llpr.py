@@ -30,7 +30,7 @@ from torch.func import vjp, vmap
 
 from petfunc.config import PETConfig
 from petfunc.io.metatrain import read_metatrain
-from petfunc.model.pet import PET, last_layer_features
+from petfunc.model import PET, last_layer_features
 
 
 __all__ = [

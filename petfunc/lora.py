@@ -22,7 +22,7 @@ import torch
 
 from petfunc import tree
 from petfunc.model.nn import init_linear
-from petfunc.model.pet import PET
+from petfunc.model import PET
 
 
 KEY = "lora"

@@ -15,7 +15,11 @@ import numpy as np
 import torch
 
 from petfunc.config import PETConfig
+from petfunc.graph import checks
+from petfunc.graph import long_range as long_range_inputs
 from petfunc.graph import neighbors as nbl
+from petfunc.model.adaptive import atomic_cutoffs
+from petfunc.model.zbl import zbl_cutoff
 
 
 @dataclass
@@ -40,8 +44,6 @@ class Structure:
 def list_cutoff(config: PETConfig) -> float:
     """Radius of the flat neighbour list: the PET cutoff, or the ZBL range if larger."""
     if config.zbl:
-        from petfunc.model.zbl import zbl_cutoff
-
         return max(config.cutoff, zbl_cutoff(config))
     return config.cutoff
 
@@ -140,7 +142,7 @@ def prepare(
     cell = np.zeros((3, 3)) if cell is None else np.array(cell, dtype=np.float64).reshape(3, 3)
     if len(numbers) == 0:
         raise ValueError(f"{label}: has no atoms")
-    nbl.check_structure(positions, cell, pbc, label)
+    checks.check_structure(positions, cell, pbc, label)
     if positions.shape[0] != len(numbers):
         raise ValueError(f"{label}: {len(numbers)} atomic numbers but {positions.shape[0]} positions")
     try:
@@ -149,15 +151,13 @@ def prepare(
         raise ValueError(f"{label}: {error}") from None
     charge, spin_multiplicity = system_state(charge, spin_multiplicity, config, label)
     if config.long_range.enable:
-        from petfunc.model.long_range import check_periodicity
-
-        check_periodicity(pbc, label)
+        long_range_inputs.check_periodicity(pbc, label)
     cell[~pbc] = 0.0
     if wrap and pbc.any():
-        positions = nbl.wrapped(positions, cell, pbc)
-    nbl.check_density(positions, cell, pbc, list_cutoff(config), label)
+        positions = checks.wrapped(positions, cell, pbc)
+    checks.check_density(positions, cell, pbc, list_cutoff(config), label)
     centers, neighbors, shifts = nbl.edge_list(positions, cell, pbc, list_cutoff(config))
-    nbl.check_coincident(positions, cell, centers, neighbors, shifts, label)
+    checks.check_coincident(positions, cell, centers, neighbors, shifts, label)
     return Structure(
         numbers, species, positions, cell, pbc, centers, neighbors, shifts, charge, spin_multiplicity
     )
@@ -198,8 +198,6 @@ def kept_edges(config: PETConfig, positions, cell, centers, neighbors, shifts, s
     lattice = torch.einsum("ea,eab->eb", s, cells[torch.as_tensor(structure_index)[c]])
     d = torch.linalg.vector_norm(pos[n] - pos[c] + lattice, dim=-1) + 1e-15
     if config.adaptive:
-        from petfunc.model.adaptive import atomic_cutoffs
-
         radii = atomic_cutoffs(config, c, d, len(positions))
         r_cut = 0.5 * (radii[c] + radii[n])
     else:
@@ -241,9 +239,7 @@ def collate(
     kept = kept_edges(config, all_positions, all_cells, centers, neighbors, shifts, structure_index)
     lr_inputs = None
     if config.long_range.enable:
-        from petfunc.model import long_range as lr
-
-        lr_inputs = lr.build(
+        lr_inputs = long_range_inputs.build(
             config,
             [len(s) for s in structures],
             all_cells,

@@ -486,21 +486,28 @@ def test_from_checkpoint(tmp_path, params):
     reference.calc = PETCalculator(CONFIG, params)
     assert atoms.get_potential_energy() == reference.get_potential_energy()
 
-    # a training checkpoint (petfunc train's layout): its best parameters are used
-    import json
-
+    # a training checkpoint (petfunc train's): its best parameters are used
     training = tmp_path / "training.ckpt"
-    flat = petfunc.tree.flatten(params)
-    other = petfunc.tree.flatten(make_params(seed=5))
-    torch.save(
-        {
-            "format": "petfunc.checkpoint",
-            "config": json.dumps(CONFIG.to_hypers()),
-            "params": other,
-            "best_params": flat,
-            "epoch": 3,
-        },
+    other = make_params(seed=5)
+    petfunc.io.write_checkpoint(
         training,
+        config=CONFIG,
+        params=other,
+        opt_state=(),
+        epoch=3,
+        step=30,
+        best_epoch=2,
+        best_metric=0.5,
+        best_params=params,
+        composition=params["composition_weights"],
+        energy_scale=float(params["energy_scale"]),
+        dtype=torch.float64,
+        seed=0,
+        options={},
+        history=[],
+        split={},
+        world_size=1,
+        version=petfunc.__version__,
     )
     atoms.calc = PETCalculator.from_checkpoint(training)
     assert atoms.get_potential_energy() == reference.get_potential_energy()

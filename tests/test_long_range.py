@@ -18,6 +18,7 @@ import ase.build
 
 import petfunc
 from petfunc import ensemble
+from petfunc.graph import long_range as graph_long_range
 from petfunc.model import long_range
 
 
@@ -185,7 +186,7 @@ def test_training_mode_matches_metatrain():
 # derivatives
 
 
-@pytest.mark.parametrize("method", long_range.METHODS)
+@pytest.mark.parametrize("method", graph_long_range.METHODS)
 def test_forces_and_stress_are_finite_differences(method):
     """Forces and dE/dstrain of a cell (Ewald or P3M) and forces of a molecule (direct)
     against central differences, float64."""
@@ -227,7 +228,7 @@ def test_forces_and_stress_are_finite_differences(method):
                 assert abs(float(fd[0] - strain[0, a, b])) < 1e-6 * max(1.0, float(strain.abs().max()))
 
 
-@pytest.mark.parametrize("method", long_range.METHODS)
+@pytest.mark.parametrize("method", graph_long_range.METHODS)
 def test_hessian_and_committee(method):
     """Second derivatives and vmap go through the FFTs and Ewald sums: the Hessian of
     a cell is symmetric and equals finite differences of the forces; a vmap'd
@@ -523,10 +524,10 @@ def test_ewald_grid_and_p3m_mesh_follow_torch_pme():
     """The k-grid and mesh sizes: ceil(|a| / lambda) FFT frequencies per axis, and the
     power of two at or above 2 |a| / h + 1."""
     cell = np.diag([4.0, 5.3, 2.5])
-    grid = long_range.ewald_kgrid(cell, 1.33)
+    grid = graph_long_range.ewald_kgrid(cell, 1.33)
     assert grid.shape == (4 * 4 * 2, 3)
     assert sorted(set(grid[:, 0])) == [-2, -1, 0, 1] and sorted(set(grid[:, 2])) == [-1, 0]
-    assert long_range.p3m_mesh_sizes(cell, 1.33).tolist() == [8, 16, 8]
+    assert graph_long_range.p3m_mesh_sizes(cell, 1.33).tolist() == [8, 16, 8]
 
 
 def test_fft_shape_functions_match_the_kernels():

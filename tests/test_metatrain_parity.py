@@ -507,7 +507,7 @@ def test_adaptive_solver_off_its_root():
     ]
     atoms = ase.Atoms(numbers=[14, 8, 14, 14, 1, 1], positions=positions)
     from petfunc.model.adaptive import atomic_cutoffs
-    from petfunc.model.pet import edge_vectors
+    from petfunc.model import edge_vectors
 
     positions_t, cell, neighbors = petfunc.from_atoms([atoms], config, dtype=torch.float64)
     distances = torch.linalg.vector_norm(edge_vectors(positions_t, cell, neighbors), dim=-1) + 1e-15

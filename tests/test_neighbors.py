@@ -269,7 +269,7 @@ def test_mismatched_shapes():
     with pytest.raises(ValueError, match=r"positions must have shape \[n_atoms, 3\], got \(2, 2\)"):
         petfunc.prepare([6, 1], [[0, 0], [1, 0]], None, False, CONFIG)
     with pytest.raises(ValueError, match=r"cell must have shape \[3, 3\]"):
-        petfunc.graph.neighbors.check_structure(np.zeros((2, 3)), np.eye(2), [True] * 3)
+        petfunc.graph.check_structure(np.zeros((2, 3)), np.eye(2), [True] * 3)
 
 
 def test_empty_structure_and_empty_batch():

@@ -14,7 +14,7 @@ from petfunc import structures
 from petfunc.derivatives import energy_forces_strain_derivative
 from petfunc.graph.neighbors import Neighbors
 from petfunc.model import zbl
-from petfunc.model.pet import edge_vectors, energy, per_atom_energies
+from petfunc.model import edge_vectors, energy, per_atom_energies
 
 
 SMALL = dict(d_pet=16, d_node=32, d_head=16, d_feedforward=32, num_heads=2)

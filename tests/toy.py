@@ -10,7 +10,7 @@ import torch
 
 from petfunc.model import nn
 from petfunc.model.cutoff import cosine
-from petfunc.model.pet import edge_vectors
+from petfunc.model import edge_vectors
 
 
 N_RBF = 4

@@ -24,8 +24,9 @@ from petfunc.config import PETConfig
 from petfunc.data.samples import padding_sample
 from petfunc.derivatives import energy_and_forces, energy_forces_strain_derivative
 from petfunc.io.params import cast_params, network_dtype
-from petfunc.model.long_range import calculator_backend, mesh_layout
-from petfunc.model.pet import PET
+from petfunc.graph import mesh_layout
+from petfunc.model.long_range import calculator_backend
+from petfunc.model import PET
 from petfunc.structures import collate, prepare_atoms
 
 

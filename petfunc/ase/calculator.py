@@ -71,8 +71,9 @@ from petfunc.io.checkpoint import is_checkpoint
 from petfunc.io.load import load_model, torch_payload
 from petfunc.io.metatrain import read_metatrain
 from petfunc.io.params import cast_params, load_params, network_dtype
-from petfunc.model.long_range import calculator_backend, mesh_layout
-from petfunc.model.pet import PET
+from petfunc.graph import mesh_layout
+from petfunc.model.long_range import calculator_backend
+from petfunc.model import PET
 from petfunc.remat import remat as remat_fn
 from petfunc.structures import collate, prepare_atoms, state_from_info
 

@@ -1326,7 +1326,7 @@ class Compiled:
 def _has_p3m_inputs(args) -> bool:
     """Whether ``args`` hold the long-range inputs of a P3M batch with a mesh."""
     from petfunc.graph.neighbors import Neighbors
-    from petfunc.model.long_range import mesh_layout
+    from petfunc.graph.long_range import mesh_layout
 
     def is_neighbors(x):
         return isinstance(x, Neighbors)

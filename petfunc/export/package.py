@@ -38,7 +38,7 @@ as :class:`petfunc.ase.PETCalculator` does):
 ==================  ==============  =========================================
 
 Models with long-range features take the integer inputs of
-:class:`petfunc.model.long_range.LongRange` after those, for the reciprocal-space method
+:class:`petfunc.graph.LongRange` after those, for the reciprocal-space method
 chosen at export (``long_range``, recorded in the metadata):
 
 * ``"p3m"`` (the default; what metatrain, :func:`petfunc.from_atoms` and the ASE
@@ -157,7 +157,7 @@ def long_range_inputs(
     Raises:
         ValueError: no long-range inputs, or (P3M) a periodic structure other than the first.
     """
-    from petfunc.model import long_range as lr
+    from petfunc.graph import long_range as lr
 
     inputs = neighbors.long_range
     if inputs is None:
@@ -193,10 +193,10 @@ def long_range_inputs(
 
 
 def _long_range_from_inputs(method: str | None, fields):
-    """The :class:`petfunc.model.long_range.LongRange` inside the traced function."""
+    """The :class:`petfunc.graph.LongRange` inside the traced function."""
     if method is None:
         return None
-    from petfunc.model.long_range import LeadingMeshes, LongRange
+    from petfunc.graph import LeadingMeshes, LongRange
 
     atoms, mask, slot, periodic = fields[:4]
     pairs, pair_mask = fields[-2:]
@@ -230,7 +230,7 @@ def trace(config: PETConfig, params, dtype=torch.float32, device="cpu", long_ran
 
     from petfunc._torch.fft_meta import fft_meta
     from petfunc.compile.compiled import _fake_inputs, _move_graph, _trace_device, no_duck_shape
-    from petfunc.model.pet import PET
+    from petfunc.model import PET
 
     device = torch.device(device)
     method = _method(config, long_range)

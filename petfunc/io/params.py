@@ -22,7 +22,7 @@ from petfunc import tree
 from petfunc._files import PathLike, atomic_write, not_a_file
 from petfunc.config import PETConfig
 from petfunc.io.formats import is_petfunc_export
-from petfunc.model.pet import init
+from petfunc.model import init
 
 
 FORMAT = "petfunc.params"

@@ -12,6 +12,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from petfunc.ops.lookup import lookup_rows
 
@@ -76,9 +78,6 @@ def rms_norm(params: dict[str, Tensor], x: Tensor) -> Tensor:
 def _derivative_transforms():
     """The ``torch.func`` derivative transforms (``grad``/``vjp``: "Grad", ``jvp``:
     "Jvp") active around the current call, outermost first; vmaps are not listed."""
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
     kinds = {TransformType.Grad: "Grad", TransformType.Jvp: "Jvp"}
     return [kinds[i.key()] for i in retrieve_all_functorch_interpreters() if i.key() in kinds]
 

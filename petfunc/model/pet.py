@@ -22,131 +22,22 @@ from __future__ import annotations
 import torch
 
 from petfunc.config import PETConfig
-from petfunc.graph.neighbors import Neighbors, check_sizes
-from petfunc.model import adaptive, nn, transformer
-from petfunc.model.cutoff import switching_function
+from petfunc.graph.checks import check_sizes
+from petfunc.graph.neighbors import Neighbors
+from petfunc.model import long_range, nn, transformer, zbl
+from petfunc.model.geometry import cutoff_factors, edge_vectors
+from petfunc.model.params import BLOCK, TARGET, init
 from petfunc.ops.lookup import lookup_rows
 from petfunc.ops.permute import permute_rows
 from petfunc.remat import call as remat_call
-
-
-TARGET = "energy"
-BLOCK = "energy___0"
 
 
 # ---------------------------------------------------------------------------------------
 # parameters
 
 
-def init(
-    config: PETConfig,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    device=None,
-    generator: torch.Generator | None = None,
-):
-    """Fresh parameters with torch's default initialisation distributions.
-
-    Args:
-        config: the architecture.
-        seed: seed of a private ``torch.Generator`` (ignored if ``generator`` is given).
-        dtype, device: of every tensor.
-        generator: a CPU ``torch.Generator`` to draw from; the global RNG is never used.
-    Returns:
-        nested dict of tensors; :func:`petfunc.tree.flatten` gives metatrain's keys.
-    """
-    if generator is None:
-        generator = torch.Generator().manual_seed(int(seed))
-    g, dt, dev = generator, dtype, device
-    d, dn, dh, ns = config.d_pet, config.d_node, config.d_head, config.num_species
-
-    gnn_layers = []
-    for layer_index in range(config.num_gnn_layers):
-        layer = {
-            "trans": {
-                "layers": [
-                    transformer.init_layer(config, g, dt, dev) for _ in range(config.num_attention_layers)
-                ]
-            },
-            "edge_embedder": nn.init_linear(4, d, g, dt, dev),
-            "compress": nn.init_mlp2((2 if layer_index == 0 else 3) * d, d, d, g, dt, dev),
-        }
-        if layer_index > 0:
-            layer["neighbor_embedder"] = nn.init_embedding(ns, d, g, dt, dev)
-        gnn_layers.append(layer)
-
-    params = {"gnn_layers": gnn_layers}
-    if config.featurizer_type == "feedforward":
-        params["combination_norms"] = [
-            nn.init_norm(2 * d, "LayerNorm", dt, dev) for _ in range(config.num_gnn_layers)
-        ]
-        params["combination_mlps"] = [
-            nn.init_mlp2(2 * d, 2 * d, d, g, dt, dev) for _ in range(config.num_gnn_layers)
-        ]
-    r = config.num_readout_layers
-    params["node_embedders"] = [nn.init_embedding(ns, dn, g, dt, dev) for _ in range(r)]
-    params["edge_embedder"] = nn.init_embedding(ns, d, g, dt, dev)
-    if config.system_conditioning:
-        params["system_conditioning"] = init_conditioning(config, g, dt, dev)
-    if config.long_range.enable:
-        from petfunc.model import long_range
-
-        params["long_range_featurizer"] = long_range.init(config, g, dt, dev)
-    params["node_heads"] = {TARGET: [nn.init_mlp2(dn, dh, dh, g, dt, dev) for _ in range(r)]}
-    params["edge_heads"] = {TARGET: [nn.init_mlp2(d, dh, dh, g, dt, dev) for _ in range(r)]}
-    params["node_last_layers"] = {TARGET: [{BLOCK: nn.init_linear(dh, 1, g, dt, dev)} for _ in range(r)]}
-    params["edge_last_layers"] = {TARGET: [{BLOCK: nn.init_linear(dh, 1, g, dt, dev)} for _ in range(r)]}
-    params["composition_weights"] = torch.zeros(ns, dtype=dt, device=device)
-    params["energy_scale"] = torch.ones((), dtype=dt, device=device)
-    return _without_empty(params)
-
-
-def _without_empty(tree_):
-    """``tree_`` without empty lists and dicts (0 attention or GNN layers): the tree
-    that metatrain's flat state dict gives back (:func:`petfunc.tree.unflatten`), so
-    that a fresh model and a loaded one have the same structure."""
-    if isinstance(tree_, dict):
-        kept = {k: _without_empty(v) for k, v in tree_.items()}
-        return {k: v for k, v in kept.items() if not (isinstance(v, (dict, list)) and len(v) == 0)}
-    if isinstance(tree_, list):
-        return [_without_empty(v) for v in tree_]
-    return tree_
-
-
-def init_conditioning(config: PETConfig, generator, dtype, device):
-    """Charge and spin embeddings (N(0, 1)) and their projection ``[q || s] -> d_node``:
-    Linear(2 d_node, d_node), SiLU, Linear(d_node, d_node), whose last layer (the
-    gate) starts at zero, so a fresh model ignores charge and spin until training
-    moves the gate (metatrain's initialisation)."""
-    dn = config.d_node
-    g, dt, dev = generator, dtype, device
-    charge = nn.init_embedding(2 * config.max_charge + 1, dn, g, dt, dev)
-    spin = nn.init_embedding(config.max_spin_multiplicity, dn, g, dt, dev)
-    project = nn.init_mlp2(2 * dn, dn, dn, g, dt, dev)
-    project["2"] = {name: torch.zeros_like(value) for name, value in project["2"].items()}
-    return {"charge_embedding": charge, "spin_multiplicity_embedding": spin, "project": project}
-
-
 # ---------------------------------------------------------------------------------------
 # geometry
-
-
-def edge_vectors(positions: torch.Tensor, cell: torch.Tensor, neighbors: Neighbors) -> torch.Tensor:
-    """``[n_edges, 3]`` vectors r_e = x_j - x_i + S @ cell (Å)."""
-    shifts = neighbors.cell_shifts.to(positions.dtype)
-    cells = cell[neighbors.structure_index[neighbors.centers]]  # [n_edges, 3, 3]
-    lattice = torch.einsum("ea,eab->eb", shifts, cells)
-    return positions[neighbors.neighbors] - positions[neighbors.centers] + lattice
-
-
-def cutoff_factors(config: PETConfig, distances: torch.Tensor, neighbors: Neighbors) -> torch.Tensor:
-    """``[n_edges]`` switching function f_e, with the adaptive pair radii if enabled."""
-    if config.adaptive:
-        radii = adaptive.atomic_cutoffs(config, neighbors.centers, distances, neighbors.n_atoms)
-        r_cut = 0.5 * (radii[neighbors.centers] + radii[neighbors.neighbors])
-    else:
-        r_cut = config.cutoff
-    return switching_function(config.cutoff_function)(distances, r_cut, config.cutoff_width)
 
 
 # ---------------------------------------------------------------------------------------
@@ -378,8 +269,6 @@ def _readout_inputs(params, positions, cell, neighbors: Neighbors, config: PETCo
             messages = 0.5 * (messages + permute_rows(edges, reverse, reverse))
 
     if config.long_range.enable:
-        from petfunc.model import long_range
-
         # the real-space term runs over the whole list within the cutoff (the list
         # metatrain hands torch-pme), not the adaptive-cutoff subset
         extra = long_range.features(
@@ -419,8 +308,6 @@ def energy_terms(params, positions, cell, neighbors: Neighbors, config: PETConfi
     total = scale * _structure_sum(raw, sidx, n_structures) + _structure_sum(weights, sidx, n_structures)
     per_atom = scale * raw + weights
     if config.zbl:
-        from petfunc.model import zbl
-
         repulsion = zbl.atomic_energies(positions, cell, neighbors, config)
         total = total + _structure_sum(repulsion, sidx, n_structures)
         per_atom = per_atom + repulsion

@@ -40,9 +40,11 @@ import functools
 import logging
 
 import torch
+from ase.data import covalent_radii as ase_radii
 
 from petfunc.config import PETConfig
 from petfunc.graph.neighbors import Neighbors
+from petfunc.model.geometry import edge_vectors
 
 
 COULOMB = 14.399645478425668  # e^2 / (4 pi eps_0) in eV Å
@@ -62,8 +64,6 @@ def covalent_radii(atomic_types: tuple[int, ...]) -> tuple[float, ...]:
     Elements without a tabulated radius have ASE's placeholder 0.2 Å, which is used
     as is (with a warning), as metatrain does.
     """
-    from ase.data import covalent_radii as ase_radii
-
     radii = []
     for z in atomic_types:
         z = int(z)
@@ -150,8 +150,6 @@ def atomic_energies(positions, cell, neighbors: Neighbors, config: PETConfig) ->
             closer than :func:`zbl_cutoff` (longer pairs contribute 0).
         config: gives ``atomic_types``.
     """
-    from petfunc.model.pet import edge_vectors
-
     dtype, device = positions.dtype, positions.device
     vectors = edge_vectors(positions, cell, neighbors)
     types = tuple(config.atomic_types)

@@ -121,7 +121,7 @@ def make_hessian_loss(
     ``metrics`` has the keys of :func:`petfunc.make_loss` plus ``hvp_loss``,
     ``hvp_sse``, ``hvp_sae`` and ``hvp_count``.
     """
-    from petfunc.model.pet import PET
+    from petfunc.model import PET
 
     if isinstance(energy_fn, PET):
         energy_fn = energy_fn.raw_energy

@@ -143,7 +143,7 @@ def make_loss(
     (metatrain reports, and its best-model metric multiplies, every labelled
     quantity's errors, whatever its loss weight); they add nothing to the loss.
     """
-    from petfunc.model.pet import PET
+    from petfunc.model import PET
 
     if isinstance(energy_fn, PET):
         energy_fn = energy_fn.raw_energy

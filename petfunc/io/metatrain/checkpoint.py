@@ -41,7 +41,7 @@ from petfunc.io.metatrain.unpickle import (
     require_metatrain,
     unpickle_checkpoint,
 )
-from petfunc.model.pet import TARGET
+from petfunc.model import TARGET
 
 
 def from_metatrain(

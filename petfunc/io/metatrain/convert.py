@@ -17,7 +17,7 @@ import torch
 from petfunc import tree
 from petfunc.config import PETConfig
 from petfunc.io.params import EXTRA_KEYS, LONG_RANGE_WEIGHTS, check_params, expected_shapes
-from petfunc.model.pet import BLOCK, TARGET
+from petfunc.model import BLOCK, TARGET
 
 
 def choose_target(dataset_info, target: str | None) -> str:

@@ -16,7 +16,7 @@ from petfunc.io.metatrain.convert import (
     network_params,
     zbl_as_metatrain,
 )
-from petfunc.model.pet import TARGET
+from petfunc.model import TARGET
 
 
 def _as_written(value) -> float:
