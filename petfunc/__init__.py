@@ -38,7 +38,7 @@ from petfunc import (
 )
 from petfunc.compile.compiled import compile
 from petfunc.config import LongRangeConfig, PETConfig
-from petfunc.data.samples import Batch, Dataset, Sample, make_batch, read_dataset
+from petfunc.data import Batch, Dataset, Sample, make_batch, read_dataset
 from petfunc.derivatives import (
     cell_volume,
     energy_and_forces,

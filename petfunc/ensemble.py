@@ -35,7 +35,7 @@ from torch.func import vmap
 
 from petfunc import tree
 from petfunc._torch.vmap_rules import symbolic_vmap_rules
-from petfunc.data.samples import Batch
+from petfunc.data import Batch
 from petfunc.derivatives import energy_forces_stress as _single_energy_forces_stress
 from petfunc.train.loss import LossWeights
 from petfunc.train.step import TrainState

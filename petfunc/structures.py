@@ -266,6 +266,79 @@ def collate(
     )
 
 
+# ---------------------------------------------------------------------------------------
+# padding: no size of a batch is 0 or 1
+
+
+_PADDING: dict[PETConfig, Structure] = {}
+
+
+def padding_structure(config: PETConfig) -> Structure:
+    """A 3-atom triangle (side 1 Å, of the first species) without labels, added to a
+    batch so that none of its sizes (structures, atoms, edges, tokens, NEF width) is
+    0 or 1: traced and compiled graphs specialise those sizes, so a batch that had
+    one would need a graph of its own."""
+    if config not in _PADDING:
+        positions = np.array([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.5, 0.8, 0.0]])
+        numbers = [config.atomic_types[0]] * 3
+        _PADDING[config] = prepare(numbers, positions, None, False, config, "padding")
+    return _PADDING[config]
+
+
+def needs_padding(structures: Sequence[Structure]) -> bool:
+    """Whether a batch of ``structures`` could have a size below 2, judged by their flat
+    neighbour lists (:func:`kept_graph_too_small` judges the edges PET keeps)."""
+    if len(structures) < 2:
+        return True
+    if sum(len(s.centers) for s in structures) < 2:
+        return True
+    return max((np.bincount(s.centers).max() if len(s.centers) else 0) for s in structures) < 2
+
+
+def kept_graph_too_small(neighbors: nbl.Neighbors) -> bool:
+    """Whether a collated batch keeps fewer than 2 edges, or fewer than 2 in its fullest
+    atom (PET's token count and NEF width, which the flat lists only bound: the cutoff,
+    adaptive or not, may drop edges)."""
+    return neighbors.kept_edges.shape[0] < 2 or neighbors.nef_index.shape[1] < 2
+
+
+def collate_padded(
+    structures: Sequence[Structure],
+    config: PETConfig,
+    always: bool = False,
+    positions: Sequence[np.ndarray] | None = None,
+    cells: Sequence[np.ndarray] | None = None,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor, nbl.Neighbors, bool]:
+    """:func:`collate` with :func:`padding_structure` appended where a size could fall
+    below 2 (or ``always``: then a batch of any content has the same structure count
+    offset, which the calculators' compiled graphs rely on).
+
+    Returns:
+        ``(positions, cell, neighbors, padded)``; ``padded`` says whether the padding
+        structure is the batch's last.
+    """
+    structures = list(structures)
+    pad = padding_structure(config)
+
+    def run(padded: bool):
+        extra = [pad] if padded else []
+        return collate(
+            structures + extra,
+            config,
+            positions=None if positions is None else [*positions, *(p.positions for p in extra)],
+            cells=None if cells is None else [*cells, *(p.cell for p in extra)],
+            **options,
+        )
+
+    padded = always or needs_padding(structures)
+    batch = run(padded)
+    if not padded and kept_graph_too_small(batch[2]):
+        padded = True
+        batch = run(padded)
+    return (*batch, padded)
+
+
 def from_atoms(
     frames, config: PETConfig, dtype: torch.dtype | None = None, device=None, long_range: str = "p3m"
 ):

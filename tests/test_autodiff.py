@@ -11,7 +11,7 @@ from ase.calculators.emt import EMT
 
 import petfunc
 import petfunc.hessian
-from petfunc.data.samples import make_batch, sample_from_atoms
+from petfunc.data import make_batch, sample_from_atoms
 from petfunc.derivatives import (
     energy_and_forces,
     energy_forces_strain_derivative,

@@ -817,7 +817,7 @@ def test_graph_traced_on_the_cpu_moves_to_another_device():
     )
     import ase.build
 
-    from petfunc.data.samples import make_batch, sample_from_atoms
+    from petfunc.data import make_batch, sample_from_atoms
 
     samples = []
     for k, name in enumerate(["CH3CH2OH", "H2O", "CH4", "CH3OH"]):

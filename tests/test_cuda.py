@@ -273,7 +273,7 @@ def test_export_equals_eager(tmp_path, aoti):
     build) gives the eager energies, forces and strain derivatives on three sizes,
     adaptive cutoff included (float64)."""
     from petfunc.export import package as pexport
-    from petfunc.data.samples import padding_sample
+    from petfunc.data import padding_sample
     from petfunc.structures import collate, prepare_atoms
 
     config = petfunc.PETConfig(

@@ -20,7 +20,7 @@ import petfunc
 from petfunc.export import package as pexport
 from petfunc.ase.calculator import PETCalculator
 from petfunc.cli.commands import main
-from petfunc.data.samples import padding_sample
+from petfunc.data import padding_sample
 from petfunc.structures import collate, prepare_atoms
 
 

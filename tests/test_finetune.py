@@ -24,7 +24,7 @@ import torch
 import petfunc
 from petfunc import lora, tree
 from petfunc.cli.commands import make_default_dataset
-from petfunc.data.samples import make_batch, sample_from_atoms
+from petfunc.data import make_batch, sample_from_atoms
 from petfunc.train.step import HEADS, trainable
 from petfunc.io import load_model
 from petfunc.trainer.training import fit

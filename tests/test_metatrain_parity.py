@@ -591,7 +591,7 @@ def test_random_architecture_training_gradients(seed, autodiff, per_atom, overri
     import dataclasses
     import random
 
-    from petfunc.data.samples import make_batch, sample_from_atoms
+    from petfunc.data import make_batch, sample_from_atoms
 
     rng = random.Random(100 + seed)
     config = dataclasses.replace(_random_config(rng), **override)
@@ -697,7 +697,7 @@ def test_loss_equals_metatrains_loss_aggregator(form, per_atom):
     from metatrain.utils.per_atom import average_by_num_atoms
     from omegaconf import OmegaConf
 
-    from petfunc.data.samples import make_batch, sample_from_atoms
+    from petfunc.data import make_batch, sample_from_atoms
     from petfunc.trainer.options import parse_loss
 
     rng = random.Random(300 + form)
@@ -788,7 +788,7 @@ def test_composition_and_scale_equal_metatrain(tmp_path, names, batch_size):
     from metatrain.utils.data import get_dataset
     from omegaconf import OmegaConf
 
-    from petfunc.data.samples import fit_composition, fit_scale, sample_from_atoms
+    from petfunc.data import fit_composition, fit_scale, sample_from_atoms
 
     frames = _emt_molecules(37, names, seed=batch_size)
     path = str(tmp_path / "data.xyz")

@@ -10,7 +10,7 @@ import torch
 from ase.calculators.emt import EMT
 
 import petfunc
-from petfunc.data.samples import Dataset, make_batch, sample_from_atoms
+from petfunc.data import Dataset, make_batch, sample_from_atoms
 
 
 CONFIG = petfunc.PETConfig(

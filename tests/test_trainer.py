@@ -610,7 +610,7 @@ def test_per_structure_targets(dataset, tmp_path):
     import ase.io
 
     from petfunc.ase.calculator import PETCalculator
-    from petfunc.data.samples import fit_scale, sample_from_atoms
+    from petfunc.data import fit_scale, sample_from_atoms
 
     options = tiny_options(dataset, num_epochs=1, per_structure_targets=["energy"])
     options["base_precision"] = 64
@@ -788,7 +788,7 @@ def test_energy_scale_of_a_composition_that_fits_exactly():
     from ase.calculators.emt import EMT
 
     from petfunc import PETConfig
-    from petfunc.data.samples import fit_composition, fit_scale, sample_from_atoms
+    from petfunc.data import fit_composition, fit_scale, sample_from_atoms
 
     config = PETConfig(atomic_types=(13, 29), **TINY_MODEL)
     frames = []
@@ -940,7 +940,7 @@ def test_validation_loss_does_not_depend_on_batching(dataset):
     import ase.io
 
     from petfunc import PETConfig
-    from petfunc.data.samples import fit_composition, fit_scale, make_batch, sample_from_atoms
+    from petfunc.data import fit_composition, fit_scale, make_batch, sample_from_atoms
     from petfunc.train.loss import LossTerm, LossWeights, make_loss
     from petfunc.trainer.training import _floats, _Sums
 
@@ -980,7 +980,7 @@ def test_augmentation_does_not_depend_on_the_process(dataset):
     import ase.io
 
     from petfunc import PETConfig
-    from petfunc.data.samples import sample_from_atoms
+    from petfunc.data import sample_from_atoms
     from petfunc.trainer.training import iterate_batches
 
     frames = ase.io.read(dataset, ":10")

@@ -361,7 +361,7 @@ def test_traces_with_dynamic_shapes():
 def _zbl_training_samples(config):
     from ase.build import bulk
 
-    from petfunc.data.samples import sample_from_atoms
+    from petfunc.data import sample_from_atoms
 
     samples = []
     for k in range(4):
@@ -376,7 +376,7 @@ def test_training_targets_exclude_zbl():
     """Labels made by the model itself (eval mode, ZBL included) are fitted exactly
     by its training-mode output: the loss is 0 only if ZBL's energy, forces and
     strain derivative are all removed from the targets."""
-    from petfunc.data.samples import make_batch, zbl_baseline
+    from petfunc.data import make_batch, zbl_baseline
 
     config = petfunc.PETConfig(atomic_types=(13, 29), zbl=True, **SMALL)
     model = petfunc.PET(config)
@@ -400,7 +400,7 @@ def test_training_targets_exclude_zbl():
 
 def test_composition_fit_excludes_zbl():
     """Energies = sum of per-species offsets + ZBL: the fit recovers the offsets."""
-    from petfunc.data.samples import Dataset, zbl_baseline
+    from petfunc.data import Dataset, zbl_baseline
 
     config = petfunc.PETConfig(atomic_types=(13, 29), zbl=True, **SMALL)
     samples = _zbl_training_samples(config)

@@ -60,7 +60,7 @@ import ase.build  # noqa: E402
 import numpy as np  # noqa: E402
 from ase.calculators.emt import EMT  # noqa: E402
 
-from petfunc.data.samples import make_batch, sample_from_atoms
+from petfunc.data import make_batch, sample_from_atoms
 
 
 MOLECULES = ("CH3CH2OH", "H2O", "CH4", "C2H6", "CH3OH", "NH3")

@@ -21,13 +21,12 @@ import torch
 from petfunc import allocator
 from petfunc.ase.calculator import voigt, partly_periodic_stress_warning
 from petfunc.config import PETConfig
-from petfunc.data.samples import padding_sample
 from petfunc.derivatives import energy_and_forces, energy_forces_strain_derivative
 from petfunc.io.params import cast_params, network_dtype
 from petfunc.graph import mesh_layout
 from petfunc.model.long_range import calculator_backend
 from petfunc.model import PET
-from petfunc.structures import collate, prepare_atoms
+from petfunc.structures import collate_padded, prepare_atoms
 
 
 __all__ = ["BatchEvaluator"]
@@ -92,7 +91,6 @@ class BatchEvaluator:
         # with stress the model also gives dE/d strain, from the same pass
         self._derivatives = energy_forces_strain_derivative if stress else energy_and_forces
         self._model = PET(config)
-        self._padding = padding_sample(config).structure
         self._warned = set()  # labels of the partly periodic structures warned about
         # by long-range mesh layout (long_range.mesh_layout): with P3M, one graph per
         # number of crystals in a batch; otherwise one in all
@@ -144,9 +142,9 @@ class BatchEvaluator:
             # float32 models: atoms wrapped into the cell in float64 (as PETCalculator)
             wrap = self.dtype != torch.float64
             structures = [prepare_atoms(frames[i], self.config, label=labels[i], wrap=wrap) for i in group]
-            # the dummy molecule keeps every size >= 2: one compiled graph for all
-            positions, cell, neighbors = collate(
-                structures + [self._padding], self.config, dtype=self.dtype, device=self.device
+            # the padding molecule keeps every size >= 2: one compiled graph for all
+            positions, cell, neighbors, _ = collate_padded(
+                structures, self.config, always=True, dtype=self.dtype, device=self.device
             )
             with torch.no_grad():
                 outputs = self._evaluate(positions, cell, neighbors)

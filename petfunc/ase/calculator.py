@@ -14,7 +14,7 @@ derivative in one call of
 ``torch.func`` derivative, compiled for symbolic sizes; the trace is cached on disk,
 so a later process with the same config skips it), or in a ``petfunc export``
 artifact (:meth:`PETCalculator.from_exported`). The structure is batched together with
-:func:`petfunc.data.padding_sample` (a 3-atom dummy molecule), so that no size the
+:func:`petfunc.structures.padding_structure` (a 3-atom molecule), so that no size the
 compiled graph sees (structures, atoms, edges, neighbours per atom) is 0 or 1: those
 are the sizes torch specialises on, and a single structure, or one atom, would
 recompile. The neighbour list is rebuilt with vesin at every call; the number of
@@ -65,7 +65,6 @@ from ase.data import chemical_symbols
 
 from petfunc import allocator, tree
 from petfunc.config import PETConfig
-from petfunc.data.samples import padding_sample
 from petfunc.derivatives import energy_terms_forces_strain_derivative
 from petfunc.io.checkpoint import is_checkpoint
 from petfunc.io.load import load_model, torch_payload
@@ -75,7 +74,7 @@ from petfunc.graph import mesh_layout
 from petfunc.model.long_range import calculator_backend
 from petfunc.model import PET
 from petfunc.remat import remat as remat_fn
-from petfunc.structures import collate, prepare_atoms, state_from_info
+from petfunc.structures import collate_padded, prepare_atoms, state_from_info
 
 
 __all__ = ["PETCalculator"]
@@ -223,7 +222,6 @@ class PETCalculator(Calculator):
         # GPUs on torch < 2.13: aot_eager for long-range models (long_range.calculator_backend)
         self.backend = calculator_backend(config, backend, self.device) if compile else backend
         self._remat = bool(remat)
-        self._padding = padding_sample(config).structure
         self.llpr = None
         if llpr is not None:
             if params is None or ensemble_params is not None or exported is not None:
@@ -371,10 +369,11 @@ class PETCalculator(Calculator):
         structure = prepare_atoms(atoms, self.config, label="atoms", wrap=self.dtype != torch.float64)
         # an exported long-range model may use Ewald sums instead of P3M
         method = getattr(self.exported, "long_range", None) or "p3m"
-        # the dummy molecule keeps every size >= 2 (no 0/1 specialisation)
-        return collate(
-            [structure, self._padding], self.config, dtype=self.dtype, device=self.device, long_range=method
+        # the padding molecule keeps every size >= 2 (no 0/1 specialisation)
+        positions, cell, neighbors, _ = collate_padded(
+            [structure], self.config, always=True, dtype=self.dtype, device=self.device, long_range=method
         )
+        return positions, cell, neighbors
 
     def _evaluate(self, params, inputs):
         positions, cell, neighbors = inputs

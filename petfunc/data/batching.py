@@ -136,28 +136,18 @@ def batch_plan(
     """
     if atom_counts is not None and len(atom_counts) != n:
         raise ValueError(f"{len(atom_counts)} atom counts for {n} structures")
+    shards = (rank, world_size, even_shards)
     if groups is not None and len(groups) > 1:
         if sum(groups) != n:
             raise ValueError(f"groups {list(groups)} do not add up to {n} structures")
         batches, start = [], 0
         for g, size in enumerate(groups):
             counts = None if atom_counts is None else atom_counts[start : start + size]
-            for b in batch_plan(
-                size,
-                batch_size,
-                epoch,
-                derived_seed(seed, g, 0xF11E),
-                shuffle,
-                drop_last,
-                rank,
-                world_size,
-                even_shards,
-                None,
-                counts,
-                max_atoms,
-                min_atoms,
-            ):
-                batches.append(b + start)
+            plan = batch_plan(
+                size, batch_size, epoch, derived_seed(seed, g, 0xF11E), shuffle, drop_last, *shards,
+                None, counts, max_atoms, min_atoms,
+            )  # fmt: skip
+            batches += [b + start for b in plan]
             start += size
         if shuffle:
             order = np.random.default_rng(derived_seed(seed, epoch, 0xBA7C)).permutation(len(batches))
@@ -167,14 +157,24 @@ def batch_plan(
         if atom_counts is None:
             raise ValueError("max_atoms needs the atom_counts of the structures")
         packed = pack_by_atoms(atom_counts, max_atoms, min_atoms, shuffle, keep_all=not drop_last)
-        order = list(range(len(packed)))
-        if shuffle:
-            order = torch.randperm(len(packed), generator=torch.Generator().manual_seed(epoch)).tolist()
-        if world_size > 1:
-            if even_shards:
-                order = order[: (len(order) // world_size) * world_size]
-            order = order[rank::world_size]
-        return [packed[i] for i in order]
+        return _packed_plan(packed, epoch, shuffle, *shards)
+    return _shuffled_plan(n, batch_size, epoch, seed, shuffle, drop_last, *shards)
+
+
+def _packed_plan(packed, epoch: int, shuffle: bool, rank: int, world_size: int, even_shards: bool):
+    """One rank's batches of an epoch, from the fixed batches ``packed`` by atom count."""
+    order = list(range(len(packed)))
+    if shuffle:
+        order = torch.randperm(len(packed), generator=torch.Generator().manual_seed(epoch)).tolist()
+    if world_size > 1:
+        if even_shards:
+            order = order[: (len(order) // world_size) * world_size]
+        order = order[rank::world_size]
+    return [packed[i] for i in order]
+
+
+def _shuffled_plan(n, batch_size, epoch, seed, shuffle, drop_last, rank, world_size, even_shards):
+    """One rank's batches of an epoch of ``n`` structures in batches of ``batch_size``."""
     order = np.arange(n)
     if shuffle:
         order = np.random.default_rng(derived_seed(seed, epoch, 0x5EED)).permutation(n)

@@ -26,7 +26,7 @@ symbolic sizes, then ``torch.export`` with every data size dynamic. One artifact
 serves any number of structures, atoms, edges and neighbours.
 
 Inputs (sizes: S structures, N atoms, E edges, K kept edges, M NEF width; every size
-must be at least 2: add :func:`petfunc.data.padding_sample` to a single structure,
+must be at least 2: add :func:`petfunc.structures.padding_structure` to a single structure,
 as :class:`petfunc.ase.PETCalculator` does):
 
 ==================  ==============  =========================================
@@ -124,8 +124,7 @@ def _example_inputs(config: PETConfig, dtype, device, long_range: str | None = N
     """A batch whose sizes are all >= 2 and mostly distinct: a cluster and the padding
     molecule, after a small triclinic crystal for long-range models (whose k-grid or
     P3M mesh needs a periodic first structure)."""
-    from petfunc.data.samples import padding_sample
-    from petfunc.structures import collate, prepare
+    from petfunc.structures import collate_padded, prepare
 
     rng = np.random.default_rng(0)
     n = 5
@@ -139,8 +138,10 @@ def _example_inputs(config: PETConfig, dtype, device, long_range: str | None = N
         numbers = [config.atomic_types[i % len(config.atomic_types)] for i in range(n + 1)]
         crystal = prepare(numbers, fractions @ cell, cell, True, config, "example crystal")
         structures.insert(0, crystal)
-    structures.append(padding_sample(config).structure)
-    return collate(structures, config, dtype=dtype, device=device, long_range=long_range or "p3m")
+    inputs = collate_padded(
+        structures, config, always=True, dtype=dtype, device=device, long_range=long_range or "p3m"
+    )
+    return inputs[:3]
 
 
 # the mesh input when the first structure is a molecule (its k-space part is masked out)
@@ -435,7 +436,7 @@ class ExportedPET:
                 raise ValueError(
                     f"every size of the exported model's inputs must be at least 2, but "
                     f"{name!r} has shape {tuple(t.shape)}: batch a single structure with "
-                    "petfunc.data.padding_sample(config), as PETCalculator does"
+                    "petfunc.structures.padding_structure(config), as PETCalculator does"
                 )
         if positions.dtype != self.dtype:
             raise ValueError(f"positions must be {self.dtype}, got {positions.dtype}")

@@ -27,7 +27,7 @@ import torch
 from torch.func import grad, vjp, vmap
 
 from petfunc._torch.vmap_rules import symbolic_vmap_rules
-from petfunc.data.samples import Batch
+from petfunc.data import Batch
 from petfunc.derivatives import energy_forces_strain_derivative
 from petfunc.train.loss import LossTerm, LossWeights, _term, atoms_per_structure
 from petfunc.train.step import grad_step_of, train_step_of

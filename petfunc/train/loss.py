@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from petfunc.data.samples import Batch
+from petfunc.data import Batch
 from petfunc.derivatives import energy_and_forces, energy_forces_strain_derivative
 
 

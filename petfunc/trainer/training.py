@@ -80,7 +80,7 @@ from petfunc._files import atomic_write, remove_leftover_temporaries
 from petfunc.config import PETConfig
 from petfunc.data.batching import batch_plan, derived_seed, pack_by_atoms
 from petfunc.data.read import read_labelled
-from petfunc.data.samples import Sample, fit_composition, fit_scale, make_batch, random_rotations
+from petfunc.data import Sample, fit_composition, fit_scale, make_batch, random_rotations
 from petfunc.derivatives import energy_and_forces, energy_forces_strain_derivative
 from petfunc.determinism import deterministic_algorithms
 from petfunc.io.checkpoint import CHECKPOINT_FORMAT, read_checkpoint, state_from_plain, write_checkpoint
