@@ -33,7 +33,7 @@ def child(path: str, d_pet: int, threads: int) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import petfunc
-    from petfunc.ase.calculator import PETCalculator
+    from petfunc.ase import PETCalculator
     from petfunc.compile.compiled import Compiled, _split, no_duck_shape
 
     torch.set_num_threads(threads)

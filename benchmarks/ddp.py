@@ -51,9 +51,9 @@ def _frames():
 def child(args):
     import petfunc
     from petfunc import distributed as pdist
-    from petfunc.data.samples import Dataset, sample_from_atoms
-    from petfunc.train.loss import LossWeights
-    from petfunc.train.step import init_state, make_optimizer, warmup_cosine
+    from petfunc.data import Dataset, sample_from_atoms
+    from petfunc.train import LossWeights
+    from petfunc.train import init_state, make_optimizer, warmup_cosine
 
     torch.set_num_threads(args.threads)
     info = pdist.init_from_env(device=args.device)

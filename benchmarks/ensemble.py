@@ -121,7 +121,7 @@ def main():
     )
     model = petfunc.PET(config)
     params = ensemble.init(model, range(k), dtype=dtype)
-    members = ensemble.unstack(params)
+    members = petfunc.tree.unstack(params)
     batch = labelled_batch(config, args.structures, (args.repeat,) * 3, dtype)
     data = (batch.positions, batch.cell, batch.neighbors)
     optimizer = petfunc.make_optimizer(1e-3)

@@ -13,7 +13,7 @@ from ase.md.verlet import VelocityVerlet
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's petfunc, not an installed one
-from petfunc.ase.calculator import PETCalculator
+from petfunc.ase import PETCalculator
 from petfunc.dynamics import run
 
 

@@ -58,7 +58,7 @@ import ase.build
 from _measure import add_malloc_option, apply_malloc
 
 import petfunc
-from petfunc.ase.calculator import PETCalculator
+from petfunc.ase import PETCalculator
 from petfunc.structures import prepare_atoms
 
 

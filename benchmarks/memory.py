@@ -65,7 +65,7 @@ def worker(args) -> None:
     import torch
 
     import petfunc
-    from petfunc.ase.calculator import PETCalculator
+    from petfunc.ase import PETCalculator
 
     torch.set_num_threads(args.threads)
     config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8))
@@ -120,7 +120,7 @@ def train_worker(args) -> None:
 
     import petfunc
     from petfunc import allocator
-    from petfunc.data.samples import sample_from_atoms
+    from petfunc.data import sample_from_atoms
 
     torch.set_num_threads(args.threads)
     variant = VARIANTS[args.worker]

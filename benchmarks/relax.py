@@ -20,7 +20,7 @@ from ase.optimize import FIRE as AseFIRE
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's petfunc, not an installed one
-from petfunc.ase.calculator import PETCalculator
+from petfunc.ase import PETCalculator
 from petfunc.relax import fire
 
 

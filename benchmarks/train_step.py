@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's petfunc, not an installed one
 import petfunc
-from petfunc.data.samples import sample_from_atoms
+from petfunc.data import sample_from_atoms
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -19,53 +19,74 @@ Files and tools
     (checkpoints and exported models), ``llpr`` (metatrain's LLPR uncertainties),
     ``export`` (PT2 artifacts); ``petfunc.ase.PETCalculator``, ``relax``, ``dynamics``.
 
-The README has examples of each; ``petfunc --help`` the command line.
+The subpackages, from the bottom layer up: ``ops`` and ``compile`` (kernels and
+tracing, knowing nothing of PET), ``graph`` (the eager neighbour graph), ``model``,
+``data`` and ``io``, ``train``, the tools (``ensemble``, ``llpr``, ``distributed``,
+``export``, ``ase``, ``relax``, ``dynamics``), ``trainer`` (the ``petfunc train``
+application) and ``cli``. The README has examples of each; ``petfunc --help`` the
+command line.
 """
 
-from petfunc import (
-    _compat,
-    allocator,
-    distributed,
-    dynamics,
-    ensemble,
-    export,
-    hessian,  # callable: petfunc.hessian(energy_fn) (see petfunc.hessian)
-    llpr,
-    lora,
-    relax,
-    remat,  # callable: petfunc.remat(fn) (see petfunc.remat)
-    tree,
-)
-from petfunc.compile.compiled import compile
-from petfunc.config import LongRangeConfig, PETConfig
-from petfunc.data import Batch, Dataset, Sample, make_batch, read_dataset
-from petfunc.derivatives import (
-    cell_volume,
-    energy_and_forces,
-    energy_forces_strain_derivative,
-    energy_forces_stress,
-    energy_terms_forces_strain_derivative,
-    forces,
-)
-from petfunc.determinism import deterministic_algorithms
-from petfunc.graph.neighbors import Neighbors
-from petfunc.hessian import hvp
-from petfunc.io import from_metatrain, load_model, load_params, save_params
-from petfunc.model import PET, init
-from petfunc.structures import Structure, collate, from_atoms, prepare, prepare_atoms
-from petfunc.train import hessian_loss
-from petfunc.train.loss import LossTerm, LossWeights, make_loss
-from petfunc.train.step import (
-    TrainState,
-    apply_gradients,
-    init_state,
-    make_grad_step,
-    make_optimizer,
-    make_train_step,
-    pack_state,
-    warmup_cosine,
-)
-from petfunc.trainer import fit
+from petfunc import _compat
+from petfunc import allocator as allocator
+from petfunc import distributed as distributed
+from petfunc import dynamics as dynamics
+from petfunc import ensemble as ensemble
+from petfunc import export as export
+from petfunc import llpr as llpr
+from petfunc import lora as lora
+from petfunc import relax as relax
+from petfunc import tree as tree
+from petfunc.config import LongRangeConfig as LongRangeConfig
+from petfunc.config import PETConfig as PETConfig
+from petfunc.data import Batch as Batch
+from petfunc.data import Dataset as Dataset
+from petfunc.data import Sample as Sample
+from petfunc.data import make_batch as make_batch
+from petfunc.data import read_dataset as read_dataset
+from petfunc.derivatives import cell_volume as cell_volume
+from petfunc.derivatives import energy_and_forces as energy_and_forces
+from petfunc.derivatives import energy_forces_strain_derivative as energy_forces_strain_derivative
+from petfunc.derivatives import energy_forces_stress as energy_forces_stress
+from petfunc.derivatives import energy_terms_forces_strain_derivative as energy_terms_forces_strain_derivative
+from petfunc.derivatives import forces as forces
+from petfunc.determinism import deterministic_algorithms as deterministic_algorithms
+from petfunc.graph import Neighbors as Neighbors
+from petfunc.io import from_metatrain as from_metatrain
+from petfunc.io import load_model as load_model
+from petfunc.io import load_params as load_params
+from petfunc.io import save_params as save_params
+from petfunc.model import PET as PET
+from petfunc.model import init as init
+from petfunc.structures import Structure as Structure
+from petfunc.structures import collate as collate
+from petfunc.structures import from_atoms as from_atoms
+from petfunc.structures import prepare as prepare
+from petfunc.structures import prepare_atoms as prepare_atoms
+from petfunc.train import LossTerm as LossTerm
+from petfunc.train import LossWeights as LossWeights
+from petfunc.train import TrainState as TrainState
+from petfunc.train import apply_gradients as apply_gradients
+from petfunc.train import hessian_loss as hessian_loss
+from petfunc.train import init_state as init_state
+from petfunc.train import make_grad_step as make_grad_step
+from petfunc.train import make_loss as make_loss
+from petfunc.train import make_optimizer as make_optimizer
+from petfunc.train import make_train_step as make_train_step
+from petfunc.train import pack_state as pack_state
+from petfunc.train import warmup_cosine as warmup_cosine
+from petfunc.trainer import fit as fit
+
+
+# isort: split
+# Functions named like their modules: ``petfunc.compile(fn, ...)``,
+# ``petfunc.hessian(energy_fn)`` and ``petfunc.remat(fn)`` are the functions; the
+# modules' other names import from them (``from petfunc.hessian import hvp``).
+# Bound last, after every import that could load those modules.
+from petfunc.compile import compile as compile
+from petfunc.hessian import hessian as hessian
+from petfunc.hessian import hvp as hvp
+from petfunc.remat import remat as remat
 
 
 __version__ = "0.1.0"

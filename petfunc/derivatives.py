@@ -44,13 +44,13 @@ from petfunc.graph import check_sizes
 AUTODIFF = ("func", "autograd")
 
 
-def _check_autodiff(autodiff: str) -> str:
+def check_autodiff(autodiff: str) -> str:
     if autodiff not in AUTODIFF:
         raise ValueError(f"autodiff must be one of {AUTODIFF}, got {autodiff!r}")
     return autodiff
 
 
-def _assert_eager(what: str) -> None:
+def assert_eager(what: str) -> None:
     """autograd.grad must not run where torch.func or a tracer would see it: under
     make_fx it records a first derivative that a later differentiation of the graph
     gets silently wrong (the detach nodes of a traced backward)."""
@@ -102,7 +102,7 @@ def cell_volume(cell: torch.Tensor) -> torch.Tensor:
     return torch.linalg.cross(cell[:, 0], cell[:, 1], dim=-1).mul(cell[:, 2]).sum(-1).abs()
 
 
-def _strained(positions, cell, strain, structure_index):
+def strained(positions, cell, strain, structure_index):
     # bmm, what einsum("ia,iab->ib") and matmul run for these shapes: torch 2.11
     # fails an internal assert tracing einsum or matmul here (a grad of a grad under
     # make_fx with symbolic sizes)
@@ -110,13 +110,13 @@ def _strained(positions, cell, strain, structure_index):
     return positions, torch.bmm(cell, strain)
 
 
-def _identity_strain(cell: torch.Tensor) -> torch.Tensor:
+def identity_strain(cell: torch.Tensor) -> torch.Tensor:
     eye = torch.eye(3, dtype=cell.dtype, device=cell.device)
     return eye.expand(cell.shape[0], 3, 3).clone()
 
 
 def _autograd_energy_and_gradient(energy_fn, params, positions, cell, neighbors):
-    _assert_eager("energy_and_forces")
+    assert_eager("energy_and_forces")
     create = _requires_graph(params, positions, cell)
     with torch.enable_grad():
         x = _variable(positions)
@@ -137,7 +137,7 @@ def forces(energy_fn, autodiff: str = "func"):
 
 def energy_and_forces(energy_fn, autodiff: str = "func"):
     """``fn(...) -> (energy [n_structures], forces [n_atoms, 3])``."""
-    _check_autodiff(autodiff)
+    check_autodiff(autodiff)
 
     def fn(params, positions, cell, neighbors):
         if torch.is_inference_mode_enabled():
@@ -165,22 +165,22 @@ def _position_and_strain_grad(terms_fn, params, positions, cell, neighbors, auto
         )
     check_sizes(positions, cell, neighbors)  # the strain below would fail first, less clearly
     if autodiff == "autograd":
-        _assert_eager("the strain derivative")
+        assert_eager("the strain derivative")
         create = _requires_graph(params, positions, cell)
         with torch.enable_grad():
             x = _variable(positions)
-            eps = _identity_strain(cell).requires_grad_(True)
-            xs, cs = _strained(x, cell, eps, neighbors.structure_index)
+            eps = identity_strain(cell).requires_grad_(True)
+            xs, cs = strained(x, cell, eps, neighbors.structure_index)
             terms = terms_fn(params, xs, cs, neighbors)
             de_dx, de_deps = torch.autograd.grad(terms[0].sum(), (x, eps), create_graph=create)
         if not create:
             terms = tuple(t.detach() for t in terms)
         return terms, de_dx, de_deps
 
-    strain = _identity_strain(cell)
+    strain = identity_strain(cell)
 
     def total(x, eps):
-        xs, cs = _strained(x, cell, eps, neighbors.structure_index)
+        xs, cs = strained(x, cell, eps, neighbors.structure_index)
         terms = terms_fn(params, xs, cs, neighbors)
         return terms[0].sum(), terms
 
@@ -194,7 +194,7 @@ def energy_forces_strain_derivative(energy_fn, autodiff: str = "func"):
     The strain derivative is the (negative) virial W = -dE/d eps and is finite for
     every structure, periodic or not. ``autodiff``: see the module docstring.
     """
-    _check_autodiff(autodiff)
+    check_autodiff(autodiff)
 
     def energy_only(*args):
         return (energy_fn(*args),)
@@ -216,7 +216,7 @@ def energy_terms_forces_strain_derivative(terms_fn, autodiff: str = "func"):
     :func:`energy_forces_strain_derivative`; the per-atom energies come from the same
     forward pass (no second evaluation).
     """
-    _check_autodiff(autodiff)
+    check_autodiff(autodiff)
 
     def fn(params, positions, cell, neighbors):
         (energy, per_atom), de_dx, de_deps = _position_and_strain_grad(

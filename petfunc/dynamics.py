@@ -28,7 +28,7 @@ import torch
 from ase import units
 from ase.calculators.singlepoint import SinglePointCalculator
 
-from petfunc.ase.batch import BatchEvaluator
+from petfunc.ase import BatchEvaluator
 from petfunc.config import PETConfig
 
 

@@ -1,7 +1,7 @@
 """Ensembles (committees) of models evaluated and trained together with ``torch.func.vmap``.
 
 An ensemble is one parameter tree whose every leaf has a leading member axis of
-size K (``init``/``stack``). The transformations here vmap a single-model function
+size K (:func:`init`, or :func:`petfunc.tree.stack` of K trees). The transformations here vmap a single-model function
 over that axis, with the data shared by all members:
 
 * ``energy_forces_stress(energy_fn)(params, positions, cell, neighbors)`` gives
@@ -13,10 +13,10 @@ over that axis, with the data shared by all members:
   that shares the neighbour graph: per-member augmentation or label noise).
 
 All of them trace with :func:`petfunc.compile` into one graph that serves every
-batch shape: the vmap runs under :func:`petfunc._torch.vmap_rules.symbolic_vmap_rules`,
-which replaces the few PyTorch batching rules that would otherwise bake the trace
-batch's sizes into the graph (compile note P7) and never lets an index operation
-write into an expanded tensor (note P6, the inductor miscompilation).
+batch shape: the vmap runs under petfunc's symbolic batching rules, which replace
+the few PyTorch batching rules that would otherwise bake the trace batch's sizes
+into the graph, and never let an index operation write into an expanded tensor
+(which inductor miscompiles).
 
 >>> model = petfunc.PET(config)
 >>> params = petfunc.ensemble.init(model, seeds=range(8))
@@ -30,17 +30,16 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
 from torch.func import vmap
 
 from petfunc import tree
 from petfunc._torch.vmap_rules import symbolic_vmap_rules
 from petfunc.data import Batch
 from petfunc.derivatives import energy_forces_stress as _single_energy_forces_stress
-from petfunc.train.loss import LossWeights
-from petfunc.train.step import TrainState
-from petfunc.train.step import init_state as _single_init_state
-from petfunc.train.step import make_train_step as _single_train_step
+from petfunc.train import LossWeights
+from petfunc.train import TrainState
+from petfunc.train import init_state as _single_init_state
+from petfunc.train import make_train_step as _single_train_step
 
 
 # ---------------------------------------------------------------------------------------
@@ -62,40 +61,22 @@ def init(model, seeds: Sequence[int], dtype: torch.dtype = torch.float32, device
     return tree.stack([model.init(seed=int(s), dtype=dtype, device=device) for s in seeds])
 
 
-def stack(members):
-    """Stack a list of parameter trees of the same structure (``[K, ...]`` leaves)."""
-    return tree.stack(members)
-
-
-def unstack(params):
-    """The list of member parameter trees of a stacked tree."""
-    return tree.unstack(params)
-
-
 def size(params) -> int:
     """Number of members K of a stacked parameter tree."""
     return next(iter(tree.flatten(params).values())).shape[0]
 
 
-def _stack_pytree(trees):
-    return pytree.tree_map(lambda *xs: torch.stack(xs), *trees)
-
-
-def _unstack_pytree(stacked, k: int):
-    return [pytree.tree_map(lambda x: x[i], stacked) for i in range(k)]
-
-
 def init_state(params, optimizer, train=None) -> TrainState:
     """``TrainState`` of an ensemble: stacked parameters and stacked optimizer states
     (``train``: the trained parameters, see :func:`petfunc.train.trainable`)."""
-    members = unstack(params)
+    members = tree.unstack(params)
     states = [_single_init_state(p, optimizer, train) for p in members]
-    return TrainState(params, _stack_pytree([s.opt_state for s in states]))
+    return TrainState(params, tree.stack([s.opt_state for s in states]))
 
 
 def member_state(state: TrainState, index: int) -> TrainState:
     """The single-model ``TrainState`` of member ``index`` (for checks and export)."""
-    return pytree.tree_map(lambda x: x[index], state)
+    return tree.tree_map(lambda x: x[index], state)
 
 
 # ---------------------------------------------------------------------------------------
@@ -180,9 +161,9 @@ def stack_batches(batches: Sequence[Batch]) -> Batch:
     """
     batches = list(batches)
     first = batches[0].neighbors
-    first_leaves, first_spec = torch.utils._pytree.tree_flatten(first)
+    first_leaves, first_spec = tree.tree_flatten(first)
     for i, b in enumerate(batches[1:], start=1):
-        leaves, spec = torch.utils._pytree.tree_flatten(b.neighbors)
+        leaves, spec = tree.tree_flatten(b.neighbors)
         same = [
             a is c is None or (a is not None and c is not None and torch.equal(a, c))
             for a, c in zip(first_leaves, leaves)

@@ -73,7 +73,6 @@ import os
 import re
 import sys
 import tempfile
-import types
 from collections.abc import Callable
 
 import torch
@@ -367,14 +366,3 @@ def mass_weighted(hessian_matrix: torch.Tensor, masses: torch.Tensor) -> torch.T
     n = hessian_matrix.shape[0]
     inv = (1.0 / torch.sqrt(masses.to(hessian_matrix.dtype))).repeat_interleave(3)
     return hessian_matrix.reshape(3 * n, 3 * n) * inv[:, None] * inv[None, :]
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable: ``petfunc.hessian(energy_fn, ...)`` is :func:`hessian`
-    (the spelling of the issue that asked for it), while ``petfunc.hessian.hvp`` and
-    ``from petfunc.hessian import ...`` keep working."""
-
-    __call__ = staticmethod(hessian)
-
-
-sys.modules[__name__].__class__ = _CallableModule

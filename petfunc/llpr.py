@@ -96,7 +96,7 @@ def ensemble_offsets(config: PETConfig, stress: bool = False) -> Callable:
     offsets are the gradients of these, from one vmapped pullback of the features.
     """
     from petfunc._torch.vmap_rules import symbolic_vmap_rules
-    from petfunc.derivatives import _identity_strain, _strained
+    from petfunc.derivatives import identity_strain, strained
 
     features_fn = structure_features(config)
 
@@ -106,13 +106,13 @@ def ensemble_offsets(config: PETConfig, stress: bool = False) -> Callable:
 
         def features_of(x, eps):
             # strained as in petfunc.derivatives, so d/d eps is the strain derivative
-            xs, cs = _strained(x, cell, eps, neighbors.structure_index)
+            xs, cs = strained(x, cell, eps, neighbors.structure_index)
             return features_fn(params, xs, cs, neighbors)
 
         # symbolic-size batching rules: traced, the vmapped pullback keeps the data
         # sizes symbolic (PyTorch's own rules bake some of them into views)
         with symbolic_vmap_rules():
-            features, pullback = vjp(features_of, positions, _identity_strain(cell))
+            features, pullback = vjp(features_of, positions, identity_strain(cell))
             # cotangent of member k: delta_k on every structure's features
             cotangents = delta[:, None, :].expand(-1, features.shape[0], -1)
             d_dx, d_deps = vmap(pullback)(cotangents)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from ase.calculators.singlepoint import SinglePointCalculator
 
-from petfunc.ase.batch import BatchEvaluator
+from petfunc.ase import BatchEvaluator
 from petfunc.config import PETConfig
 
 

@@ -1,18 +1,22 @@
-"""Parameter pytrees: nested dicts (and lists) of tensors with dotted paths.
+"""Pytrees: parameter trees with dotted paths, over torch's pytree library.
 
-``flatten(params)`` gives ``{"gnn_layers.0.trans.layers.0.attention.input_linear.weight":
-tensor, ...}``: exactly metatrain's state-dict names without the ``backend.`` prefix.
-A node whose keys are ``"0", "1", ...`` in order becomes a list on ``unflatten``.
+Two views of one tree. :func:`flatten` gives ``{"gnn_layers.0.trans.layers.0.attention.
+input_linear.weight": tensor, ...}``: exactly metatrain's state-dict names without the
+``backend.`` prefix (a node whose keys are ``"0", "1", ...`` in order becomes a list
+on :func:`unflatten`). :func:`tree_map`, :func:`tree_leaves`, :func:`tree_flatten` and
+:func:`tree_unflatten` are ``torch.utils._pytree``'s, for any pytree (dicts, lists,
+tuples, NamedTuples such as optimizer states), so that petfunc uses one tree library.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 
 Params = dict[str, Any]
@@ -53,35 +57,31 @@ def _listify(node: Any) -> Any:
     return node
 
 
-def tree_map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """Apply ``fn`` to every leaf, keeping the structure."""
-    if isinstance(tree, dict):
-        return {k: tree_map(fn, v) for k, v in tree.items()}
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a NamedTuple (TrainState, Neighbors)
-        return type(tree)(*(tree_map(fn, v) for v in tree))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(tree_map(fn, v) for v in tree)
-    return fn(tree)
+#: ``fn`` applied to every leaf of one or more pytrees of the same structure
+tree_map = pytree.tree_map
+#: the leaves of a pytree, in order
+tree_leaves = pytree.tree_leaves
+#: ``(leaves, spec)`` of a pytree; :func:`tree_unflatten` inverts it
+tree_flatten = pytree.tree_flatten
+tree_unflatten = pytree.tree_unflatten
 
 
-def stack(trees) -> Params:
-    """Stack several trees of identical structure along a new leading axis (ensembles)."""
+def stack(trees) -> Any:
+    """Stack pytrees of one structure along a new leading axis (ensemble members)."""
     trees = list(trees)
     if not trees:
         raise ValueError("stack() needs at least one parameter tree")
-    flats = [flatten(t) for t in trees]
-    keys = list(flats[0])
-    for i, f in enumerate(flats[1:], start=1):
-        if list(f) != keys:
+    spec = tree_flatten(trees[0])[1]
+    for i, other in enumerate(trees[1:], start=1):
+        if tree_flatten(other)[1] != spec:
             raise ValueError(f"parameter tree {i} does not have the structure of tree 0")
-    return unflatten({k: torch.stack([f[k] for f in flats]) for k in keys})
+    return tree_map(lambda *leaves: torch.stack(leaves), *trees)
 
 
-def unstack(tree: Params):
-    """Split a stacked tree (leading ensemble axis) back into a list of trees."""
-    flat = flatten(tree)
-    n = next(iter(flat.values())).shape[0]
-    return [unflatten({k: v[i] for k, v in flat.items()}) for i in range(n)]
+def unstack(tree: Any) -> list:
+    """The list of trees of a stacked tree (the inverse of :func:`stack`)."""
+    n = tree_leaves(tree)[0].shape[0]
+    return [tree_map(lambda leaf, i=i: leaf[i], tree) for i in range(n)]
 
 
 def count(tree: Any) -> int:
@@ -99,7 +99,7 @@ def count(tree: Any) -> int:
 # function below gives the same values for leaves in separate tensors.
 
 
-def _packed_range(leaves):
+def packed_range(leaves):
     """``(buffer, start, stop)`` when ``leaves`` are contiguous views of one contiguous
     buffer, consecutive in this order (element offsets), else ``None``."""
     base = getattr(leaves[0], "_base", None)
@@ -130,7 +130,7 @@ def ravel(leaves) -> torch.Tensor:
     the result is then a view of that buffer. All leaves must share dtype and device.
     """
     leaves = list(leaves)
-    packed = _packed_range(leaves) if leaves else None
+    packed = packed_range(leaves) if leaves else None
     if packed is not None:
         base, start, stop = packed
         return base.view(-1)[start:stop]
@@ -152,7 +152,7 @@ def pack(tree: Any) -> Any:
     Works on any pytree (dicts, lists, NamedTuples). Values are unchanged; only the
     memory layout differs, which lets :func:`ravel` return the buffer without a copy.
     """
-    leaves, spec = torch.utils._pytree.tree_flatten(tree)
+    leaves, spec = tree_flatten(tree)
     groups: dict[Any, list] = {}
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
@@ -163,7 +163,7 @@ def pack(tree: Any) -> Any:
         flat = torch.cat([m.reshape(-1) for m in members])
         for i, view in zip(indices, unravel(flat, [m.shape for m in members])):
             out[i] = view
-    return torch.utils._pytree.tree_unflatten(out, spec)
+    return tree_unflatten(out, spec)
 
 
 def differences(before: Mapping, after: Mapping, prefix: str = "") -> list[str]:

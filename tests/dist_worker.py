@@ -19,8 +19,8 @@ from petfunc.io.checkpoint import read_checkpoint, model_of, state_from_plain, w
 from petfunc.train import TrainState, pack_state, trainable
 from petfunc.distributed import process as pdist
 from petfunc.data import make_batch, sample_from_atoms
-from petfunc.train.loss import LossTerm, LossWeights
-from petfunc.train.step import init_state, make_optimizer, warmup_cosine
+from petfunc.train import LossTerm, LossWeights
+from petfunc.train import init_state, make_optimizer, warmup_cosine
 
 
 CONFIG = petfunc.PETConfig(

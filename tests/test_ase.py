@@ -26,7 +26,7 @@ from ase.md.verlet import VelocityVerlet
 from ase.optimize import BFGS
 
 import petfunc
-from petfunc.ase.calculator import PETCalculator
+from petfunc.ase import PETCalculator
 from petfunc.structures import prepare_atoms
 
 
@@ -277,7 +277,7 @@ def test_float32_atoms_far_from_the_cell(params):
     assert np.abs(far.get_forces() - f64).max() < 2e-5
     assert np.abs(far.get_stress() - s64).max() < 1e-6
     assert np.allclose(far.positions, atoms.positions + np.array([100.5, -70, 30]) @ atoms.cell.array)
-    from petfunc.ase.batch import BatchEvaluator
+    from petfunc.ase import BatchEvaluator
 
     (batched,) = BatchEvaluator(CONFIG, params32, stress=True)([far])
     assert np.abs(batched["forces"] - f64).max() < 2e-5 and np.abs(batched["stress"] - s64).max() < 1e-6

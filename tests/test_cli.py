@@ -185,7 +185,7 @@ def test_eval_writes_predictions(demo_run, tmp_path, capsys):
     import ase.io
     import numpy as np
 
-    from petfunc.ase.calculator import PETCalculator
+    from petfunc.ase import PETCalculator
     from petfunc.io import load_model
 
     frames = ase.io.read(demo_run / "dataset.xyz", ":3")

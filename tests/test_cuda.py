@@ -157,7 +157,7 @@ def test_hessian_equals_cpu():
 def test_calculator_equals_cpu(compile):
     """The ASE calculator on the device (eager, and compiled with aot_eager) gives the
     CPU's energy, forces and stress."""
-    from petfunc.ase.calculator import PETCalculator
+    from petfunc.ase import PETCalculator
 
     config = petfunc.PETConfig(
         atomic_types=(6,), d_pet=16, d_node=16, d_head=8, d_feedforward=16, num_heads=2, cutoff=4.0
@@ -311,7 +311,7 @@ def test_long_range_calculator_equals_cpu(backend):
     """A long-range PET (P3M: the FFTs of the mesh on the device) in the calculator
     on the device, eager and compiled, gives the CPU's eager energy, forces and
     stress over MD-like moves whose edge counts change, with one graph."""
-    from petfunc.ase.calculator import PETCalculator
+    from petfunc.ase import PETCalculator
 
     config = petfunc.PETConfig(
         atomic_types=(1, 6, 8),

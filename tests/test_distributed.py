@@ -13,7 +13,7 @@ import torch
 
 import petfunc
 from petfunc.distributed import process as pdist
-from petfunc.train.step import init_state, make_train_step
+from petfunc.train import init_state, make_train_step
 
 
 sys.path.insert(0, str(Path(__file__).parent))

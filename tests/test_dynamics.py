@@ -13,7 +13,7 @@ from ase.md.langevin import Langevin as AseLangevin
 from ase.md.verlet import VelocityVerlet as AseVerlet
 
 import petfunc
-from petfunc.ase.calculator import PETCalculator
+from petfunc.ase import PETCalculator
 from petfunc.dynamics import Langevin, run
 
 

@@ -81,7 +81,7 @@ def _stack(trees):
 
 def _members_efs(energy_fn, params, batch):
     efs = petfunc.energy_forces_stress(energy_fn)
-    outs = [efs(p, batch.positions, batch.cell, batch.neighbors) for p in ensemble.unstack(params)]
+    outs = [efs(p, batch.positions, batch.cell, batch.neighbors) for p in petfunc.tree.unstack(params)]
     return tuple(torch.stack([o[i] for o in outs]) for i in range(3))
 
 
@@ -173,13 +173,13 @@ def test_init_stack_unstack():
     model = petfunc.PET(TINY)
     params = ensemble.init(model, seeds=[3, 4, 5], dtype=F64)
     assert ensemble.size(params) == 3
-    members = ensemble.unstack(params)
+    members = petfunc.tree.unstack(params)
     for seed, member in zip([3, 4, 5], members):
         ref = model.init(seed=seed, dtype=F64)
         flat, flat_ref = petfunc.tree.flatten(member), petfunc.tree.flatten(ref)
         assert list(flat) == list(flat_ref)
         assert all(torch.equal(flat[k], flat_ref[k]) for k in flat)
-    restacked = petfunc.tree.flatten(ensemble.stack(members))
+    restacked = petfunc.tree.flatten(petfunc.tree.stack(members))
     assert all(torch.equal(v, petfunc.tree.flatten(params)[k]) for k, v in restacked.items())
     w = petfunc.tree.flatten(params)["gnn_layers.0.edge_embedder.weight"]
     assert not torch.equal(w[0], w[1]), "members must be initialised differently"
@@ -285,7 +285,7 @@ def _check_compiled_ensemble(config_or_toy, backend, traced_only=False, train=Tr
     """Compile (or only trace) ensemble E/F/S and training step; compare on SHAPES."""
     if config_or_toy == "toy":
         config, energy_fn = MINI, toy.energy
-        params = ensemble.stack([toy.init(seed=s) for s in range(3)])
+        params = petfunc.tree.stack([toy.init(seed=s) for s in range(3)])
         train_fn = toy.energy
     else:
         config = config_or_toy

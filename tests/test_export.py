@@ -18,7 +18,7 @@ from test_long_range import _params as perturbed_params  # random weights with n
 
 import petfunc
 from petfunc.export import package as pexport
-from petfunc.ase.calculator import PETCalculator
+from petfunc.ase import PETCalculator
 from petfunc.cli.commands import main
 from petfunc.data import padding_sample
 from petfunc.structures import collate, prepare_atoms

@@ -25,7 +25,7 @@ import petfunc
 from petfunc import lora, tree
 from petfunc.cli.commands import make_default_dataset
 from petfunc.data import make_batch, sample_from_atoms
-from petfunc.train.step import HEADS, trainable
+from petfunc.train import HEADS, trainable
 from petfunc.io import load_model
 from petfunc.trainer.training import fit
 from petfunc.trainer.options import resolve_options, trained_parameters

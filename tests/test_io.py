@@ -263,7 +263,7 @@ def test_from_metatrain_converts_other_units_to_angstrom_and_ev(tmp_path, length
     import ase.io
     import numpy as np
 
-    from petfunc.ase.calculator import PETCalculator
+    from petfunc.ase import PETCalculator
 
     config = _config(**hypers)
     model = ref.make_model(config, length_unit=length_unit, energy_unit=energy_unit)

@@ -22,7 +22,7 @@ from metatrain.utils.neighbor_lists import get_requested_neighbor_lists, get_sys
 
 import petfunc
 from petfunc import llpr
-from petfunc.ase.calculator import PETCalculator
+from petfunc.ase import PETCalculator
 
 
 CHECKPOINTS = sorted(

@@ -252,7 +252,7 @@ def test_hessian_and_committee(method):
         assert _relative(hessian[:, k], column) < 1e-6
 
     members = [_params(config, seed=s) for s in (1, 2, 3)]
-    stacked = ensemble.stack(members)
+    stacked = petfunc.tree.stack(members)
     both = petfunc.from_atoms([_triclinic(), _molecule()], config, dtype=torch.float64, long_range=method)
     committee = torch.func.vmap(model.energy, in_dims=(0, None, None, None))(stacked, *both)
     one_by_one = torch.stack([model.energy(p, *both) for p in members])
@@ -373,7 +373,7 @@ def test_compiled_calculator_follows_md_without_recompiling(backend):
     stress fault (README): before ``long_range._signed_volume`` avoided the fusion
     it got wrong, this stress was off by about 100 % there."""
     pytest.importorskip("ase")
-    import petfunc.ase.calculator
+    import petfunc.ase
 
     config = _config()
     params = _params(config)
@@ -399,7 +399,7 @@ def test_compiled_calculator_takes_any_mesh_and_molecules():
     compiled graph: the traced FFTs keep the mesh sizes symbolic
     (petfunc._torch.fft_meta). A molecule (no mesh) gets a graph of its own, and a crystal
     after it reuses the first."""
-    import petfunc.ase.calculator
+    import petfunc.ase
 
     config = _config()
     params = _params(config)
@@ -432,8 +432,8 @@ def test_batch_evaluator_puts_crystals_first():
     structures of a call have a mesh, so the crystals go first and batches with as
     many crystals share a graph whatever their order; every result is the eager
     calculator's for its own structure."""
-    import petfunc.ase.calculator
-    from petfunc.ase.batch import BatchEvaluator
+    import petfunc.ase
+    from petfunc.ase import BatchEvaluator
 
     config = _config()
     params = _params(config)
@@ -463,7 +463,7 @@ def test_old_inductor_is_not_used_for_p3m_on_a_gpu(monkeypatch):
     for a GPU's: the refusal comes first.)"""
     import importlib
 
-    import petfunc.ase.calculator
+    import petfunc.ase
     from petfunc.export import package as export
 
     compile_module = importlib.import_module("petfunc.compile.compiled")

@@ -27,7 +27,7 @@ def random_tree(seed=0, dtype=torch.float64):
 
 
 def is_packed(leaves):
-    return tree._packed_range(list(leaves)) is not None
+    return tree.packed_range(list(leaves)) is not None
 
 
 def test_ravel_is_a_view_only_for_packed_leaves():

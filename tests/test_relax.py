@@ -9,7 +9,7 @@ from ase.filters import FrechetCellFilter, UnitCellFilter
 from ase.optimize import FIRE as AseFIRE
 
 import petfunc
-from petfunc.ase.calculator import PETCalculator
+from petfunc.ase import PETCalculator
 from petfunc.relax import FIRE, fire
 
 
@@ -124,7 +124,7 @@ def test_partly_periodic_stress_warns(params):
     stress uses the ASE cell volume; a bulk cell does not."""
     import warnings
 
-    from petfunc.ase.batch import BatchEvaluator
+    from petfunc.ase import BatchEvaluator
 
     slab = _cells()[0].copy()
     slab.pbc = [True, True, False]
@@ -192,7 +192,7 @@ def test_fire_stops_at_steps_and_checks_arguments(params):
     with pytest.raises(ValueError, match=r"structure 0: atomic number\(s\) \[7\] are not among"):
         fire(CONFIG, params, [ase.build.molecule("NH3")])
     # one Atoms instead of a list failed with "object of type 'Atom' has no len()"
-    from petfunc.ase.batch import BatchEvaluator
+    from petfunc.ase import BatchEvaluator
     from petfunc.dynamics import run
 
     for call in (

@@ -17,7 +17,7 @@ import torch
 
 import petfunc
 from petfunc import allocator
-from petfunc.ase.calculator import PETCalculator
+from petfunc.ase import PETCalculator
 from petfunc.derivatives import energy_terms_forces_strain_derivative
 from petfunc.structures import collate, prepare_atoms
 
@@ -156,7 +156,7 @@ def test_calculator_remat_and_freed_memory(monkeypatch):
             for a, b in zip(runs[0], values):
                 np.testing.assert_array_equal(a, b)
     # the batched evaluator of relax.fire and dynamics.run does the same by default
-    from petfunc.ase.batch import BatchEvaluator
+    from petfunc.ase import BatchEvaluator
 
     for keep, expected_calls in [(True, 1), (False, 0)]:
         calls.clear()

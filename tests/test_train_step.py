@@ -219,7 +219,7 @@ def _check_donated_step(step, state, dataset, fitted, backend, device="cpu"):
 
     def buffers(state):  # where the trained parameters and each moment live
         parts = [petfunc.train.trainable(state.params), state.opt_state.mu, state.opt_state.nu]
-        return [petfunc.tree._packed_range(torch.utils._pytree.tree_leaves(p))[0].data_ptr() for p in parts]
+        return [petfunc.tree.packed_range(torch.utils._pytree.tree_leaves(p))[0].data_ptr() for p in parts]
 
     donated = buffers(state)
     for index in SHAPES:

@@ -18,7 +18,7 @@ from petfunc import tree
 from petfunc.cli import commands as cli
 from petfunc.cli.commands import make_default_dataset
 from petfunc.model.pet import PET
-from petfunc.train.step import make_optimizer, trainable, warmup_cosine
+from petfunc.train import make_optimizer, trainable, warmup_cosine
 from petfunc.data.batching import batch_plan
 from petfunc.io import load_model, read_checkpoint
 from petfunc.io.checkpoint import state_from_plain, state_to_plain
@@ -520,7 +520,7 @@ def test_test_set(dataset, tmp_path):
     here with the calculator on those file indices; a separate file works too."""
     import ase.io
 
-    from petfunc.ase.calculator import PETCalculator
+    from petfunc.ase import PETCalculator
 
     options = tiny_options(dataset, num_epochs=1)
     options["base_precision"] = 64
@@ -609,7 +609,7 @@ def test_per_structure_targets(dataset, tmp_path):
     computed here with the calculator (eV, float64)."""
     import ase.io
 
-    from petfunc.ase.calculator import PETCalculator
+    from petfunc.ase import PETCalculator
     from petfunc.data import fit_scale, sample_from_atoms
 
     options = tiny_options(dataset, num_epochs=1, per_structure_targets=["energy"])
@@ -941,7 +941,7 @@ def test_validation_loss_does_not_depend_on_batching(dataset):
 
     from petfunc import PETConfig
     from petfunc.data import fit_composition, fit_scale, make_batch, sample_from_atoms
-    from petfunc.train.loss import LossTerm, LossWeights, make_loss
+    from petfunc.train import LossTerm, LossWeights, make_loss
     from petfunc.trainer.training import _floats, _Sums
 
     frames = ase.io.read(dataset, ":7")

@@ -3,5 +3,5 @@
 
 from petfunc.ase.batch import BatchEvaluator as BatchEvaluator
 from petfunc.ase.calculator import PETCalculator as PETCalculator
-from petfunc.ase.calculator import partly_periodic_stress_warning as partly_periodic_stress_warning
-from petfunc.ase.calculator import voigt as voigt
+from petfunc.ase.results import partly_periodic_stress_warning as partly_periodic_stress_warning
+from petfunc.ase.results import voigt as voigt

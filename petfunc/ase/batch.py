@@ -19,13 +19,13 @@ import numpy as np
 import torch
 
 from petfunc import allocator
-from petfunc.ase.calculator import voigt, partly_periodic_stress_warning
+from petfunc.ase.results import partly_periodic_stress_warning, voigt
 from petfunc.config import PETConfig
 from petfunc.derivatives import energy_and_forces, energy_forces_strain_derivative
-from petfunc.io.params import cast_params, network_dtype
 from petfunc.graph import mesh_layout
-from petfunc.model.long_range import calculator_backend
+from petfunc.io.params import cast_params, network_dtype
 from petfunc.model import PET
+from petfunc.model.long_range import calculator_backend
 from petfunc.structures import collate_padded, prepare_atoms
 
 

@@ -55,64 +55,36 @@ pytorch/pytorch#183986).
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
-import numpy as np
 import torch
-from ase.calculators.calculator import Calculator, PropertyNotImplementedError, all_changes
-from ase.data import chemical_symbols
+from ase.calculators.calculator import Calculator, all_changes
+from ase.outputs import Properties, all_outputs
 
 from petfunc import allocator, tree
+from petfunc.ase.llpr import LLPRResults
+from petfunc.ase.results import (
+    charge_and_spin_info,
+    committee_arrays,
+    model_arrays,
+    results,
+    stress_wanted,
+    symbol,
+    uncertainty_outputs,
+)
+from petfunc.compile import compile as compile_function
 from petfunc.config import PETConfig
 from petfunc.derivatives import energy_terms_forces_strain_derivative
+from petfunc.export import load as load_exported
+from petfunc.graph import mesh_layout
 from petfunc.io.checkpoint import is_checkpoint
 from petfunc.io.load import load_model, torch_payload
 from petfunc.io.metatrain import read_metatrain
 from petfunc.io.params import cast_params, load_params, network_dtype
-from petfunc.graph import mesh_layout
-from petfunc.model.long_range import calculator_backend
 from petfunc.model import PET
+from petfunc.model.long_range import calculator_backend
 from petfunc.remat import remat as remat_fn
-from petfunc.structures import collate_padded, prepare_atoms, state_from_info
-
-
-__all__ = ["PETCalculator"]
-
-
-def _symbol(z: int) -> str:
-    return chemical_symbols[z] if 0 <= z < len(chemical_symbols) else f"Z={z}"
-
-
-def voigt(stress: np.ndarray) -> np.ndarray:
-    """[..., 3, 3] -> [..., 6] in ASE order, off-diagonals symmetrised like metatomic."""
-    s = stress
-    return np.stack(
-        [
-            s[..., 0, 0],
-            s[..., 1, 1],
-            s[..., 2, 2],
-            (s[..., 1, 2] + s[..., 2, 1]) / 2.0,
-            (s[..., 0, 2] + s[..., 2, 0]) / 2.0,
-            (s[..., 0, 1] + s[..., 1, 0]) / 2.0,
-        ],
-        axis=-1,
-    )
-
-
-def _charge_and_spin_info(info) -> list:
-    """The charge and spin multiplicity a conditioned model reads from ``atoms.info``,
-    as plain values (numpy arrays do not compare to one bool)."""
-    return [None if v is None else np.asarray(v).tolist() for v in state_from_info(info)]
-
-
-def partly_periodic_stress_warning(named: str | None = None) -> str:
-    """The warning for a stress of structures (``named``, or "the system") that are
-    not periodic in all three directions: metatomic's, whose volume it copies."""
-    return (
-        f"stress requested but likely to be wrong for {named or 'the system'}: not periodic in all "
-        "directions (computed with the ASE cell volume, as metatomic does)"
-    )
+from petfunc.structures import collate_padded, prepare_atoms
 
 
 class PETCalculator(Calculator):
@@ -198,7 +170,8 @@ class PETCalculator(Calculator):
         if exported is not None:
             if params is not None or ensemble_params is not None or compile:
                 raise ValueError(
-                    "an exported model carries its own weights and code: give it without params, ensemble_params or compile"
+                    "an exported model carries its own weights and code: give it without params, "
+                    "ensemble_params or compile"
                 )
             if dtype is not None and dtype != exported.dtype:
                 raise ValueError(
@@ -227,7 +200,7 @@ class PETCalculator(Calculator):
             if params is None or ensemble_params is not None or exported is not None:
                 raise ValueError("llpr needs params, and excludes ensemble_params and exported models")
             self.llpr = {k: v.to(dtype=self.dtype, device=self.device) for k, v in llpr.items()}
-        self.implemented_properties = type(self).implemented_properties + _uncertainty_outputs(
+        self.implemented_properties = type(self).implemented_properties + uncertainty_outputs(
             ensemble_params is not None, self.llpr
         )
         self._build_functions()
@@ -243,16 +216,11 @@ class PETCalculator(Calculator):
         # compiled functions by long-range mesh layout (long_range.mesh_layout): a
         # crystal and a molecule need one graph each with P3M, otherwise one in all
         self._compiled = {}
-        if self.llpr is not None:
-            from petfunc import llpr as llpr_module
+        self._llpr = (
+            None if self.llpr is None else LLPRResults(self.config, self.llpr, self.compile, self.backend)
+        )
 
-            self._llpr_fns = {
-                "offsets": llpr_module.ensemble_offsets(self.config, stress=True),
-                "features": llpr_module.structure_features(self.config),
-            }
-            self._llpr_compiled = {}
-
-    _FUNCTIONS = ("_efs", "_efs_eager", "_compiled", "_llpr_fns", "_llpr_compiled")
+    _FUNCTIONS = ("_efs", "_efs_eager", "_compiled", "_llpr")
 
     def __getstate__(self):
         """Picklable (a ``multiprocessing`` pool of relaxations, say): the tensors and
@@ -310,9 +278,7 @@ class PETCalculator(Calculator):
         AOTInductor library when it has one, or with ``aoti=False`` the exported
         program); petfunc only builds the neighbour lists. See :mod:`petfunc.export`.
         """
-        from petfunc.export.package import load
-
-        exported = load(path, aoti=aoti)
+        exported = load_exported(path, aoti=aoti)
         return cls(exported.config, exported=exported, **kwargs)
 
     # -- committee -------------------------------------------------------------------
@@ -355,8 +321,8 @@ class PETCalculator(Calculator):
         known = set(self.config.atomic_types)
         unknown = sorted({int(z) for z in atoms.numbers} - known)
         if unknown:
-            names = ", ".join(f"{_symbol(z)} (Z={z})" for z in unknown)
-            model = ", ".join(_symbol(z) for z in self.config.atomic_types)
+            names = ", ".join(f"{symbol(z)} (Z={z})" for z in unknown)
+            model = ", ".join(symbol(z) for z in self.config.atomic_types)
             raise ValueError(
                 f"the structure contains {names}, which this PET model does not know; "
                 f"it was trained on {model}"
@@ -382,11 +348,9 @@ class PETCalculator(Calculator):
         if self.compile:
             layout = mesh_layout(neighbors.long_range)
             if layout not in self._compiled:
-                from petfunc.compile.compiled import compile as petfunc_compile
-
                 # the traced function is fixed by the config: later processes
                 # load the trace instead of tracing again (petfunc.compile)
-                self._compiled[layout] = petfunc_compile(
+                self._compiled[layout] = compile_function(
                     self._efs,
                     params,
                     positions,
@@ -396,7 +360,7 @@ class PETCalculator(Calculator):
                     static_argnums=(0,),
                     cache_key=f"PETCalculator energy_terms_forces_strain_derivative {self.config!r}",
                     keep_freed_memory=False,  # decided by this object's own option
-                    aot_autograd=True,  # AOTAutograd's cache: faster warm starts, which calculators mostly have
+                    aot_autograd=True,  # AOTAutograd's cache: calculators mostly start warm
                 )
             return self._compiled[layout](params, positions, cell, neighbors)
         return self._efs_eager(params, positions, cell, neighbors)
@@ -415,7 +379,7 @@ class PETCalculator(Calculator):
         multiplicity in ``atoms.info`` changed (ASE does not compare ``info``)."""
         changes = super().check_state(atoms, tol)
         if self.config.system_conditioning and self.atoms is not None:
-            if _charge_and_spin_info(self.atoms.info) != _charge_and_spin_info(atoms.info):
+            if charge_and_spin_info(self.atoms.info) != charge_and_spin_info(atoms.info):
                 changes.append("info")
         return changes
 
@@ -423,133 +387,27 @@ class PETCalculator(Calculator):
         """ASE's ``Properties`` of the results it knows (``atoms.get_properties``,
         socket I/O): the committee's and LLPR's results, such as
         ``energy_ensemble``, stay in ``results`` only (ASE refused the whole set)."""
-        from ase.outputs import Properties, all_outputs
-
         return Properties({k: v for k, v in self.results.items() if k in all_outputs})
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes):
         super().calculate(atoms, properties, system_changes)
         atoms = self.atoms
         n_atoms = len(atoms)
-        volume = float(atoms.cell.volume)
-        periodic = bool(np.all(atoms.pbc))
-        if "stress" in properties:
-            if volume <= 0.0:
-                raise PropertyNotImplementedError(
-                    "stress is undefined for this structure: its cell has zero volume "
-                    f"(pbc={atoms.pbc.tolist()}); stress needs a periodic cell"
-                )
-            if not periodic:
-                warnings.warn(partly_periodic_stress_warning(), stacklevel=2)
-        want_stress = volume > 0.0 and (periodic or "stress" in properties)
-
+        want_stress = stress_wanted(atoms, properties)
         inputs = self._inputs(atoms)
-        results = {}
         ensemble = None
         with torch.no_grad():
             if self.ensemble_params is not None:
-                energies, per_atom, forces, strain = self._evaluate_ensemble(inputs)
-                ensemble = (
-                    energies[:, 0].double().cpu().numpy(),
-                    forces[:, :n_atoms].double().cpu().numpy(),
-                    strain[:, 0].double().cpu().numpy(),
-                    per_atom[:, :n_atoms].double().cpu().numpy(),
-                )
+                ensemble = committee_arrays(self._evaluate_ensemble(inputs), n_atoms)
             if self.params is not None:
-                energies, per_atom, forces, strain = self._evaluate(self.params, inputs)
-                energy = energies[0].double().item()
-                forces = forces[:n_atoms].double().cpu().numpy()
-                strain = strain[0].double().cpu().numpy()
-                per_atom = per_atom[:n_atoms].double().cpu().numpy()
+                energy, per_atom, forces, strain = model_arrays(self._evaluate(self.params, inputs), n_atoms)
             else:
                 energy = float(ensemble[0].mean())
-                forces = ensemble[1].mean(axis=0)
-                strain = ensemble[2].mean(axis=0)
-                per_atom = ensemble[3].mean(axis=0)
-            results["energies"] = per_atom  # computed anyway: a later get_potential_energies costs nothing
-
+                forces, strain, per_atom = (part.mean(axis=0) for part in ensemble[1:])
+            partial = {"energies": per_atom}  # computed anyway: a later get_potential_energies costs nothing
             if self.llpr is not None:
-                ensemble = self._llpr_results(inputs, n_atoms, results, energy, forces, strain, properties)
-
-        results["energy"] = energy
-        results["free_energy"] = energy
-        results["forces"] = forces
-        if want_stress:
-            results["stress"] = voigt(strain / volume)
-        if ensemble is not None:
-            results["energy_ensemble"] = ensemble[0]
-            results["forces_ensemble"] = ensemble[1]
-            results.setdefault("energy_uncertainty", float(ensemble[0].std()))
-            results["forces_uncertainty"] = ensemble[1].std(axis=0)
-            if want_stress:
-                results["stress_uncertainty"] = voigt(ensemble[2] / volume).std(axis=0)
-        self.results = results
-
-    def _llpr_results(self, inputs, n_atoms, results, energy, forces, strain, properties):
-        """The LLPR uncertainty and member energies into ``results``; the members'
-        forces and strain derivatives (K pullbacks) only when ``properties`` asks for
-        ``forces_ensemble``, ``forces_uncertainty`` or ``stress_uncertainty``, then
-        returned in the committee's form (else ``None``)."""
-        from petfunc.llpr import uncertainty
-
-        weights = self.llpr.get("ensemble_weights")
-        if weights is not None and _LLPR_MEMBER_GRADIENTS & set(properties):
-            features, d_energy, d_forces, d_strain = self._llpr_call("offsets", inputs)
-            results["energy_uncertainty"] = float(uncertainty(self.llpr, features)[0])
-            return (
-                energy + d_energy[0].double().cpu().numpy(),
-                forces[None] + d_forces[:, :n_atoms].double().cpu().numpy(),
-                strain[None] + d_strain[:, 0].double().cpu().numpy(),
-                None,
-            )
-        features = self._llpr_call("features", inputs)
-        results["energy_uncertainty"] = float(uncertainty(self.llpr, features)[0])
-        if weights is not None:
-            delta = weights - weights.mean(dim=0, keepdim=True)
-            results["energy_ensemble"] = energy + (features[0] @ delta.T).double().cpu().numpy()
-        return None
-
-    def _llpr_call(self, name: str, inputs):
-        """An LLPR function on ``inputs``: eager, or with ``compile`` through
-        :func:`petfunc.compile` (one graph each, compiled at first use)."""
-        positions, cell, neighbors = inputs
-        if name == "features":
-            fn, args, static = self._llpr_fns[name], (self.params, positions, cell, neighbors), (0,)
-        else:
-            fn, args, static = (
-                self._llpr_fns[name],
-                (self.params, self.llpr, positions, cell, neighbors),
-                (0, 1),
-            )
-        if not self.compile:
-            return fn(*args)
-        if name not in self._llpr_compiled:
-            from petfunc.compile.compiled import compile as petfunc_compile
-
-            members = self.llpr["ensemble_weights"].shape[0] if "ensemble_weights" in self.llpr else 0
-            self._llpr_compiled[name] = petfunc_compile(
-                fn,
-                *args,
-                backend=self.backend,
-                static_argnums=static,
-                cache_key=f"PETCalculator LLPR {name} {self.config!r} members={members}",
-                keep_freed_memory=False,  # decided by this object's own option
-                aot_autograd=True,  # AOTAutograd's cache: faster warm starts, which calculators mostly have
-            )
-        return self._llpr_compiled[name](*args)
-
-
-_LLPR_MEMBER_GRADIENTS = {"forces_ensemble", "forces_uncertainty", "stress_uncertainty"}
-
-
-def _uncertainty_outputs(committee: bool, llpr) -> list:
-    """The uncertainty outputs of a calculator with a committee or LLPR weights."""
-    if committee or (llpr is not None and "ensemble_weights" in llpr):
-        return [
-            "energy_uncertainty",
-            "forces_uncertainty",
-            "stress_uncertainty",
-            "energy_ensemble",
-            "forces_ensemble",
-        ]
-    return ["energy_uncertainty"] if llpr is not None else []
+                ensemble = self._llpr(
+                    self.params, inputs, n_atoms, partial, energy, forces, strain, properties
+                )
+        volume = float(atoms.cell.volume) if want_stress else None
+        self.results = results(partial, energy, forces, strain, ensemble, volume)

@@ -305,7 +305,7 @@ def _packed_runs(tensors, eligible):
             while (
                 stop < len(tensors)
                 and eligible[stop]
-                and tree._packed_range(tensors[stop - 1 : stop + 1]) is not None
+                and tree.packed_range(tensors[stop - 1 : stop + 1]) is not None
             ):
                 stop += 1
         if stop - start >= 2:
@@ -440,7 +440,7 @@ def _run_buffer(leaves, info: _RunInfo) -> torch.Tensor | None:
     traced shapes and dtype (:func:`petfunc.tree.pack`), or None.
 
     Views at the right addresses read the buffer's memory, whichever tensor they
-    were made from. (What :func:`petfunc.tree._packed_range` checks, plus shapes and
+    were made from. (What :func:`petfunc.tree.packed_range` checks, plus shapes and
     dtypes, with a third of its attribute reads.)
     """
     base = leaves[0]._base

@@ -60,8 +60,15 @@ import torch
 import torch.distributed as dist
 
 from petfunc import tree
-from petfunc.train.loss import LossWeights, make_loss
-from petfunc.train.step import TrainState, apply_gradients, trainable, with_trained
+from petfunc.train import (
+    LossWeights,
+    TrainState,
+    apply_gradients,
+    make_loss,
+    trainable,
+    value_and_grad,
+    with_trained,
+)
 
 
 TERMS = ("energy", "forces", "stress")
@@ -257,8 +264,6 @@ def make_scaled_grad_step(
     ranks to the union batch's values. ``autodiff``: as for
     :func:`petfunc.train.make_grad_step`.
     """
-    from petfunc.train.step import value_and_grad
-
     loss_fn = make_loss(energy_fn, weights, autodiff)
     term_weights = [getattr(weights, t).weight for t in TERMS]
 

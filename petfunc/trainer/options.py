@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from petfunc.config import PETConfig
-from petfunc.train.loss import LossTerm, LossWeights
+from petfunc.train import LossTerm, LossWeights
 from petfunc.units import energy_unit_factor, length_unit_factor
 
 
@@ -857,7 +857,7 @@ def trained_parameters(finetune: Mapping) -> tuple[str, ...] | None:
         return TRAIN
     if method != "heads":
         return None
-    from petfunc.train.step import HEADS
+    from petfunc.train import HEADS
 
     config = finetune.get("config") or {}
     if not config:

@@ -90,8 +90,8 @@ from petfunc.io.params import save_params
 from petfunc.model.pet import PET
 from petfunc.remat import remat
 from petfunc.structures import collate
-from petfunc.train.loss import LossWeights, make_loss
-from petfunc.train.step import (
+from petfunc.train import LossWeights, make_loss
+from petfunc.train import (
     TrainState,
     apply_gradients,
     make_grad_step,
@@ -421,7 +421,7 @@ def _write_results(evaluated, path, energy_unit: str = "eV", length_unit: str = 
     import ase.io
     from ase.calculators.singlepoint import SinglePointCalculator
 
-    from petfunc.ase.calculator import voigt
+    from petfunc.ase import voigt
     from petfunc.units import energy_unit_factor, length_unit_factor
 
     ev, angstrom = energy_unit_factor(energy_unit or "eV"), length_unit_factor(length_unit)

@@ -1,0 +1,179 @@
+"""Optimizers as torchopt ``GradientTransformation`` s: metatrain's Adam(W) and
+learning-rate schedule, and global-norm gradient clipping.
+
+Each works on whole vectors where the trees are packed (one buffer per tree, see
+:func:`petfunc.tree.pack`), and leaf by leaf otherwise, with the same numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torchopt
+
+from petfunc import tree
+
+
+def warmup_cosine(learning_rate: float, total_steps: int, warmup_fraction: float = 0.01) -> Callable:
+    """metatrain's schedule as a torchopt schedule of the step count t:
+
+    lr(t) = lr * t / T_w for t < T_w = floor(warmup_fraction * T), then
+    lr * (1 + cos(pi (t - T_w) / (T - T_w))) / 2. Note lr(0) = 0.
+    """
+    total = max(int(total_steps), 1)
+    warm = int(math.floor(warmup_fraction * total))
+
+    def schedule(count):
+        t = torch.as_tensor(count).to(torch.float64)
+        ramp = t / max(1, warm)
+        progress = (t - warm) / max(1, total - warm)
+        cosine = 0.5 * (1.0 + torch.cos(math.pi * progress.clamp(0.0, 1.0)))
+        return learning_rate * torch.where(t < warm, ramp, cosine)
+
+    return schedule
+
+
+class AdamState(NamedTuple):
+    """Step count (0-d int64) and first/second moment trees of :func:`adam`."""
+
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None):
+    """Adam (AdamW with ``weight_decay``) as a torchopt ``GradientTransformation``.
+
+    The update is ``torch.optim.Adam``'s (``AdamW``'s) to round-off, in the
+    parameters' dtype, with the bias corrections in float64 (torchopt's own adam
+    computes them in float32, ~1e-5 relative off). ``learning_rate`` is a float or a
+    schedule of the step count; the first step uses ``schedule(0)``, as torch's
+    ``LambdaLR`` does.
+    """
+    b1, b2 = betas
+    tree_map = tree.tree_map
+
+    def init(params):
+        leaves = tree.tree_leaves(params)
+        device = leaves[0].device if leaves else None
+        # each moment tree packed in one buffer: the update then runs on whole vectors
+        mu, nu = (tree.pack(tree_map(torch.zeros_like, params)) for _ in range(2))
+        return AdamState(torch.zeros((), dtype=torch.int64, device=device), mu, nu)
+
+    def update(grads, state, params=None, inplace=False):
+        del inplace  # always functional
+        count = state.count + 1
+        # no tensors made from Python floats here: a 0-d constant in a traced graph
+        # becomes a symbolic float if the graph is handed to Dynamo (torch.compile),
+        # which then restarts its analysis
+        t = count.to(torch.float64)
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate * torch.ones_like(t)
+        # b**t as exp(t log b), and the step factors computed once for all leaves.
+        # Compiled, per-leaf pows of the step count would be inlined into every
+        # leaf's update loop and evaluated again for each vector of elements;
+        # inductor keeps a shared exp in a buffer of its own (the same numbers,
+        # bitwise; a faster update and compile, see docs/performance.md).
+        bias1 = 1.0 - torch.exp(t * math.log(b1))
+        bias2_sqrt = torch.sqrt(1.0 - torch.exp(t * math.log(b2)))
+        factors = {}
+
+        def scalars(dtype):
+            # (-lr / bias1, bias2_sqrt, lr * weight_decay or None) in the parameters' dtype
+            if dtype not in factors:
+                decay = None if weight_decay is None else (lr * weight_decay).to(dtype)
+                factors[dtype] = ((-lr / bias1).to(dtype), bias2_sqrt.to(dtype), decay)
+            return factors[dtype]
+
+        def first(m, g):
+            return torch.lerp(m, g, 1.0 - b1)
+
+        # in-place operations on fresh temporaries only: on whole vectors, each
+        # temporary is as large as the model (11 MB for the default PET).
+        # addcmul out of place: vmap (ensembles) has no batching rule for addcmul_
+        # and would run it member by member (the same kernel, the same numbers)
+        def second(v, g):
+            return torch.addcmul(v * b2, g, g, value=1.0 - b2)
+
+        def step(m, v, p):
+            step_size, b2_sqrt, decay = scalars(m.dtype)
+            out = (step_size * m).div_(v.sqrt().div_(b2_sqrt).add_(eps))
+            if decay is not None:
+                out = out.sub_(decay * p)
+            return out
+
+        if weight_decay is not None and params is None:
+            raise ValueError("AdamW needs params in update()")
+        decayed = [params] if weight_decay is not None else []
+        flat = _flat_leaves(grads, state.mu, state.nu, *decayed)
+        if flat is not None:
+            # one pass over whole vectors (no copies when the trees are packed)
+            (g, m, v, *p), spec, shapes = flat
+            m, v = first(m, g), second(v, g)
+            p = p[0] if p else None
+            rebuild = functools.partial(_unravel_tree, spec=spec, shapes=shapes)
+            return rebuild(step(m, v, p)), AdamState(count, rebuild(m), rebuild(v))
+        # mixed dtypes or devices: leaf by leaf
+        mu = tree_map(first, state.mu, grads)
+        nu = tree_map(second, state.nu, grads)
+        updates = tree_map(step, mu, nu, params if params is not None else mu)
+        return updates, AdamState(count, mu, nu)
+
+    return torchopt.base.GradientTransformation(init, update)
+
+
+def _flat_leaves(*trees):
+    """``([ravel(leaves of each tree)], spec, shapes)`` when the trees have one
+    structure and all their leaves one dtype and device, else ``None``."""
+    flattened = [tree.tree_flatten(t) for t in trees]
+    leaves, spec = flattened[0]
+    if not leaves or any(s != spec for _, s in flattened[1:]):
+        return None
+    shapes = [leaf.shape for leaf in leaves]
+    kinds = {(leaf.dtype, leaf.device) for ls, _ in flattened for leaf in ls}
+    if len(kinds) != 1 or any([x.shape for x in ls] != shapes for ls, _ in flattened[1:]):
+        return None
+    return [tree.ravel(ls) for ls, _ in flattened], spec, shapes
+
+
+def _unravel_tree(flat, spec, shapes):
+    return tree.tree_unflatten(tree.unravel(flat, shapes), spec)
+
+
+def apply_updates(params, updates):
+    """``params + updates`` leaf by leaf (torchopt's ``apply_updates``, functional),
+    as one vector operation when all leaves share dtype and device."""
+    flat = _flat_leaves(params, updates)
+    if flat is None:
+        return torchopt.apply_updates(params, updates, inplace=False)
+    (p, u), spec, shapes = flat
+    return _unravel_tree(p + u, spec, shapes)
+
+
+def make_optimizer(schedule, weight_decay=None):
+    """metatrain's optimizer: Adam, or AdamW when ``weight_decay`` is a float."""
+    return adam(schedule, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+
+
+def clip_by_global_norm(grads, max_norm: float):
+    """Scale a gradient tree so its global 2-norm is at most ``max_norm``.
+
+    Same formula as ``torch.nn.utils.clip_grad_norm_``: factor
+    ``min(1, max_norm / (norm + 1e-6))``. Returns ``(clipped, norm)``.
+    """
+    flat = _flat_leaves(grads)
+    if flat is not None:
+        # one vector: one reduction and one scaling pass (the clipped gradient is
+        # packed, so the optimizer reads it without a copy)
+        (g,), spec, shapes = flat
+        norm = torch.linalg.vector_norm(g)
+    else:
+        leaves = tree.tree_leaves(grads)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in leaves]))
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    if flat is not None:
+        return _unravel_tree(g * factor.to(g.dtype), spec, shapes), norm
+    return tree.tree_map(lambda x: x * factor.to(x.dtype), grads), norm
