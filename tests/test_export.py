@@ -17,7 +17,7 @@ import torch
 from test_long_range import _params as perturbed_params  # random weights with non-trivial charges
 
 import petfunc
-from petfunc.export import package as pexport
+import petfunc.export as pexport
 from petfunc.ase import PETCalculator
 from petfunc.cli.commands import main
 from petfunc.data import padding_sample
@@ -152,11 +152,11 @@ def test_check_dynamic_finds_bounds():
     names = ("species", "centers")
     dynamic = ({0: auto}, {0: auto})
     a, b = torch.ones(8), torch.ones(7)
-    pexport._check_dynamic(torch.export.export(Cat(), (a, b), dynamic_shapes=dynamic), names)
+    pexport.check_dynamic(torch.export.export(Cat(), (a, b), dynamic_shapes=dynamic), names)
     with pytest.raises(RuntimeError, match=r"bounded the size s\d+ to \[6, "):
-        pexport._check_dynamic(torch.export.export(Branch(), (a, b), dynamic_shapes=dynamic), names)
+        pexport.check_dynamic(torch.export.export(Branch(), (a, b), dynamic_shapes=dynamic), names)
     with pytest.raises(RuntimeError, match="specialised size 0 of 'centers' to 7"):
-        pexport._check_dynamic(torch.export.export(Cat(), (a, b), dynamic_shapes=({0: auto}, None)), names)
+        pexport.check_dynamic(torch.export.export(Cat(), (a, b), dynamic_shapes=({0: auto}, None)), names)
 
 
 def test_cli_export(exported, tmp_path, capsys):
@@ -240,7 +240,7 @@ def test_aoti_build_is_the_default_on_the_cpu_only(monkeypatch, tmp_path):
         path.write_bytes(b"")
         return path
 
-    monkeypatch.setattr(pexport, "export", recorder)
+    monkeypatch.setattr("petfunc.export.package.export", recorder)
     monkeypatch.setattr("petfunc.io.load.load_model", lambda *args, **kwargs: (CONFIG, make_params()))
     for flags, expected in (
         ([], ("cpu", True)),
