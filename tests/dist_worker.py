@@ -17,7 +17,7 @@ import petfunc
 import torch.distributed as dist
 from petfunc.io.checkpoint import read_checkpoint, model_of, state_from_plain, write_checkpoint
 from petfunc.train import TrainState, pack_state, trainable
-from petfunc.distributed import process as pdist
+import petfunc.distributed as pdist
 from petfunc.data import make_batch, sample_from_atoms
 from petfunc.train import LossTerm, LossWeights
 from petfunc.train import init_state, make_optimizer, warmup_cosine

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import petfunc
-from petfunc.distributed import process as pdist
+import petfunc.distributed as pdist
 from petfunc.train import init_state, make_train_step
 
 
@@ -261,7 +261,7 @@ def test_partial_environment_is_an_error():
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     env.pop("RANK", None)
     done = subprocess.run(
-        [sys.executable, "-c", "import petfunc.distributed.process as d; d.init_from_env(device='cpu')"],
+        [sys.executable, "-c", "import petfunc.distributed as d; d.init_from_env(device='cpu')"],
         env=env,
         capture_output=True,
         text=True,

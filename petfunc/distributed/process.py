@@ -1,77 +1,22 @@
-"""Data-parallel training on ``torch.distributed``, without DDP wrappers.
-
-The gradients of :func:`petfunc.train.make_grad_step` are plain outputs, so data
-parallelism is: every rank computes the gradient on its own shard of the batch,
-one ``all_reduce`` sums the gradients, and every rank applies the identical
-optimizer update (:func:`petfunc.train.apply_gradients`). No DDP bucketing, no
-hooks, no ``optimize_ddp``: DDP's gradient hooks do not trace into the one graph of a
-grad-of-grad step, and splitting it per bucket recompiles.
-
-Exactness. The loss of a batch is ``L = sum_t w_t (sum of l over the labels of
-term t) / N_t`` (``t``: energy, forces, stress; ``N_t``: non-NaN labels of term t).
-Averaging the per-rank gradients of the per-rank means is exact only when every
-rank holds the same number of labels of every term. Here each rank instead
-differentiates
-
-    L_r = sum_t w_t (n_{t,r} / N_t) mean_{t,r}  =  sum_t w_t (sum over rank r's labels of l) / N_t,
-
-with the *global* counts ``N_t = sum_r n_{t,r}`` (all-reduced from the batch targets
-before the step: one tiny collective), so ``sum_r L_r`` is the loss of the union
-batch and the SUM of the per-rank gradients is its gradient, to round-off. A term
-with ``reduction="sum"`` has no ``1/N_t``: its factor is 1, as the sum of the ranks'
-sums is the union's sum. Clipping and Adam then see the same gradient as a
-one-process run on the union batch.
-
-Shapes. Every rank's batch is padded by :func:`petfunc.data.make_batch` so no size is
-0 or 1: the compiled step sees the same 0/1 specialisations on every rank, and no
-rank recompiles alone (torch specialises a graph on sizes 0 and 1; a rank
-recompiling while the others wait in a collective would stall them).
-
-Failures. :func:`init_from_env` sets a timeout on the process group; a collective
-that fails (a peer died or timed out) raises :class:`DistributedError` naming the
-rank, the step and the timeout instead of hanging. Under ``torchrun`` the agent
-also stops the other ranks when one exits with an error.
-
-Only rank 0 writes files (``petfunc train`` writes its checkpoints there, with
-:func:`petfunc.io.write_checkpoint`; a checkpoint does not depend on the number of
-processes, so a run with any number of them restarts from it).
-
-Typical use (``torchrun --nproc_per_node=2 script.py``)::
-
-    info = init_from_env()
-    dp = DataParallel(model, optimizer, weights, grad_clip_norm=1.0, compile=True)
-    for epoch in range(n_epochs):
-        for idx in shard_batches(dataset.batch_indices(global_batch, True, seed + epoch),
-                                 info.rank, info.world_size):
-            batch = make_batch([dataset[i] for i in idx], config, w, c, dtype, info.device)
-            state, metrics = dp.step(state, batch)   # metrics are global
-    if info.rank == 0: petfunc.io.write_checkpoint(...)
-"""
+"""The process group of data-parallel training: joining it from torchrun's
+environment, leaving it, and the collectives petfunc needs (see
+:mod:`petfunc.distributed`). A collective that fails raises
+:class:`DistributedError` naming the rank, the step and the timeout instead of
+hanging."""
 
 from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from petfunc import tree
-from petfunc.train import (
-    LossWeights,
-    TrainState,
-    apply_gradients,
-    make_loss,
-    trainable,
-    value_and_grad,
-    with_trained,
-)
 
 
-TERMS = ("energy", "forces", "stress")
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -201,7 +146,7 @@ def shutdown(wait_for_all: bool = True) -> None:
     if wait_for_all:
         try:
             dist.barrier()
-        except Exception:  # another rank left first: leave too
+        except Exception:  # noqa: BLE001 - another rank left first: leave too
             pass
     dist.destroy_process_group()
 
@@ -210,215 +155,13 @@ def shutdown(wait_for_all: bool = True) -> None:
 # sharding
 
 
-def shard_batches(batches: Sequence[Sequence[int]], rank: int, world_size: int) -> list[np.ndarray]:
-    """Each rank's share of every global batch of an epoch.
-
-    Global batch ``b`` (indices, e.g. from :meth:`petfunc.data.Dataset.batch_indices`
-    with the *global* batch size, same seed on every rank) is split into
-    ``world_size`` contiguous parts whose sizes differ by at most one; rank ``r``
-    gets part ``r``. Every rank therefore takes the same number of steps. Batches
-    with fewer than ``world_size`` structures are dropped (a rank would get none),
-    identically on every rank. The union of the shards of a step is exactly the
-    global batch, and :class:`DataParallel` makes the step equal to the one-process
-    step on that union.
-    """
-    out = []
-    for b in batches:
-        b = np.asarray(b)
-        if len(b) < world_size:
-            continue
-        out.append(np.array_split(b, world_size)[rank])
-    return out
-
-
 # ---------------------------------------------------------------------------------------
 # the step
 
 
-def label_counts(batch) -> torch.Tensor:
-    """``[3]`` non-NaN label counts (energy, force components, stress components)."""
-    return torch.stack(
-        [(~torch.isnan(t)).sum() for t in (batch.energy, batch.forces, batch.strain_derivative)]
-    ).to(batch.positions.dtype)
-
-
-def share_factors(local: torch.Tensor, total: torch.Tensor, weights: LossWeights) -> torch.Tensor:
-    """``[3]`` factors of the loss terms (energy, forces, stress) on one rank: the
-    rank's share ``n_local / N_global`` of the labels for a mean term, 1 for a term
-    with ``reduction="sum"`` (the ranks' sums add up to the union's sum), 0 for a
-    term with no label anywhere in the union batch."""
-    mean_terms = torch.tensor([getattr(weights, t).reduction == "mean" for t in TERMS], device=local.device)
-    share = torch.where(total > 0, local / total.clamp_min(1.0), torch.zeros_like(local))
-    return torch.where(mean_terms, share, torch.ones_like(local))
-
-
-def make_scaled_grad_step(
-    energy_fn, weights: LossWeights = LossWeights(), autodiff: str = "func", train=None
-):
-    """``grad_step(params, batch, factors) -> (grads, metrics)`` of
-    ``sum_t w_t factors[t] loss_t``: with :func:`share_factors` the sum of the ranks'
-    gradients is the gradient of the union batch's loss.
-
-    ``metrics`` holds the local ``*_sse``/``*_sae``/``*_count`` sums, the local shares
-    ``factors[t] mean_t`` as ``*_loss`` and ``loss = L_r``: all of them sum over the
-    ranks to the union batch's values. ``autodiff``: as for
-    :func:`petfunc.train.make_grad_step`.
-    """
-    loss_fn = make_loss(energy_fn, weights, autodiff)
-    term_weights = [getattr(weights, t).weight for t in TERMS]
-
-    def grad_step(params, batch, factors):
-        def objective(train_params):
-            _, metrics = loss_fn(with_trained(params, train_params, train), batch)
-            share = torch.zeros((), dtype=factors.dtype, device=factors.device)
-            out = {k: v for k, v in metrics.items() if k != "loss"}
-            for i, (term, w) in enumerate(zip(TERMS, term_weights)):
-                if f"{term}_loss" in metrics:
-                    # this rank's share of the union batch's term (sums to it over ranks)
-                    out[f"{term}_loss"] = factors[i] * metrics[f"{term}_loss"]
-                    share = share + w * out[f"{term}_loss"]
-            out["loss"] = share
-            return share, out
-
-        return value_and_grad(objective, trainable(params, train), autodiff)
-
-    return grad_step
-
-
-class DataParallel:
-    """Exact data-parallel training step (see the module docstring).
-
-    Args:
-        energy_fn: a :class:`~petfunc.PET` or energy function (as for ``make_loss``).
-        optimizer: the torchopt optimizer (identical on all ranks).
-        weights: loss terms.
-        grad_clip_norm: global gradient norm clip, applied to the reduced gradient.
-        compile: compile the gradient step with :func:`petfunc.compile` on the first
-            batch (``backend``: ``"inductor"`` or ``"aot_eager"``).
-        info: the :class:`DistInfo` (default: :func:`current`). With one process no
-            collective is called and the step equals ``make_train_step``'s.
-        metrics: ``"global"``: the union batch's metrics on every rank; ``"share"``:
-            the same, but ``*_sse``/``*_sae``/``*_count`` divided by the world size,
-            so that an epoch-end :func:`all_reduce_metrics` (a SUM) gives the global
-            sums; this is the convention of
-            :func:`petfunc.trainer.training`'s ``reduce_metrics`` hook.
-        autodiff: ``"func"`` or ``"autograd"`` (see :func:`petfunc.train.make_grad_step`);
-            by default ``"func"`` when compiling, ``"autograd"`` (faster eagerly) when not.
-        train: which parameters are trained (:func:`petfunc.train.trainable`); the
-            optimizer state must be ``optimizer.init(trainable(params, train))``.
-        cache_key: with ``compile``, keep the compiled step's trace in the trace
-            cache under this key (:func:`petfunc.compile`), so a restart loads it.
-        first_step: the number of steps already taken (a resumed run), so that an
-            error names the run's step.
-
-    Calling the object, ``dp(params, batch)``, is :meth:`grad_step`: it is a drop-in
-    replacement for :func:`petfunc.train.make_grad_step`'s function whose gradient is
-    already reduced.
-    """
-
-    def __init__(
-        self,
-        energy_fn,
-        optimizer,
-        weights: LossWeights = LossWeights(),
-        grad_clip_norm=1.0,
-        compile: bool = False,
-        backend: str = "inductor",
-        info: DistInfo | None = None,
-        metrics: str = "global",
-        autodiff: str | None = None,
-        train=None,
-        cache_key: str | None = None,
-        first_step: int = 0,
-    ):
-        if metrics not in ("global", "share"):
-            raise ValueError(f"metrics must be 'global' or 'share', got {metrics!r}")
-        self.metrics = metrics
-        self.optimizer = optimizer
-        self.weights = weights
-        self.grad_clip_norm = grad_clip_norm
-        self.info = info or current()
-        # compiled steps trace torch.func; eager ones run the faster autograd path
-        self.autodiff = autodiff or ("func" if compile else "autograd")
-        self.train = train
-        self._raw = make_scaled_grad_step(energy_fn, weights, self.autodiff, train)
-        self._compile = compile
-        self._backend = backend
-        self._cache_key = cache_key
-        self._fn = None
-        # gradient steps taken (by grad_step, which step() calls): names the step in errors
-        self.steps = int(first_step)
-
-    @property
-    def num_graphs(self) -> int:
-        """Compiled graphs so far (AttributeError when not compiling, like an eager step)."""
-        if not self._compile:
-            raise AttributeError("num_graphs: this DataParallel step is not compiled")
-        return getattr(self._fn, "num_graphs", 0)
-
-    def _all_reduce(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
-        if not self.info.distributed:
-            return tensor
-        try:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        except Exception as error:  # gloo/NCCL raise RuntimeError or DistBackendError
-            raise _failed(
-                self.info, f"all_reduce of the {what} failed in step {self.steps + 1}", error
-            ) from error
-        return tensor
-
-    def grad_step(self, params, batch):
-        """``(grads, metrics)``: the union batch's gradient (identical on every rank)
-        and global metrics (``loss``, ``*_loss``, summed ``*_sse``/``*_sae``/``*_count``)."""
-        local = label_counts(batch)
-        total = self._all_reduce(local.clone(), "label counts")
-        factors = share_factors(local, total, self.weights)
-        if self._fn is None:
-            if self._compile:
-                from petfunc.compile.compiled import compile as compile_fn
-
-                self._fn = compile_fn(
-                    self._raw,
-                    params,
-                    batch,
-                    factors,
-                    backend=self._backend,
-                    static_argnums=(0, 2),
-                    cache_key=self._cache_key,
-                )
-            else:
-                self._fn = self._raw
-        grads, metrics = self._fn(params, batch, factors)
-
-        # one flat buffer: gradients then metrics, one collective
-        leaves, spec = torch.utils._pytree.tree_flatten(grads)
-        keys = sorted(metrics)
-        parts = [g.reshape(-1) for g in leaves] + [metrics[k].reshape(1).to(local.dtype) for k in keys]
-        buffer = self._all_reduce(torch.cat(parts), "gradients")
-        out, offset = [], 0
-        for g in leaves:
-            out.append(buffer[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        reduced = {k: buffer[offset + i] for i, k in enumerate(keys)}
-        if self.metrics == "share" and self.info.distributed:
-            for k in keys:
-                if _is_sum(k):
-                    reduced[k] = reduced[k] / self.info.world_size
-        self.steps += 1
-        return torch.utils._pytree.tree_unflatten(out, spec), reduced
-
-    __call__ = grad_step
-
-    def step(self, state: TrainState, batch):
-        """``(new_state, metrics)``; metrics as :meth:`grad_step` plus ``grad_norm``."""
-        grads, metrics = self.grad_step(state.params, batch)
-        state, norm = apply_gradients(self.optimizer, state, grads, self.grad_clip_norm, self.train)
-        if norm is not None:
-            metrics["grad_norm"] = norm
-        return state, metrics
-
-
-def _is_sum(key: str) -> bool:
+def is_sum(key: str) -> bool:
+    """Whether a metric is a sum over structures (an error sum or a count), which
+    ranks add up, rather than a value they share."""
     return key.endswith(("_sse", "_sae", "_count"))
 
 
@@ -445,11 +188,11 @@ def all_reduce_sums(values: dict[str, float], info: DistInfo | None = None) -> d
     try:
         dist.all_reduce(buffer)
     except Exception as error:  # gloo/NCCL raise RuntimeError or DistBackendError
-        raise _failed(info, "all_reduce of the epoch metrics failed", error) from error
+        raise collective_failed(info, "all_reduce of the epoch metrics failed", error) from error
     return dict(zip(keys, buffer.cpu().tolist()))
 
 
-def _failed(info: DistInfo, what: str, error: Exception) -> DistributedError:
+def collective_failed(info: DistInfo, what: str, error: Exception) -> DistributedError:
     """The error of a collective that failed on this rank."""
     first = str(error).splitlines()[0] if str(error) else ""
     return DistributedError(
@@ -474,7 +217,7 @@ def check_same_run(description: Mapping, info: DistInfo | None = None) -> None:
     try:
         dist.all_gather_object(described, dict(description))
     except Exception as error:
-        raise _failed(info, "comparing the ranks' options failed", error) from error
+        raise collective_failed(info, "comparing the ranks' options failed", error) from error
     differences = []
     for rank in range(1, info.world_size):
         changed = tree.differences(described[0], described[rank])

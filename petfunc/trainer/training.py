@@ -1174,7 +1174,7 @@ def _fit(
     # >>> petfunc.distributed: every rank reads its own options and data; they must
     # describe one run (another learning rate trained a different model without a
     # word, another batch size aborted in gloo, other epochs hung)
-    from petfunc.distributed.process import check_same_run
+    from petfunc.distributed import check_same_run
 
     check_same_run(
         {
@@ -1353,7 +1353,7 @@ def _fit(
     trace_key = repr((json.dumps(options, sort_keys=True, default=str), config, weights, total_steps, split))
     # >>> petfunc.distributed
     if exact_dp:
-        from petfunc.distributed.process import DataParallel
+        from petfunc.distributed import DataParallel
 
         # compiles itself on the first batch
         raw_step = DataParallel(
