@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from ase import units
 from ase.calculators.singlepoint import SinglePointCalculator
+from tqdm import tqdm
 
 from petfunc.ase import BatchEvaluator
 from petfunc.config import PETConfig
@@ -155,14 +156,7 @@ def run(
         progress: show a tqdm bar of the steps.
         keep_freed_memory: as for :class:`petfunc.ase.batch.BatchEvaluator`.
     """
-    if int(steps) != steps or steps < 0:
-        raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
-    if not timestep > 0:
-        raise ValueError(f"timestep must be positive, got {timestep!r}")
-    if not isinstance(integrator, (VelocityVerlet, Langevin)):
-        raise TypeError(
-            f"integrator must be petfunc.dynamics.VelocityVerlet() or Langevin(...), got {integrator!r}"
-        )
+    _check_arguments(steps, timestep, integrator)
     evaluate = BatchEvaluator(
         config,
         params,
@@ -177,7 +171,7 @@ def run(
     evaluate.check(frames)
     atoms_list = [atoms.copy() for atoms in frames]
     labels = [f"structure {i}" for i in range(len(atoms_list))]
-    thermostats = None
+    thermostats = [None] * len(atoms_list)
     if isinstance(integrator, Langevin):
         if rngs is None:
             rngs = [np.random.default_rng([seed, i]) for i in range(len(atoms_list))]
@@ -202,46 +196,61 @@ def run(
     kinetic = np.zeros((steps + 1, len(atoms_list)))
     forces = evaluate_all()
     record(0)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=steps, desc="MD", unit="step")
+    bar = tqdm(total=steps, desc="MD", unit="step", disable=not progress)
     for step in range(1, steps + 1):
         # first half: every structure moves (ASE's order of operations), then one
         # batched force call, then the second half
-        kicks = []  # Langevin: each structure's velocity and random kick until the second half
-        for k, atoms in enumerate(atoms_list):
-            r = atoms.get_positions()
-            if thermostats is None:
-                masses = atoms.get_masses()[:, None]
-                p = atoms.get_momenta() + 0.5 * timestep * forces[k]
-                atoms.set_positions(r + timestep * p / masses)
-                if atoms.constraints:
-                    p = (atoms.get_positions() - r) * masses / timestep
-                atoms.set_momenta(p, apply_constraint=False)
-                kicks.append(None)
-            else:
-                t = thermostats[k]
-                rnd_pos, rnd_vel = t.kicks(atoms)
-                v = atoms.get_velocities()
-                v = v + (t.c1 * forces[k] / t.masses - t.c2 * v + rnd_vel)
-                atoms.set_positions(r + timestep * v + rnd_pos)
-                # velocities after the constraints moved the positions
-                v = (atoms.get_positions() - r - rnd_pos) / timestep
-                kicks.append((v, rnd_vel))
+        kicks = [_first_half(a, f, timestep, t) for a, f, t in zip(atoms_list, forces, thermostats)]
         forces = evaluate_all()
-        for k, atoms in enumerate(atoms_list):
-            if thermostats is None:
-                atoms.set_momenta(atoms.get_momenta() + 0.5 * timestep * forces[k])
-            else:
-                t = thermostats[k]
-                v, rnd_vel = kicks[k]
-                v = v + (t.c1 * forces[k] / t.masses - t.c2 * v + rnd_vel)
-                atoms.set_momenta(v * t.masses)
+        for atoms, f, t, kick in zip(atoms_list, forces, thermostats, kicks):
+            _second_half(atoms, f, timestep, t, kick)
         record(step)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+    bar.close()
     return DynamicsResult(atoms_list, potential, kinetic, evaluate.num_graphs)
+
+
+def _check_arguments(steps, timestep, integrator) -> None:
+    if int(steps) != steps or steps < 0:
+        raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
+    if not timestep > 0:
+        raise ValueError(f"timestep must be positive, got {timestep!r}")
+    if not isinstance(integrator, (VelocityVerlet, Langevin)):
+        raise TypeError(
+            f"integrator must be petfunc.dynamics.VelocityVerlet() or Langevin(...), got {integrator!r}"
+        )
+
+
+def _first_half(atoms, forces: np.ndarray, timestep: float, thermostat: _Langevin | None):
+    """The step of one structure up to the new force call, as ASE's integrator takes
+    it: a half kick and the drift (velocity Verlet), or the Langevin propagator's
+    first half. Returns what the second half needs (Langevin: the velocity after the
+    constraints and the random kick)."""
+    r = atoms.get_positions()
+    if thermostat is None:
+        masses = atoms.get_masses()[:, None]
+        p = atoms.get_momenta() + 0.5 * timestep * forces
+        atoms.set_positions(r + timestep * p / masses)
+        if atoms.constraints:
+            p = (atoms.get_positions() - r) * masses / timestep
+        atoms.set_momenta(p, apply_constraint=False)
+        return None
+    t = thermostat
+    rnd_pos, rnd_vel = t.kicks(atoms)
+    v = atoms.get_velocities()
+    v = v + (t.c1 * forces / t.masses - t.c2 * v + rnd_vel)
+    atoms.set_positions(r + timestep * v + rnd_pos)
+    # velocities after the constraints moved the positions
+    v = (atoms.get_positions() - r - rnd_pos) / timestep
+    return v, rnd_vel
+
+
+def _second_half(atoms, forces: np.ndarray, timestep: float, thermostat: _Langevin | None, kick) -> None:
+    """The rest of the step of one structure, with the new ``forces``."""
+    if thermostat is None:
+        atoms.set_momenta(atoms.get_momenta() + 0.5 * timestep * forces)
+        return
+    t = thermostat
+    v, rnd_vel = kick
+    v = v + (t.c1 * forces / t.masses - t.c2 * v + rnd_vel)
+    atoms.set_momenta(v * t.masses)

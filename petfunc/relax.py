@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from ase.calculators.singlepoint import SinglePointCalculator
+from tqdm import tqdm
 
 from petfunc.ase import BatchEvaluator
 from petfunc.config import PETConfig
@@ -176,33 +177,17 @@ def fire(
     evaluate.check(frames)
     states = [_State(atoms.copy(), parameters, cell_filter) for atoms in frames]
     final = [None] * len(states)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(states), desc="relaxed", unit="structure")
+    bar = tqdm(total=len(states), desc="relaxed", unit="structure", disable=not progress)
     while True:
         moving = [i for i, s in enumerate(states) if not s.done]
         if not moving:
             break
         results = evaluate([states[i].atoms for i in moving], [f"structure {i}" for i in moving])
         for i, result in zip(moving, results):
-            state = states[i]
-            # the results, as PETCalculator would give them: the atoms (and a filter
-            # through them) then apply constraints and make cell forces as ASE does
-            state.atoms.calc = SinglePointCalculator(state.atoms, **result)
-            f = state.optimised.get_forces()
-            converged = np.linalg.norm(f.reshape(-1, 3), axis=1).max() < fmax
-            if converged or state.nsteps >= steps:
-                state.done = True
-                final[i] = bool(converged)
-                if bar is not None:
-                    bar.update(1)
-                continue
-            state.step(f, parameters)
-            state.nsteps += 1
-    if bar is not None:
-        bar.close()
+            final[i] = _advance(states[i], result, fmax, steps, parameters)
+            if states[i].done:
+                bar.update(1)
+    bar.close()
 
     # each structure's calculator holds the results at its final positions and cell
     return RelaxResult(
@@ -212,3 +197,20 @@ def fire(
         energies=[s.atoms.get_potential_energy() for s in states],
         compiled_graphs=evaluate.num_graphs,
     )
+
+
+def _advance(state: _State, result: dict, fmax: float, steps: int, parameters: FIRE) -> bool | None:
+    """Give ``state`` its evaluated ``result`` and take a FIRE step, unless it has
+    converged or used its ``steps``; returns whether it converged once done (else
+    ``None``)."""
+    # the results, as PETCalculator would give them: the atoms (and a filter through
+    # them) then apply constraints and make cell forces as ASE does
+    state.atoms.calc = SinglePointCalculator(state.atoms, **result)
+    f = state.optimised.get_forces()
+    converged = np.linalg.norm(f.reshape(-1, 3), axis=1).max() < fmax
+    if converged or state.nsteps >= steps:
+        state.done = True
+        return bool(converged)
+    state.step(f, parameters)
+    state.nsteps += 1
+    return None

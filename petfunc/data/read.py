@@ -31,7 +31,7 @@ def read_frames(path, where: str, index=":") -> list:
         raise ValueError(f"{where}: {str(path)!r} is not a file")
     try:
         frames = ase.io.read(str(path), index=index)
-    except Exception as error:  # ASE raises many kinds of errors on bad files
+    except Exception as error:  # noqa: BLE001 - ASE raises many kinds of errors on bad files
         raise ValueError(
             f"{where}: could not read dataset file {str(path)!r}: {type(error).__name__}: {error}"
         ) from None
@@ -153,9 +153,9 @@ def to_samples(
         )
         many = len(no_volume) > 1
         raise ValueError(
-            f"{path}: {len(no_volume)} structure{'s have' if many else ' has'} a stress label but no cell volume: "
-            f"structure{'s' if many else ''} {shown}. A stress needs a cell periodic in all three directions; write "
-            f"a NaN stress for {'them' if many else 'it'} (the loss skips NaN labels)"
+            f"{path}: {len(no_volume)} structure{'s have' if many else ' has'} a stress label but no "
+            f"cell volume: structure{'s' if many else ''} {shown}. A stress needs a cell periodic in all "
+            f"three directions; write a NaN stress for {'them' if many else 'it'} (the loss skips NaN labels)"
         )
     return samples
 

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from ase.stress import voigt_6_to_full_3x3_stress
 
 from petfunc.config import PETConfig
 from petfunc.derivatives import energy_forces_strain_derivative
@@ -113,18 +114,6 @@ def sample_from_atoms(
     ``"charge"``, and ``"spin_multiplicity"`` or else ``"spin"``; 0 and 1 if absent).
     """
 
-    def lookup(key):
-        if key is None:
-            return None
-        if key in atoms.info:
-            return atoms.info[key]
-        if key in atoms.arrays:
-            return atoms.arrays[key]
-        calc = atoms.calc
-        if calc is not None and key in getattr(calc, "results", {}):
-            return calc.results[key]
-        return None
-
     structure = prepare(
         atoms.get_atomic_numbers(),
         atoms.get_positions() * length_unit,
@@ -134,32 +123,16 @@ def sample_from_atoms(
         label,
         *state_from_info(atoms.info, charge_key, spin_multiplicity_key),
     )
-    energy = lookup(energy_key)
-    forces = lookup(forces_key)
-    stress = lookup(stress_key)
-    virial = lookup(virial_key)
-
-    def values(key, value, shapes, what):
-        """``value`` as float64 of one of ``shapes``, else an error naming the key"""
-        try:
-            array = np.asarray(value, dtype=np.float64)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"{label}: the {what} under the key {key!r} is not a number or array of numbers: {value!r}"
-            ) from None
-        if array.shape not in shapes:
-            raise ValueError(
-                f"{label}: the {what} under the key {key!r} has shape {array.shape}, expected "
-                + " or ".join(str(s) for s in shapes)
-            )
-        return array
-
+    energy = _label(atoms, energy_key)
+    forces = _label(atoms, forces_key)
+    stress = _label(atoms, stress_key)
+    virial = _label(atoms, virial_key)
     if energy is not None:
-        energy = float(values(energy_key, energy, [(), (1,)], "energy").reshape(())) * energy_unit
+        energy = float(_values(label, energy_key, energy, [(), (1,)], "energy").reshape(())) * energy_unit
     if stress is not None:
-        stress = values(stress_key, stress, [(6,), (3, 3), (9,)], "stress")
+        stress = _values(label, stress_key, stress, [(6,), (3, 3), (9,)], "stress")
     if virial is not None:
-        virial = values(virial_key, virial, [(3, 3), (9,)], "virial")
+        virial = _values(label, virial_key, virial, [(3, 3), (9,)], "virial")
     if forces is not None:
         forces = np.asarray(forces, dtype=np.float64) * energy_unit / length_unit
         if forces.shape != (len(structure), 3):
@@ -167,13 +140,42 @@ def sample_from_atoms(
     if stress is not None:
         stress = np.asarray(stress, dtype=np.float64)
         if stress.shape == (6,):
-            from ase.stress import voigt_6_to_full_3x3_stress
-
             stress = voigt_6_to_full_3x3_stress(stress)
         stress = stress.reshape(3, 3) * energy_unit / length_unit**3
     if virial is not None:
         virial = np.asarray(virial, dtype=np.float64).reshape(3, 3) * energy_unit
     return Sample(structure, energy, forces, stress, virial)
+
+
+def _label(atoms, key):
+    """The label under ``key`` in ``atoms.info``, ``atoms.arrays`` or the attached
+    calculator's results (in that order), or ``None``."""
+    if key is None:
+        return None
+    if key in atoms.info:
+        return atoms.info[key]
+    if key in atoms.arrays:
+        return atoms.arrays[key]
+    calc = atoms.calc
+    if calc is not None and key in getattr(calc, "results", {}):
+        return calc.results[key]
+    return None
+
+
+def _values(label: str, key, value, shapes, what: str) -> np.ndarray:
+    """``value`` as float64 of one of ``shapes``, else an error naming the key."""
+    try:
+        array = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{label}: the {what} under the key {key!r} is not a number or array of numbers: {value!r}"
+        ) from None
+    if array.shape not in shapes:
+        raise ValueError(
+            f"{label}: the {what} under the key {key!r} has shape {array.shape}, expected "
+            + " or ".join(str(s) for s in shapes)
+        )
+    return array
 
 
 # ---------------------------------------------------------------------------------------

@@ -146,32 +146,13 @@ def build(
     pbcs = np.asarray(pbcs, dtype=bool).reshape(n_structures, 3)
     for s, pbc in enumerate(pbcs):
         check_periodicity(pbc, f"structure {s}")
-    offsets = np.cumsum([0] + n_atoms)
-    width = max(n_atoms + [2])  # sizes 0 and 1 would be specialised when compiled
-    structure_atoms = np.zeros((n_structures, width), dtype=np.int64)
-    structure_mask = np.zeros((n_structures, width), dtype=bool)
-    atom_slot = np.zeros(offsets[-1], dtype=np.int64)
-    pairs = []
-    for s, n in enumerate(n_atoms):
-        atoms = offsets[s] + np.arange(n)
-        structure_atoms[s, :n] = atoms
-        structure_mask[s, :n] = True
-        atom_slot[atoms] = s * width + np.arange(n)
-        if not pbcs[s].any():
-            i, j = np.triu_indices(n, k=1)  # torch.combinations order
-            pairs.append(np.stack([i, j], axis=1) + offsets[s])
-
     periodic = pbcs.any(axis=1)
-    grids = [
-        ewald_kgrid(cells[s], lr.kspace_resolution)
-        if method == "ewald" and periodic[s]
-        else np.zeros((0, 3), np.int64)
-        for s in range(n_structures)
-    ]
-    n_k = max([len(g) for g in grids] + [2]) if method == "ewald" else 0
-    kgrid = np.zeros((n_structures, n_k, 3), dtype=np.int64)
-    for s, g in enumerate(grids):
-        kgrid[s, : len(g)] = g
+    structure_atoms, structure_mask, atom_slot = _atom_layout(n_atoms)
+    kgrid = (
+        _kgrid(cells, periodic, lr.kspace_resolution)
+        if method == "ewald"
+        else np.zeros((n_structures, 0, 3), np.int64)
+    )
     mesh_sizes = np.ones((n_structures, 3), dtype=np.int64)
     meshes = []  # Ewald batches have none, so their structure is the same for any size
     for s in range(n_structures if method == "p3m" else 0):
@@ -180,12 +161,7 @@ def build(
             meshes.append(torch.zeros(tuple(int(n) for n in mesh_sizes[s]), dtype=torch.uint8, device=device))
         else:
             meshes.append(None)
-    pairs = np.concatenate(pairs) if pairs else np.zeros((0, 2), dtype=np.int64)
-    # compiled graphs specialise sizes 0 and 1: keep at least two pairs and k-vectors
-    # (padding pairs are masked; padding k-vectors are k = 0, whose term is zero)
-    n_pad = max(0, 2 - len(pairs))
-    pair_mask = np.concatenate([np.ones(len(pairs), dtype=bool), np.zeros(n_pad, dtype=bool)])
-    pairs = np.concatenate([pairs, np.zeros((n_pad, 2), dtype=np.int64)])
+    pairs, pair_mask = _molecule_pairs(n_atoms, periodic)
 
     def t(a, dtype=torch.long):
         return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
@@ -194,10 +170,54 @@ def build(
         structure_atoms=t(structure_atoms),
         structure_mask=t(structure_mask, torch.bool),
         atom_slot=t(atom_slot),
-        periodic=t(pbcs.any(axis=1), torch.bool),
+        periodic=t(periodic, torch.bool),
         kgrid=t(kgrid),
         mesh_sizes=t(mesh_sizes),
         meshes=tuple(meshes),
         pairs=t(pairs.reshape(-1, 2)),
         pair_mask=t(pair_mask, torch.bool),
     )
+
+
+def _atom_layout(n_atoms: list[int]):
+    """``(structure_atoms, structure_mask, atom_slot)`` of :class:`LongRange`: each
+    structure's atoms in a row of a ``[n_structures, max_atoms]`` grid."""
+    offsets = np.cumsum([0] + n_atoms)
+    width = max(n_atoms + [2])  # sizes 0 and 1 would be specialised when compiled
+    structure_atoms = np.zeros((len(n_atoms), width), dtype=np.int64)
+    structure_mask = np.zeros((len(n_atoms), width), dtype=bool)
+    atom_slot = np.zeros(offsets[-1], dtype=np.int64)
+    for s, n in enumerate(n_atoms):
+        atoms = offsets[s] + np.arange(n)
+        structure_atoms[s, :n] = atoms
+        structure_mask[s, :n] = True
+        atom_slot[atoms] = s * width + np.arange(n)
+    return structure_atoms, structure_mask, atom_slot
+
+
+def _kgrid(cells: np.ndarray, periodic: np.ndarray, wavelength: float) -> np.ndarray:
+    """``[n_structures, n_k, 3]`` Ewald k-grids of the periodic structures, padded
+    with k = 0 (whose term is zero) to the longest, and to at least two rows."""
+    grids = [
+        ewald_kgrid(cell, wavelength) if p else np.zeros((0, 3), np.int64) for cell, p in zip(cells, periodic)
+    ]
+    kgrid = np.zeros((len(cells), max([len(g) for g in grids] + [2]), 3), dtype=np.int64)
+    for s, g in enumerate(grids):
+        kgrid[s, : len(g)] = g
+    return kgrid
+
+
+def _molecule_pairs(n_atoms: list[int], periodic: np.ndarray):
+    """``(pairs [n_pairs, 2], mask [n_pairs])``: the atom pairs (i < j, in
+    ``torch.combinations`` order) of every non-periodic structure, padded with
+    masked ``(0, 0)`` pairs to at least two (compiled graphs specialise sizes 0, 1)."""
+    offsets = np.cumsum([0] + n_atoms)
+    pairs = []
+    for s, n in enumerate(n_atoms):
+        if not periodic[s]:
+            i, j = np.triu_indices(n, k=1)
+            pairs.append(np.stack([i, j], axis=1) + offsets[s])
+    pairs = np.concatenate(pairs) if pairs else np.zeros((0, 2), dtype=np.int64)
+    n_pad = max(0, 2 - len(pairs))
+    mask = np.concatenate([np.ones(len(pairs), dtype=bool), np.zeros(n_pad, dtype=bool)])
+    return np.concatenate([pairs, np.zeros((n_pad, 2), dtype=np.int64)]), mask

@@ -19,6 +19,8 @@ exact forces and stress. The parameter tree's dotted paths equal metatrain's
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from petfunc.config import PETConfig
@@ -199,75 +201,89 @@ def _check_inputs(params, positions, cell, neighbors: Neighbors, config: PETConf
         )
 
 
-def _readout_inputs(params, positions, cell, neighbors: Neighbors, config: PETConfig):
-    """``([(nodes, edge tokens)] per readout layer, token cutoff factors, token centres)``."""
-    _check_inputs(params, positions, cell, neighbors, config)
+class _Tokens(NamedTuple):
+    """The edge geometry of PET's tokens (the kept edges), computed from positions."""
+
+    vectors: torch.Tensor  # [n_edges, 3] every edge of the flat list
+    geometry: torch.Tensor  # [n_kept, 4] token vector and length
+    factors: torch.Tensor  # [n_kept] cutoff factors
+    species_nbr: torch.Tensor  # [n_kept] species index of each token's neighbour
+    centers: torch.Tensor  # [n_kept] centre atom of each token
+    grid: transformer.TokenGrid  # the tokens' NEF grid for attention
+
+
+def _tokens(positions, cell, neighbors: Neighbors, config: PETConfig) -> _Tokens:
     vectors = edge_vectors(positions, cell, neighbors)
     distances = torch.linalg.vector_norm(vectors, dim=-1) + 1e-15
     factors = cutoff_factors(config, distances, neighbors)
-
     kept = neighbors.kept_edges
     token_vectors = vectors[kept]  # [n_kept, 3]
     # metatrain recomputes the length from the NEF vectors: sqrt(|V|^2 + 1e-15)
     token_distances = torch.sqrt((token_vectors**2).sum(dim=1) + 1e-15)
     token_factors = factors[kept]
-    geometry = torch.cat([token_vectors, token_distances[:, None]], dim=1)  # [n_kept, 4]
-    species = neighbors.species
-    species_nbr = species[neighbors.neighbors[kept]]  # [n_kept]
-    centers = neighbors.centers[kept]  # [n_kept]
+    centers = neighbors.centers[kept]
     grid = transformer.token_grid(
         neighbors.nef_index, neighbors.nef_mask, neighbors.nef_slot, centers, token_factors
     )
+    return _Tokens(
+        vectors,
+        torch.cat([token_vectors, token_distances[:, None]], dim=1),
+        token_factors,
+        neighbors.species[neighbors.neighbors[kept]],
+        centers,
+        grid,
+    )
 
+
+def _gnn_features(params, config: PETConfig, tokens: _Tokens, neighbors: Neighbors):
+    """``[(nodes, edge tokens)]`` per readout layer: the feedforward featurizer reads
+    out its last layer, the residual one every layer."""
     # the first messages are an embedding of the neighbour's species
     first_messages = params["edge_embedder"]["weight"]  # [n_species, d_pet]
-    messages = nn.embedding(params["edge_embedder"], species_nbr)
+    messages = nn.embedding(params["edge_embedder"], tokens.species_nbr)
     condition = conditioning(params, config, neighbors) if config.system_conditioning else None
     reverse = neighbors.reverse_index
+    species = neighbors.species
     layers = params.get("gnn_layers", [])  # none with num_gnn_layers: 0 (feedforward: embeddings read out)
+    feedforward = config.featurizer_type == "feedforward"
     readout_features = []
-    if config.featurizer_type == "feedforward":
-        nodes = nn.embedding(params["node_embedders"][0], species)
-        for index in range(config.num_gnn_layers):
-            nodes, edges = _gnn_layer(
-                layers[index],
-                config,
-                index,
-                nodes,
-                messages,
-                geometry,
-                species_nbr,
-                grid,
-                message_table=first_messages if index == 0 else None,
-            )
-            if condition is not None:
-                nodes = nodes + condition
+    nodes = nn.embedding(params["node_embedders"][0], species) if feedforward else None
+    for index in range(config.num_gnn_layers):
+        if not feedforward:  # residual featurizer: fresh node embeddings each layer
+            nodes = nn.embedding(params["node_embedders"][index], species)
+        nodes, edges = _gnn_layer(
+            layers[index],
+            config,
+            index,
+            nodes,
+            messages,
+            tokens.geometry,
+            tokens.species_nbr,
+            tokens.grid,
+            message_table=first_messages if index == 0 else None,
+        )
+        if condition is not None:
+            nodes = nodes + condition
+        if feedforward:
             # reverse is an involution of the tokens: its adjoint is itself
             reversed_edges = permute_rows(edges, reverse, reverse)
             mixed = nn.layer_norm(
                 params["combination_norms"][index], torch.cat([edges, reversed_edges], dim=1)
             )
             messages = messages + edges + nn.mlp2(params["combination_mlps"][index], mixed)
-        readout_features.append((nodes, messages))
-    else:  # residual featurizer: fresh node embeddings each layer, every layer read out
-        for index in range(config.num_gnn_layers):
-            nodes = nn.embedding(params["node_embedders"][index], species)
-            nodes, edges = _gnn_layer(
-                layers[index],
-                config,
-                index,
-                nodes,
-                messages,
-                geometry,
-                species_nbr,
-                grid,
-                message_table=first_messages if index == 0 else None,
-            )
-            if condition is not None:
-                nodes = nodes + condition
+        else:
             readout_features.append((nodes, edges))
             messages = 0.5 * (messages + permute_rows(edges, reverse, reverse))
+    if feedforward:
+        readout_features.append((nodes, messages))
+    return readout_features
 
+
+def _readout_inputs(params, positions, cell, neighbors: Neighbors, config: PETConfig):
+    """``([(nodes, edge tokens)] per readout layer, token cutoff factors, token centres)``."""
+    _check_inputs(params, positions, cell, neighbors, config)
+    tokens = _tokens(positions, cell, neighbors, config)
+    readout_features = _gnn_features(params, config, tokens, neighbors)
     if config.long_range.enable:
         # the real-space term runs over the whole list within the cutoff (the list
         # metatrain hands torch-pme), not the adaptive-cutoff subset
@@ -280,10 +296,10 @@ def _readout_inputs(params, positions, cell, neighbors: Neighbors, config: PETCo
             neighbors,
             neighbors.centers,
             neighbors.neighbors,
-            torch.sqrt((vectors**2).sum(dim=1) + 1e-15),
+            torch.sqrt((tokens.vectors**2).sum(dim=1) + 1e-15),
         )
         readout_features = [((nodes + extra) * 0.5**0.5, edges) for nodes, edges in readout_features]
-    return readout_features, token_factors, centers
+    return readout_features, tokens.factors, tokens.centers
 
 
 def _structure_sum(values: torch.Tensor, structure_index: torch.Tensor, n_structures: int):

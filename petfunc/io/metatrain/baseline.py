@@ -46,15 +46,22 @@ def read_metatrain_baseline(
     # a missing file is named as such, with or without metatrain installed
     if not Path(path).is_file():
         raise FileNotFoundError(f"no {kind} checkpoint at {str(path)!r}")
+    label = f"the {kind} checkpoint {str(path)!r}"
+    model = _baseline_model(path, kind, label)
+    factor = _checked_unit_factor(model, kind, label, atomic_types, unit, additive_models)
+    return _energies(model, kind, label, atomic_types, factor)
+
+
+def _baseline_model(path, kind: str, label: str):
+    """The metatrain model of a composition or scaler checkpoint (or export), read
+    without running a pickle."""
     require_metatrain()
-    import metatensor.torch as mts
     from metatrain.composition import CompositionModel
     from metatrain.scaler import Scaler
     from metatrain.utils.io import load_model as metatrain_load_model
     from metatrain.utils.io import model_from_checkpoint
 
     classes = {"composition": CompositionModel, "scaler": Scaler}
-    label = f"the {kind} checkpoint {str(path)!r}"
     data = read_bytes(Path(path))
     # a checkpoint is unpickled safely here (metatrain's load_model would run its pickle)
     checkpoint = None if is_torchscript(data) else unpickle_checkpoint(data, label)
@@ -68,6 +75,12 @@ def read_metatrain_baseline(
         raise ValueError(f"{label} could not be read by metatrain: {error}") from error
     if not isinstance(model, classes[kind]):
         raise ValueError(f"{label} holds a {type(model).__name__}, not a metatrain {classes[kind].__name__}")
+    return model
+
+
+def _checked_unit_factor(model, kind: str, label: str, atomic_types, unit: str, additive_models) -> float:
+    """metatrain's checks of a baseline model against the PET being trained; returns
+    eV per energy unit of the training data."""
     if [int(t) for t in model.atomic_types] != [int(t) for t in atomic_types]:
         raise ValueError(
             f"{label} has atomic types {list(model.atomic_types)}, the model "
@@ -92,6 +105,13 @@ def read_metatrain_baseline(
                 f"has {list(additive_models)}: fit the scaler with the composition checkpoint as an "
                 "additive model (metatrain's scaler option additive_models)"
             )
+    return factor
+
+
+def _energies(model, kind: str, label: str, atomic_types, factor: float) -> np.ndarray:
+    """The model's per-type energies or its energy scale, in eV."""
+    import metatensor.torch as mts
+
     state = model.state_dict()
     key = "energy_composition_buffer" if kind == "composition" else "energy_scaler_buffer"
     if key not in state:

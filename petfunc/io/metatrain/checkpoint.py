@@ -117,8 +117,45 @@ def read_metatrain(
         if not isinstance(checkpoint, dict):
             raise ValueError(f"{label} is not a metatrain checkpoint (a {type(checkpoint).__name__})")
 
+    checkpoint, wrapper = _pet_checkpoint(checkpoint, label, llpr == "required", metatrain_pet)
+    model_data = checkpoint["model_data"]
+    dataset_info = model_data["dataset_info"]
+    config = config_from_hypers(model_data["model_hypers"], dataset_info.atomic_types, label)
+    target = choose_target(dataset_info, target)
+    state, adapters, lora_config = _weights(checkpoint, which, label, keep_adapters=lora_out is not None)
+    network = network_params(state, target)
+    weights, scale = composition_and_scale(state, target, config.atomic_types)
+    params = assemble_params(config, network, weights, scale, dtype, label)
+    if adapters:
+        adapters = network_params(adapters, target)
+        params[lora.KEY] = _adapters(params, adapters)
+        lora_out.update(
+            rank=int(next(v for k, v in adapters.items() if k.endswith(".lora_A.weight")).shape[0]),
+            alpha=lora_config["alpha"],
+            targets=tuple(lora_config.get("target_modules", lora.DEFAULT_TARGETS)),
+        )
+    uncertainty = None
+    if llpr is not None and wrapper is not None:
+        uncertainty = uncertainty_of(wrapper, config, params, dtype, target, label)
+    energy_unit = str(getattr(dataset_info.targets[target], "unit", "") or "")
+    return in_angstrom_and_ev(
+        zbl_as_metatrain(config, energy_unit),
+        params,
+        str(dataset_info.length_unit or ""),
+        energy_unit,
+        label,
+        uncertainty,
+    )
+
+
+def _pet_checkpoint(
+    checkpoint: dict, label: str, llpr_required: bool, metatrain_pet
+) -> tuple[dict, dict | None]:
+    """``(PET checkpoint at metatrain's latest version, LLPR wrapper or None)``: an LLPR
+    checkpoint is unwrapped, an older PET checkpoint upgraded by metatrain; anything
+    else is refused with what it is."""
     name = checkpoint.get("architecture_name")
-    if llpr == "required" and name != "llpr":
+    if llpr_required and name != "llpr":
         raise ValueError(
             f"{label} is not an LLPR checkpoint (architecture_name={name!r}); "
             "petfunc.from_metatrain reads plain PET checkpoints"
@@ -145,12 +182,13 @@ def read_metatrain(
     checkpoint["model_ckpt_version"] = version
     if version < latest:
         checkpoint = metatrain_pet.upgrade_checkpoint(checkpoint)
+    return checkpoint, wrapper
 
-    model_data = checkpoint["model_data"]
-    dataset_info = model_data["dataset_info"]
-    config = config_from_hypers(model_data["model_hypers"], dataset_info.atomic_types, label)
-    target = choose_target(dataset_info, target)
 
+def _weights(checkpoint: Mapping, which: str, label: str, keep_adapters: bool):
+    """``(state dict, LoRA adapters, LoRA config)`` of the ``which`` weights: LoRA
+    adapters of a ``method: lora`` fine-tuning merged into the weights, or kept apart
+    (``keep_adapters``)."""
     latest_state = checkpoint.get("model_state_dict") or {}
     if which not in ("best", "last"):
         raise ValueError(f"which must be 'best' or 'last', got {which!r}")
@@ -158,45 +196,28 @@ def read_metatrain(
     if not state:
         raise ValueError(f"{label} holds no model weights (no model_state_dict)")
     finetune = state.pop("finetune_config", None) or latest_state.get("finetune_config") or {}
-    adapters = {}
+    adapters, lora_config = {}, {}
     if finetune.get("method") == "lora":
         lora_config = dict(finetune.get("config") or {})
-        alpha = float(lora_config.get("alpha", 8))  # metatrain's default
-        if lora_out is None:
-            state = merge_lora(state, lambda prefix, rank: alpha / rank)
-        else:
+        alpha = lora_config["alpha"] = float(lora_config.get("alpha", 8))  # metatrain's default
+        if keep_adapters:
             state, adapters = split_lora(state)
+        else:
+            state = merge_lora(state, lambda prefix, rank: alpha / rank)
     elif any(k.endswith(".lora_A.weight") for k in state):
         raise ValueError(f"{label} has LoRA weights but its finetune_config is not 'lora'")
+    return state, adapters, lora_config
 
-    network = network_params(state, target)
-    weights, scale = composition_and_scale(state, target, config.atomic_types)
-    params = assemble_params(config, network, weights, scale, dtype, label)
-    if adapters:
-        adapters = network_params(adapters, target)
-        reference = tree.flatten(params)
-        params[lora.KEY] = tree.unflatten(
-            {
-                k: v.detach().to(dtype=reference[k.rsplit(".lora_", 1)[0] + ".weight"].dtype)
-                for k, v in adapters.items()
-            }
-        )
-        lora_out.update(
-            rank=int(next(v for k, v in adapters.items() if k.endswith(".lora_A.weight")).shape[0]),
-            alpha=alpha,
-            targets=tuple(lora_config.get("target_modules", lora.DEFAULT_TARGETS)),
-        )
-    uncertainty = None
-    if llpr is not None and wrapper is not None:
-        uncertainty = uncertainty_of(wrapper, config, params, dtype, target, label)
-    energy_unit = str(getattr(dataset_info.targets[target], "unit", "") or "")
-    return in_angstrom_and_ev(
-        zbl_as_metatrain(config, energy_unit),
-        params,
-        str(dataset_info.length_unit or ""),
-        energy_unit,
-        label,
-        uncertainty,
+
+def _adapters(params, adapters: Mapping):
+    """LoRA adapters (named as by :func:`network_params`) in petfunc's layout
+    (:mod:`petfunc.lora`), in the dtype of the weights they adapt."""
+    reference = tree.flatten(params)
+    return tree.unflatten(
+        {
+            k: v.detach().to(dtype=reference[k.rsplit(".lora_", 1)[0] + ".weight"].dtype)
+            for k, v in adapters.items()
+        }
     )
 
 

@@ -19,6 +19,28 @@ from petfunc.io.metatrain.convert import (
 from petfunc.model import TARGET
 
 
+#: the hypers an exported PET keeps as attributes of its backend
+_HYPERS = (
+    "cutoff",
+    "cutoff_function",
+    "cutoff_width",
+    "num_neighbors_adaptive",
+    "adaptive_cutoff_method",
+    "d_pet",
+    "d_node",
+    "d_head",
+    "d_feedforward",
+    "num_heads",
+    "num_gnn_layers",
+    "num_attention_layers",
+    "normalization",
+    "activation",
+    "attention_temperature",
+    "transformer_type",
+    "featurizer_type",
+)
+
+
 def _as_written(value) -> float:
     """A hyperparameter an exported model keeps as a tensor: a float32 one reads back
     as the decimal it was written as (1.1, not 1.100000023841858), so that its config
@@ -43,49 +65,7 @@ def from_exported(data: bytes, dtype, target, label):
                 "petfunc.llpr.from_metatrain"
             ) from None
         raise ValueError(f"{label} is a TorchScript file but not an exported PET") from None
-    names = (
-        "cutoff",
-        "cutoff_function",
-        "cutoff_width",
-        "num_neighbors_adaptive",
-        "adaptive_cutoff_method",
-        "d_pet",
-        "d_node",
-        "d_head",
-        "d_feedforward",
-        "num_heads",
-        "num_gnn_layers",
-        "num_attention_layers",
-        "normalization",
-        "activation",
-        "attention_temperature",
-        "transformer_type",
-        "featurizer_type",
-    )
-    try:
-        hypers = {n: getattr(backend, n) for n in names}
-        hypers["cutoff_width_adaptive"] = pet.cutoff_width_adaptive
-        atomic_types = list(pet.atomic_types)
-    except AttributeError as error:
-        raise ValueError(f"{label}: not an exported PET of a known version ({error})") from None
-    conditioning = getattr(backend, "system_conditioning", None)
-    hypers["system_conditioning"] = conditioning is not None
-    if conditioning is not None:
-        hypers["max_charge"] = int(conditioning.max_charge)
-        hypers["max_spin_multiplicity"] = int(conditioning.max_spin_multiplicity)
-    hypers["long_range"] = {"enable": bool(getattr(pet, "long_range", False))}
-    if hypers["long_range"]["enable"]:
-        try:
-            featurizer = pet.long_range_featurizer
-            p3m = featurizer.p3m_calculator
-            hypers["long_range"].update(
-                use_ewald=bool(featurizer.use_ewald),
-                smearing=_as_written(p3m.potential.smearing),
-                kspace_resolution=_as_written(p3m.mesh_spacing),
-                interpolation_nodes=int(p3m.interpolation_nodes),
-            )
-        except AttributeError as error:
-            raise ValueError(f"{label}: cannot read the long-range settings ({error})") from None
+    hypers, atomic_types = _hypers(pet, backend, label)
     state = {k[len("module.") :] if k.startswith("module.") else k: v for k, v in module.state_dict().items()}
     # PET's additive models are [composition] or [composition, ZBL]
     hypers["zbl"] = any(k.startswith("additive_models.1.") for k in state)
@@ -118,3 +98,32 @@ def from_exported(data: bytes, dtype, target, label):
         zbl_as_metatrain(config, energy_unit), params, length_unit, energy_unit, label
     )
     return config, params
+
+
+def _hypers(pet, backend, label: str) -> tuple[dict, list]:
+    """``(hypers, atomic types)`` of an exported PET, read from its modules."""
+    try:
+        hypers = {n: getattr(backend, n) for n in _HYPERS}
+        hypers["cutoff_width_adaptive"] = pet.cutoff_width_adaptive
+        atomic_types = list(pet.atomic_types)
+    except AttributeError as error:
+        raise ValueError(f"{label}: not an exported PET of a known version ({error})") from None
+    conditioning = getattr(backend, "system_conditioning", None)
+    hypers["system_conditioning"] = conditioning is not None
+    if conditioning is not None:
+        hypers["max_charge"] = int(conditioning.max_charge)
+        hypers["max_spin_multiplicity"] = int(conditioning.max_spin_multiplicity)
+    hypers["long_range"] = {"enable": bool(getattr(pet, "long_range", False))}
+    if hypers["long_range"]["enable"]:
+        try:
+            featurizer = pet.long_range_featurizer
+            p3m = featurizer.p3m_calculator
+            hypers["long_range"].update(
+                use_ewald=bool(featurizer.use_ewald),
+                smearing=_as_written(p3m.potential.smearing),
+                kspace_resolution=_as_written(p3m.mesh_spacing),
+                interpolation_nodes=int(p3m.interpolation_nodes),
+            )
+        except AttributeError as error:
+            raise ValueError(f"{label}: cannot read the long-range settings ({error})") from None
+    return hypers, atomic_types
