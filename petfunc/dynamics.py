@@ -171,13 +171,7 @@ def run(
     evaluate.check(frames)
     atoms_list = [atoms.copy() for atoms in frames]
     labels = [f"structure {i}" for i in range(len(atoms_list))]
-    thermostats = [None] * len(atoms_list)
-    if isinstance(integrator, Langevin):
-        if rngs is None:
-            rngs = [np.random.default_rng([seed, i]) for i in range(len(atoms_list))]
-        if len(rngs) != len(atoms_list):
-            raise ValueError(f"{len(rngs)} random generators for {len(atoms_list)} structures")
-        thermostats = [_Langevin(a, timestep, integrator, r) for a, r in zip(atoms_list, rngs)]
+    thermostats = _thermostats(atoms_list, timestep, integrator, rngs, seed)
 
     def evaluate_all():
         forces = []
@@ -208,6 +202,18 @@ def run(
         bar.update(1)
     bar.close()
     return DynamicsResult(atoms_list, potential, kinetic, evaluate.num_graphs)
+
+
+def _thermostats(atoms_list, timestep: float, integrator, rngs, seed: int) -> list:
+    """One Langevin thermostat per structure (with its random generator), or ``None``
+    each for velocity Verlet."""
+    if not isinstance(integrator, Langevin):
+        return [None] * len(atoms_list)
+    if rngs is None:
+        rngs = [np.random.default_rng([seed, i]) for i in range(len(atoms_list))]
+    if len(rngs) != len(atoms_list):
+        raise ValueError(f"{len(rngs)} random generators for {len(atoms_list)} structures")
+    return [_Langevin(a, timestep, integrator, r) for a, r in zip(atoms_list, rngs)]
 
 
 def _check_arguments(steps, timestep, integrator) -> None:

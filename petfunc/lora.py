@@ -16,13 +16,14 @@ plain parameters of the fine-tuned model.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
 from petfunc import tree
-from petfunc.model.nn import init_linear
 from petfunc.model import PET
+from petfunc.model.nn import init_linear
 
 
 KEY = "lora"
@@ -95,34 +96,38 @@ def scaling_of(alpha: float, params) -> float:
     return float(alpha) / ranks.pop()
 
 
-class LoRAPET(PET):
-    """PET whose parameters carry adapters: every method evaluates
-    :func:`merge` ``(params, scaling)`` (``scaling = alpha / rank``)."""
+class LoRAPET:
+    """A :class:`~petfunc.PET` whose parameters carry LoRA adapters: it wraps the PET
+    (``.pet``), and each of its evaluations (:data:`petfunc.model.pet.PET.EVALUATIONS`:
+    ``energy``, ``energy_terms``, ``per_atom_energies``, ``raw_energy``) evaluates the
+    PET on :func:`merge` ``(params, scaling)`` (``scaling = alpha / rank``); every other
+    attribute is the PET's."""
 
     def __init__(self, config, scaling: float):
-        super().__init__(config)
+        self.pet = PET(config)
         self.scaling = float(scaling)
 
     def __repr__(self) -> str:
-        return f"LoRAPET({self.config!r}, scaling={self.scaling!r})"
+        return f"LoRAPET({self.pet.config!r}, scaling={self.scaling!r})"
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, LoRAPET) and other.config == self.config and other.scaling == self.scaling
+        return isinstance(other, LoRAPET) and other.pet == self.pet and other.scaling == self.scaling
 
     def __hash__(self) -> int:
-        return hash((self.config, self.scaling))
+        return hash((self.pet, self.scaling))
 
-    def energy(self, params, positions, cell, neighbors):
-        return super().energy(merge(params, self.scaling), positions, cell, neighbors)
+    def __getattr__(self, name: str):
+        if name in ("pet", "scaling"):  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        attribute = getattr(self.pet, name)
+        if name not in PET.EVALUATIONS:
+            return attribute
 
-    def energy_terms(self, params, positions, cell, neighbors):
-        return super().energy_terms(merge(params, self.scaling), positions, cell, neighbors)
+        @functools.wraps(attribute)
+        def evaluation(params, positions, cell, neighbors):
+            return attribute(merge(params, self.scaling), positions, cell, neighbors)
 
-    def per_atom_energies(self, params, positions, cell, neighbors):
-        return super().per_atom_energies(merge(params, self.scaling), positions, cell, neighbors)
-
-    def raw_energy(self, params, positions, cell, neighbors):
-        return super().raw_energy(merge(params, self.scaling), positions, cell, neighbors)
+        return evaluation
 
 
 def config_of(finetune) -> dict | None:

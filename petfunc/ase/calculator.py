@@ -1,55 +1,16 @@
-"""An ASE calculator for PET: :class:`PETCalculator`.
-
-It needs ``ase`` (a dependency of petfunc, as are :mod:`petfunc.relax` and
-:mod:`petfunc.dynamics`, which use it)::
-
-    from petfunc.ase import PETCalculator
-    atoms.calc = PETCalculator.from_checkpoint("model.pt", compile=True)
+"""An ASE calculator for PET: :class:`PETCalculator` (conventions: :mod:`petfunc.ase`).
 
 Every calculation evaluates energy, per-atom energies, forces and the strain
-derivative in one call of
-``energy_terms_forces_strain_derivative(model.energy_terms)``: eagerly (by
-``torch.autograd``, the faster eager path, :mod:`petfunc.derivatives`), or, with
-``compile=True``, through :func:`petfunc.compile` (one ``make_fx`` trace of the
-``torch.func`` derivative, compiled for symbolic sizes; the trace is cached on disk,
-so a later process with the same config skips it), or in a ``petfunc export``
-artifact (:meth:`PETCalculator.from_exported`). The structure is batched together with
-:func:`petfunc.structures.padding_structure` (a 3-atom molecule), so that no size the
-compiled graph sees (structures, atoms, edges, neighbours per atom) is 0 or 1: those
-are the sizes torch specialises on, and a single structure, or one atom, would
-recompile. The neighbour list is rebuilt with vesin at every call; the number of
-edges changing from one MD step to the next never recompiles (``num_compilations``
-stays 1).
-
-Conventions, as in metatomic's ASE calculator (``metatomic_ase.MetatomicCalculator``)
-for the same model:
-
-* ``stress = (1/V) dE/d eps`` in eV/Å^3 with V = ``atoms.cell.volume``, returned in
-  ASE's Voigt order (xx, yy, zz, yz, xz, xy) with the off-diagonal pairs averaged
-  ((s_ab + s_ba)/2: PET's strain derivative is not exactly symmetric);
-* a cell with zero volume (a molecule) has no stress: asking for it raises
-  :class:`~ase.calculators.calculator.PropertyNotImplementedError` (metatomic
-  returns ``inf`` there); a partly periodic structure whose ASE cell has a volume
-  gets metatomic's number, with the same warning;
-* ``energies`` are per-atom energies, summing to ``energy`` (every calculation
-  stores them);
-* a float32 model gets the atoms wrapped into the cell along its periodic
-  directions, in float64 (the results are those of the same structure; atoms that
-  diffused far from the origin would cost the float32 edge vectors digits);
-* a model with ``system_conditioning`` reads the total charge from
-  ``atoms.info["charge"]`` and the spin multiplicity 2S+1 from
-  ``atoms.info["spin_multiplicity"]`` (or ``atoms.info["spin"]``, OMol25's name),
-  0 and 1 when absent; changing them invalidates the results.
-
-With ``ensemble_params`` (a parameter tree whose leaves have a leading committee
-axis, see :func:`petfunc.tree.stack`), every calculation also evaluates the
-committee and gives ``energy_uncertainty``, ``forces_uncertainty`` and, for
-periodic cells, ``stress_uncertainty``: the standard deviation over members
-(``ddof=0``), component by component. The members' values are in
-``energy_ensemble``, ``forces_ensemble``. The eager path evaluates the committee with
-``torch.func.vmap``; the compiled path loops over members with the single compiled
-function (inductor miscompiles some vmapped scatter/index ops on CPU,
-pytorch/pytorch#183986).
+derivative in one call of ``energy_terms_forces_strain_derivative(model.energy_terms)``:
+eagerly (by ``torch.autograd``, the faster eager path, :mod:`petfunc.derivatives`),
+or, with ``compile=True``, through :func:`petfunc.compile` (one ``make_fx`` trace of
+the ``torch.func`` derivative, compiled for symbolic sizes; the trace is cached on
+disk, so a later process with the same config skips it), or in a ``petfunc export``
+artifact (:meth:`PETCalculator.from_exported`). The structure is batched together
+with :func:`petfunc.structures.padding_structure` (a 3-atom molecule), so that no size
+the compiled graph sees (structures, atoms, edges, neighbours per atom) is 0 or 1;
+the number of edges changing from one MD step to the next never recompiles
+(``num_compilations`` stays 1).
 """
 
 from __future__ import annotations

@@ -359,6 +359,9 @@ class PET:
     >>> energy = model.energy(params, positions, cell, neighbors)
     """
 
+    #: the methods that evaluate the model: ``method(params, positions, cell, neighbors)``
+    EVALUATIONS = ("energy", "energy_terms", "per_atom_energies", "raw_energy")
+
     def __init__(self, config: PETConfig):
         if not isinstance(config, PETConfig):
             raise TypeError(f"PET needs a PETConfig, got {type(config).__name__}")

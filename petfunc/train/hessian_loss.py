@@ -10,9 +10,10 @@ ordinary :class:`~petfunc.data.Batch`; the loss is
 
 with ``H d_p`` the vjp of the model's position gradient with d_p, computed
 together with the forces and the strain derivative (reverse-over-reverse: the
-gradient and its graph once, then one vmapped pullback per probe). The parameter gradient of ``L`` is therefore a third
-derivative of the energy. The default training path (:func:`petfunc.make_loss`)
-is unchanged; this module is only used when there are Hessian labels.
+gradient and its graph once, then one vmapped pullback per probe). The parameter
+gradient of ``L`` is therefore a third derivative of the energy. The default
+training path (:func:`petfunc.make_loss`) is unchanged; this module is only used
+when there are Hessian labels.
 
 Units: like the other targets of a batch, the HVP targets are in training units,
 ``H d / c`` with c the energy scale (:func:`hessian_batch` divides).
@@ -29,7 +30,7 @@ from torch.func import grad, vjp, vmap
 from petfunc._torch.vmap_rules import symbolic_vmap_rules
 from petfunc.data import Batch
 from petfunc.derivatives import energy_forces_strain_derivative
-from petfunc.train.loss import LossTerm, LossWeights, _term, atoms_per_structure
+from petfunc.train.loss import LossTerm, LossWeights, atoms_per_structure, term_loss, training_energy
 from petfunc.train.step import grad_step_of, train_step_of
 
 
@@ -121,10 +122,7 @@ def make_hessian_loss(
     ``metrics`` has the keys of :func:`petfunc.make_loss` plus ``hvp_loss``,
     ``hvp_sse``, ``hvp_sae`` and ``hvp_count``.
     """
-    from petfunc.model import PET
-
-    if isinstance(energy_fn, PET):
-        energy_fn = energy_fn.raw_energy
+    energy_fn = training_energy(energy_fn)
     hvp_term = LossTerm(hvp_weight, hvp_type)  # validates weight and type
 
     def loss_fn(params, hbatch: HessianBatch):
@@ -146,7 +144,7 @@ def make_hessian_loss(
         if hvp_term.weight > 0:
             terms.append(("hvp", hvp_term, hd, hbatch.hvp))
         for name, term, pred, target in terms:
-            mean, sse, sae, count = _term(term, pred, target)
+            mean, sse, sae, count = term_loss(term, pred, target)
             loss = loss + term.weight * mean
             metrics.update(
                 {f"{name}_loss": mean, f"{name}_sse": sse, f"{name}_sae": sae, f"{name}_count": count}

@@ -98,7 +98,7 @@ def _masked(pred: torch.Tensor, target: torch.Tensor):
     return safe_pred, safe_target, valid
 
 
-def _term(term: LossTerm, pred, target):
+def term_loss(term: LossTerm, pred, target):
     """(loss: mean, or sum, over valid entries; sum of squared errors; sum of abs
     errors; count)."""
     pred, target, valid = _masked(pred, target)
@@ -119,6 +119,14 @@ def atoms_per_structure(weights: LossWeights, energies: torch.Tensor, batch: Bat
     return torch.zeros_like(energies).scatter_add(
         0, batch.neighbors.structure_index, torch.ones_like(batch.positions[:, 0])
     )
+
+
+def training_energy(energy_fn):
+    """The energy function a loss differentiates: a model's training-mode
+    ``raw_energy`` (a :class:`~petfunc.PET`, or a model wrapping one, such as
+    :class:`petfunc.lora.LoRAPET`), else ``energy_fn`` itself."""
+    raw = getattr(energy_fn, "raw_energy", None)
+    return raw if callable(raw) else energy_fn
 
 
 def make_loss(
@@ -143,10 +151,7 @@ def make_loss(
     (metatrain reports, and its best-model metric multiplies, every labelled
     quantity's errors, whatever its loss weight); they add nothing to the loss.
     """
-    from petfunc.model import PET
-
-    if isinstance(energy_fn, PET):
-        energy_fn = energy_fn.raw_energy
+    energy_fn = training_energy(energy_fn)
     use_forces = weights.forces.weight > 0 or "forces" in metric_terms
     use_stress = weights.stress.weight > 0 or "stress" in metric_terms
     if use_stress:
@@ -167,18 +172,18 @@ def make_loss(
         metrics: dict[str, torch.Tensor] = {}
         loss = torch.zeros((), dtype=energies.dtype, device=energies.device)
 
-        mean, sse, sae, count = _term(weights.energy, energies / n_atoms, batch.energy / n_atoms)
+        mean, sse, sae, count = term_loss(weights.energy, energies / n_atoms, batch.energy / n_atoms)
         loss = loss + weights.energy.weight * mean
         metrics.update(energy_loss=mean, energy_sse=sse, energy_sae=sae, energy_count=count)
         if use_forces:
-            mean, sse, sae, count = _term(weights.forces, forces, batch.forces)
+            mean, sse, sae, count = term_loss(weights.forces, forces, batch.forces)
             if weights.forces.weight > 0:
                 loss = loss + weights.forces.weight * mean
             metrics.update(forces_loss=mean, forces_sse=sse, forces_sae=sae, forces_count=count)
         if use_stress:
             per_atom = out[2] / n_atoms[:, None, None]
             target = batch.strain_derivative / n_atoms[:, None, None]
-            mean, sse, sae, count = _term(weights.stress, per_atom, target)
+            mean, sse, sae, count = term_loss(weights.stress, per_atom, target)
             if weights.stress.weight > 0:
                 loss = loss + weights.stress.weight * mean
             metrics.update(stress_loss=mean, stress_sse=sse, stress_sae=sae, stress_count=count)
