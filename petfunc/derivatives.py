@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 from torch.func import grad
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from petfunc.graph import check_sizes
 
@@ -54,8 +55,6 @@ def assert_eager(what: str) -> None:
     """autograd.grad must not run where torch.func or a tracer would see it: under
     make_fx it records a first derivative that a later differentiation of the graph
     gets silently wrong (the detach nodes of a traced backward)."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
     if (
         torch._C._functorch.peek_interpreter_stack() is not None
         or get_proxy_mode() is not None

@@ -36,8 +36,7 @@ from petfunc import tree
 from petfunc._torch.vmap_rules import symbolic_vmap_rules
 from petfunc.data import Batch
 from petfunc.derivatives import energy_forces_stress as _single_energy_forces_stress
-from petfunc.train import LossWeights
-from petfunc.train import TrainState
+from petfunc.train import LossWeights, TrainState
 from petfunc.train import init_state as _single_init_state
 from petfunc.train import make_train_step as _single_train_step
 

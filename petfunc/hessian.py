@@ -77,6 +77,7 @@ from collections.abc import Callable
 
 import torch
 from torch.func import grad, jvp, vjp, vmap
+from torch.profiler import ProfilerActivity, profile
 
 from petfunc._torch.vmap_rules import symbolic_vmap_rules
 
@@ -221,8 +222,6 @@ def _working_memory_and_output(fn: Callable, *args):
         out = fn(*args)
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device) - before), out
-    from torch.profiler import ProfilerActivity, profile
-
     with _without_profiler_lines(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn(*args)
     events = sorted(

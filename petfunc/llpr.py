@@ -28,7 +28,9 @@ from collections.abc import Callable
 import torch
 from torch.func import vjp, vmap
 
+from petfunc._torch.vmap_rules import symbolic_vmap_rules
 from petfunc.config import PETConfig
+from petfunc.derivatives import energy_forces_strain_derivative, identity_strain, strained
 from petfunc.io.metatrain import read_metatrain
 from petfunc.model import PET, last_layer_features
 
@@ -95,9 +97,6 @@ def ensemble_offsets(config: PETConfig, stress: bool = False) -> Callable:
     Member k adds ``(W_k - mean W) . f`` to the energy; the K force (and strain)
     offsets are the gradients of these, from one vmapped pullback of the features.
     """
-    from petfunc._torch.vmap_rules import symbolic_vmap_rules
-    from petfunc.derivatives import identity_strain, strained
-
     features_fn = structure_features(config)
 
     def fn(params, llpr, positions, cell, neighbors):
@@ -127,8 +126,6 @@ def ensemble(config: PETConfig, stress: bool = False) -> Callable:
     the model's values plus :func:`ensemble_offsets`. The strain derivative (dE/d
     eps; stress = this / volume) only with ``stress=True``.
     """
-    from petfunc.derivatives import energy_forces_strain_derivative
-
     base = energy_forces_strain_derivative(PET(config).energy)
     offsets = ensemble_offsets(config, stress)
 

@@ -15,15 +15,17 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 
+import ase
 import numpy as np
 import torch
 
 from petfunc import allocator
 from petfunc.ase.results import partly_periodic_stress_warning, voigt
+from petfunc.compile import compile as compile_function
 from petfunc.config import PETConfig
 from petfunc.derivatives import energy_and_forces, energy_forces_strain_derivative
 from petfunc.graph import mesh_layout
-from petfunc.io.params import cast_params, network_dtype
+from petfunc.io import cast_params, network_dtype
 from petfunc.model import PET
 from petfunc.model.long_range import calculator_backend
 from petfunc.structures import collate_padded, prepare_atoms
@@ -35,8 +37,6 @@ __all__ = ["BatchEvaluator"]
 def _check_frames(frames) -> None:
     """The batched APIs take a list of structures: one ``Atoms`` (a sequence of
     ``Atom``) failed with "object of type 'Atom' has no len()"."""
-    import ase
-
     if isinstance(frames, ase.Atoms):
         raise TypeError("expected a list of ase.Atoms, got one Atoms; for one structure pass [atoms]")
     for i, atoms in enumerate(frames):
@@ -170,9 +170,7 @@ class BatchEvaluator:
             return self._eager(self.params, positions, cell, neighbors)
         layout = mesh_layout(neighbors.long_range)
         if layout not in self._compiled:
-            from petfunc.compile.compiled import compile as petfunc_compile
-
-            self._compiled[layout] = petfunc_compile(
+            self._compiled[layout] = compile_function(
                 self._derivatives(self._model.energy),
                 self.params,
                 positions,

@@ -38,10 +38,10 @@ from petfunc.config import PETConfig
 from petfunc.derivatives import energy_terms_forces_strain_derivative
 from petfunc.export import load as load_exported
 from petfunc.graph import mesh_layout
+from petfunc.io import cast_params, load_params, network_dtype
 from petfunc.io.checkpoint import is_checkpoint
 from petfunc.io.load import load_model, torch_payload
 from petfunc.io.metatrain import read_metatrain
-from petfunc.io.params import cast_params, load_params, network_dtype
 from petfunc.model import PET
 from petfunc.model.long_range import calculator_backend
 from petfunc.remat import remat as remat_fn

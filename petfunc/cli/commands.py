@@ -531,8 +531,8 @@ def _overrides(args) -> list[tuple]:
 
 def _train(args) -> int:
     from petfunc.io.checkpoint import read_checkpoint
-    from petfunc.trainer.training import TrainingError
     from petfunc.trainer.options import set_option
+    from petfunc.trainer.training import TrainingError
 
     restart = args.restart
     if restart is not None:
@@ -673,8 +673,8 @@ def _train_into(args, options, output, demo, restart, rank, dist_kwargs) -> int:
     import yaml
 
     from petfunc.distributed import process as pdist
-    from petfunc.trainer.training import fit
     from petfunc.trainer.options import resolve_options
+    from petfunc.trainer.training import fit
 
     if demo:
         # check the options before spending time on the dataset

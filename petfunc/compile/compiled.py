@@ -1325,8 +1325,8 @@ class Compiled:
 
 def _has_p3m_inputs(args) -> bool:
     """Whether ``args`` hold the long-range inputs of a P3M batch with a mesh."""
-    from petfunc.graph.neighbors import Neighbors
     from petfunc.graph.long_range import mesh_layout
+    from petfunc.graph.neighbors import Neighbors
 
     def is_neighbors(x):
         return isinstance(x, Neighbors)

@@ -9,7 +9,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.export.pt2_archive._package import package_pt2
 
 from petfunc.config import PETConfig
 from petfunc.export.inputs import OUTPUTS, input_names, method_of
@@ -54,6 +53,9 @@ def export(
     Returns:
         the path written.
     """
+    # imports torch._dynamo: too slow for every petfunc import
+    from torch.export.pt2_archive._package import package_pt2
+
     method = method_of(config, long_range)
     path = Path(path)
     if path.suffix != ".pt2":

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._sympy.numbers import int_oo
 
 from petfunc.config import PETConfig
 from petfunc.derivatives import energy_terms_forces_strain_derivative
@@ -87,6 +86,8 @@ def check_dynamic(program, names=INPUTS) -> None:
     that the graph needs (``centers`` and ``neighbors`` have one length, ...) are
     export's guards, checked at every call; the tests run the artifact on batches of
     many sizes against them."""
+    from torch.utils._sympy.numbers import int_oo  # imports sympy: too slow for every petfunc import
+
     user_inputs = set(program.graph_signature.user_inputs)
     user = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
     for name, node in zip(names, user):

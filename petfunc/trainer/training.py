@@ -78,9 +78,9 @@ import torch
 from petfunc import lora, tree
 from petfunc._files import atomic_write, remove_leftover_temporaries
 from petfunc.config import PETConfig
+from petfunc.data import Sample, fit_composition, fit_scale, make_batch, random_rotations
 from petfunc.data.batching import batch_plan, derived_seed, pack_by_atoms
 from petfunc.data.read import read_labelled
-from petfunc.data import Sample, fit_composition, fit_scale, make_batch, random_rotations
 from petfunc.derivatives import energy_and_forces, energy_forces_strain_derivative
 from petfunc.determinism import deterministic_algorithms
 from petfunc.io.checkpoint import CHECKPOINT_FORMAT, read_checkpoint, state_from_plain, write_checkpoint
@@ -90,11 +90,12 @@ from petfunc.io.params import save_params
 from petfunc.model.pet import PET
 from petfunc.remat import remat
 from petfunc.structures import collate
-from petfunc.train import LossWeights, make_loss
 from petfunc.train import (
+    LossWeights,
     TrainState,
     apply_gradients,
     make_grad_step,
+    make_loss,
     make_optimizer,
     make_train_step,
     pack_state,
