@@ -11,9 +11,8 @@ operands (medians); "max rel diff" compares the two results, both float32.
 
     python benchmarks/cpu_blas.py --threads 2
 
-Measured at the fifty-second stop (`benchmarks/HISTORY.md`): on a 2-core AMD EPYC of
-family 26 (Zen 5, AVX-512) MKL 153-226 GFLOP/s, oneDNN 218-503; on Intel Xeons and an
-AVX2-only AMD EPYC, oneDNN was no faster.
+Results per machine are in benchmarks/README.md; the oneDNN lever is in
+docs/performance.md.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ if [ "${RUN_TESTS:-1}" = 1 ]; then
 stamp "tests/test_cuda.py"
 workers=()
 if $python -c "import xdist" 2>/dev/null && [ "${TEST_WORKERS:-6}" -gt 1 ]; then
-    # a crashed worker is not replaced: its replacement held a session until the time limit
+    # a crashed worker is not replaced: its replacement would hold the GPU until the time limit
     workers=(-n "${TEST_WORKERS:-6}" --max-worker-restart 0)
 fi
 timeout "${TEST_TIMEOUT:-220}" $python -m pytest tests/test_cuda.py -m "" -v -p no:cacheprovider -W ignore::DeprecationWarning \

@@ -2,9 +2,9 @@
 # Wheels for a GPU machine that has no network but has torch (with numpy, scipy,
 # matplotlib, pyyaml, tqdm, pytest): what petfunc and its metatrain extra need
 # beside those, for one Python version, written to DIR. This is the set that ran
-# tests/test_cuda.py and benchmarks/cuda_check.sh on an H200 (Python 3.12, torch
-# 2.11) at the thirty-eighth stop; the versions are pinned because some must match
-# each other (pydantic and pydantic-core, the metatensor family).
+# the GPU tests and benchmarks/cuda_check.sh on an H200 (Python 3.12, torch 2.11);
+# the versions are pinned because some must match each other (pydantic and
+# pydantic-core, the metatensor family).
 #
 #     bash benchmarks/offline_wheels.sh DIR [PYTHON_VERSION]      # default 3.12
 #

@@ -4,9 +4,8 @@ A training or MD step allocates and frees the same tens to hundreds of MiB of
 activations at every call. With glibc's defaults, blocks above the mmap threshold
 (dynamic, at most 32 MiB) are fresh ``mmap`` s that ``free`` unmaps, and the top of
 the heap is trimmed back to the system above the trim threshold. The next step then
-page-faults every page in again, each zero-filled by the kernel. Measured on the
-2-core CPU of this project: 8-20 % of a compiled training step, 2-3 % of an
-eager one.
+page-faults every page in again, each zero-filled by the kernel: a noticeable
+share of a compiled training step on a CPU (docs/performance.md has the figures).
 
 :func:`keep_freed_memory` raises both thresholds so that freed blocks stay in the
 process for the next step. The resident size then stays at the peak of a step

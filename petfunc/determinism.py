@@ -7,10 +7,10 @@ and in inductor's generated scatter kernels. Their order changes from run to run
 so two trainings with the same seed drift apart from the first step by float32
 round-off, and the chaos of training grows that into visibly different models.
 With deterministic algorithms torch runs those sums in a fixed order and inductor
-lowers scatter-adds to torch's deterministic kernels. On this project's 2-thread
-CPU it cost the compiled training step nothing measurable and made the eager one
-3-6 % faster (``benchmarks/compare_step.py --deterministic [--eager]``; the README
-has the numbers). On CUDA it is unmeasured here.
+lowers scatter-adds to torch's deterministic kernels. On a CPU that costs the
+compiled training step nothing measurable and makes the eager one a little faster
+(``benchmarks/compare_step.py --deterministic [--eager]``; docs/performance.md has
+the figures). Its cost on CUDA is not measured.
 """
 
 from __future__ import annotations

@@ -18,12 +18,11 @@ For an energy function ``energy_fn(params, positions, cell, neighbors) ->
   so that the pass and the matrix fit the budget.
 
 **Cost.** A row costs about two force evaluations plus a share of the gradient
-graph, which is built once per call. On the 2-core CPU of this project (64-atom
-diamond cell, d_pet 64, float64, compiled) small chunks ran fastest per row, in
-force evaluations: 2.3 with k = 2, 2.5 with 4, 2.9 with 8, 3.3 with 16 (one run;
-2.7 with k = 2 in the full benchmark). Larger vmaps push each layer's tensors out of
-the cache. A central finite difference costs 2 force evaluations per row but was
-1e-6 off there; fourth-order differences (4 per row) came to 2e-11.
+graph, which is built once per call. Small chunks are fastest per row on a CPU
+(larger vmaps push each layer's tensors out of the cache; ``benchmarks/hessian.py``
+measures it, benchmarks/README.md has the figures). A central finite difference
+costs 2 force evaluations per row, but is about 1e-6 off; fourth-order differences
+(4 per row) come to about 1e-11.
 
 **Two modes.** ``mode="reverse"`` (default) is reverse-over-reverse: the gradient
 g(x) = dE/dx and its backward graph are built once, then ``vjp`` of g with each
@@ -197,7 +196,7 @@ def working_memory(fn: Callable, *args) -> int:
     """Bytes of tensor memory ``fn(*args)`` allocates beyond what exists before the
     call, at its peak: CUDA's allocator statistics (their peak is reset), or on CPU
     the profiler's allocation events (independent of allocator caching; an error
-    inside a running ``torch.profiler`` session, which a nested one would end)."""
+    inside a running ``torch.profiler``, which a nested one would end)."""
     return _working_memory_and_output(fn, *args)[0]
 
 

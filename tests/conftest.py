@@ -3,7 +3,7 @@
 Tests run with one torch thread: the tensors are small, and on a shared 2-core
 machine two threads fight the other process and make tests many times slower.
 
-Compiled traces are cached in a folder of this test session, not in the user's
+Compiled traces are cached in a folder of this test run, not in the user's
 cache: a test run neither reads traces left by an earlier run (which would hide the
 cost and the failures of tracing) nor leaves its own behind.
 """

@@ -398,7 +398,7 @@ def test_compiled_md_compiles_once(relaxed, params, compiled):
 
 def test_compiled_calculator_reuses_its_trace(params, compiled):
     """A second compiled calculator of the same config (as in a new process) loads
-    the trace of the first from the cache (the session's folder, tests/conftest.py),
+    the trace of the first from the cache (the test run's folder, tests/conftest.py),
     with the same numbers (other keys: tests/test_compile.py)."""
     atoms = carbon_cell()
     atoms.calc = compiled

@@ -257,7 +257,7 @@ def test_train_cli_compiled(tmp_path):
 
 
 # the AOTInductor build for a GPU crashed the process that loaded it (segmentation
-# fault in torch's AOTIModelPackageLoader; H200, torch 2.11, thirty-eighth stop):
+# fault in torch's AOTIModelPackageLoader; H200, torch 2.11):
 # run only when asked, in a process of its own (benchmarks/cuda_check.sh does)
 CUDA_AOTI = pytest.mark.skipif(
     DEVICE.type == "cuda" and os.environ.get("PETFUNC_TRY_CUDA_AOTI") != "1",

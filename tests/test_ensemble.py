@@ -1,8 +1,8 @@
 """Ensembles by vmap: equal to K single models, eager, traced and compiled.
 
-The traced/compiled checks are the point of petfunc.ensemble: vmap + make_fx used
-to bake the trace batch's sizes into the graph (compile note P7) and vmap +
-inductor used to miscompile index ops into expanded tensors (P6). Every check runs
+The traced/compiled checks are the point of petfunc.ensemble: PyTorch's own vmap
+rules under make_fx bake the trace batch's sizes into the graph, and vmap under
+inductor can miscompile index operations into expanded tensors. Every check runs
 several batch shapes through one graph and compares with K separate eager
 single-model evaluations or training steps, in float64.
 """

@@ -386,9 +386,9 @@ def test_float32_smoke():
 
 
 def test_inputs_that_do_not_fit_are_named():
-    """Positions with an extra row gave forces with a zero row and no error, and a
-    cell too many a phantom structure; parameters of other species looked the
-    wrong species up. Each is now an error that names the mismatch."""
+    """Positions with an extra row would give forces with a zero row and no error, a
+    cell too many a phantom structure, parameters of other species would look the
+    wrong species up: each is an error that names the mismatch."""
     frames = [_ethanol(), _cubic_cell()]
     params = _params(CONFIG, dtype=torch.float64)
     positions, cell, graph = petfunc.from_atoms(frames, CONFIG, dtype=torch.float64)

@@ -348,10 +348,10 @@ def test_one_structure_batch_is_padded(dataset, fitted):
 def test_batch_whose_adaptive_cutoff_keeps_no_edge_is_padded():
     """Fe3 chains with 2.3 Å bonds: every atom has neighbours within the 2.5 Å
     cutoff, the middle one two, but the (legacy grid) adaptive cutoff keeps none of
-    those edges. make_batch judged padding by the flat list alone, so it left the
-    batch with no token and an empty NEF grid; a compiled step traced on it assumed
-    those sizes were 0 and refused the next batch (ValueError). Now it is padded,
-    the loss is unchanged, and one graph serves both batches."""
+    those edges. Judged by the flat list alone, the batch would have no token and an
+    empty NEF grid, and a compiled step traced on it would assume those sizes are 0
+    and refuse the next batch. make_batch pads it: the loss is unchanged, and one
+    graph serves both batches."""
     config = petfunc.PETConfig(
         atomic_types=(26,),
         cutoff=2.5,
