@@ -11,10 +11,9 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Union
 
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 def _umask() -> int:

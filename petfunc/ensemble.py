@@ -1,8 +1,8 @@
 """Ensembles (committees) of models evaluated and trained together with ``torch.func.vmap``.
 
 An ensemble is one parameter tree whose every leaf has a leading member axis of
-size K (:func:`init`, or :func:`petfunc.tree.stack` of K trees). The transformations here vmap a single-model function
-over that axis, with the data shared by all members:
+size K (:func:`init`, or :func:`petfunc.tree.stack` of K trees). The transformations
+here vmap a single-model function over that axis, with the data shared by all members:
 
 * ``energy_forces_stress(energy_fn)(params, positions, cell, neighbors)`` gives
   per-member energies ``[K, n_structures]``, forces ``[K, n_atoms, 3]`` and stress
