@@ -33,10 +33,9 @@ from petfunc import (
     llpr,
     lora,
     relax,
-    remat,  # callable: petfunc.remat(fn) (see petfunc.remat)
     tree,
 )
-from petfunc.compile.compiled import compile
+from petfunc.compile import compile
 from petfunc.config import LongRangeConfig, PETConfig
 from petfunc.data.samples import Batch, Dataset, Sample, make_batch, read_dataset
 from petfunc.derivatives import (
@@ -52,6 +51,7 @@ from petfunc.graph.neighbors import Neighbors
 from petfunc.hessian import hvp
 from petfunc.io.params import from_metatrain, load_params, save_params
 from petfunc.model.pet import PET, init
+from petfunc.remat import remat
 from petfunc.structures import Structure, collate, from_atoms, prepare, prepare_atoms
 from petfunc.train import hessian_loss
 from petfunc.train.loss import LossTerm, LossWeights, make_loss

@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import sys
-import types
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils.checkpoint import checkpoint
 
 
@@ -70,8 +69,6 @@ def call(layer, *args):
     """
     if not _ACTIVE.get() or not torch.is_grad_enabled():
         return layer(*args)
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
     if (
         torch._C._functorch.peek_interpreter_stack() is not None
         or get_proxy_mode() is not None
@@ -101,13 +98,3 @@ def saved_tensor_bytes(fn, *args, **kwargs):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = fn(*args, **kwargs)
     return out, sum(saved.values())
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable: ``petfunc.remat(fn)`` is :func:`remat`, as
-    ``petfunc.hessian(...)`` is, while ``petfunc.remat.call`` keeps working."""
-
-    __call__ = staticmethod(remat)
-
-
-sys.modules[__name__].__class__ = _CallableModule

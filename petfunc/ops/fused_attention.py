@@ -1,7 +1,7 @@
 """PET's attention as three CPU kernels: the attention, its derivative and the
 derivative of that derivative, each one pass over the atoms.
 
-The decomposed attention (:func:`petfunc.model.transformer.attention`) materialises
+The decomposed attention (:func:`petfunc.ops.attention.grid_attention`) materialises
 ``[atoms, heads, t, t]`` grids: scores, weights, and in force training about a dozen
 more for the derivatives and their derivatives. For a periodic batch these grids are
 tens of MB each, so every pass over them runs at memory speed. The kernels of
@@ -49,6 +49,8 @@ from pathlib import Path
 
 import torch
 
+from petfunc.ops.attention import grid_attention
+
 
 SOURCE = Path(__file__).with_name("_attention.cpp")
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -85,7 +87,8 @@ def library() -> ctypes.CDLL | None:
     except (OSError, subprocess.CalledProcessError) as error:
         warnings.warn(
             f"petfunc: no C++ compiler ({_compiler()}: {error}) for the fused attention kernels, "
-            "the decomposed attention is used instead"
+            "the decomposed attention is used instead",
+            stacklevel=2,
         )
         return None
     key = hashlib.sha256(
@@ -107,7 +110,8 @@ def library() -> ctypes.CDLL | None:
             if result.returncode != 0:
                 warnings.warn(
                     f"petfunc: building the fused attention kernels failed, the decomposed attention "
-                    f"is used instead:\n{result.stderr[-2000:]}"
+                    f"is used instead:\n{result.stderr[-2000:]}",
+                    stacklevel=2,
                 )
                 return None
             os.replace(built, path)
@@ -256,11 +260,9 @@ def _unfold(x, batch_size):
 
 
 def decomposed(qkv, bias, heads: int, scale: float):
-    """The same attention from torch ops (the transformer's own grid attention)."""
-    from petfunc.model.transformer import _grid_attention  # (transformer imports this module)
-
+    """The same attention from torch ops (:func:`petfunc.ops.attention.grid_attention`)."""
     a, t, three_d = qkv.shape
-    return _grid_attention(qkv.reshape(a * t, three_d), bias, heads, scale).reshape(a, t, three_d // 3)
+    return grid_attention(qkv.reshape(a * t, three_d), bias, heads, scale).reshape(a, t, three_d // 3)
 
 
 def _decomposed_backward(qkv, bias, grad, heads, scale):

@@ -43,7 +43,10 @@ def _one_hot_rows(index: torch.Tensor, n_rows: int, dtype: torch.dtype) -> torch
     return (rows[:, None] == index[None, :]).to(dtype)
 
 
-class _LookupRows(torch.autograd.Function):
+class LookupRows(torch.autograd.Function):
+    """The lookup of :func:`lookup_rows` as an ``autograd.Function``:
+    ``LookupRows.apply(table, index)``."""
+
     generate_vmap_rule = True
 
     @staticmethod
@@ -85,4 +88,4 @@ def lookup_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         or not use_custom_derivatives(index.shape[0] * table.shape[1], table.device)
     ):
         return table[index]
-    return _LookupRows.apply(table, index)
+    return LookupRows.apply(table, index)
