@@ -101,10 +101,14 @@ class Patch:
     def __repr__(self):
         return f"<Patch {self.name} ({self.purpose}){' installed' if self.installed else ''}>"
 
+    def allowed(self) -> bool:
+        """Whether the version gate and the settings leave the patch on."""
+        return self.needed and settings.patch_on(self.name)
+
     def enabled(self) -> bool:
-        """Whether the next install will try to change torch: the version gate, the
-        settings and (for a patch that sets a value) a setting asking for a change."""
-        return self.needed and settings.patch_on(self.name) and (self._wanted is None or self._wanted())
+        """Whether the next install will try to change torch: :meth:`allowed`, and
+        (for a patch that sets a value) a setting asks for a change."""
+        return self.allowed() and (self._wanted is None or self._wanted())
 
     def targets(self) -> list:
         """``[(owner, attribute name)]``: what the patch looks up in torch to install

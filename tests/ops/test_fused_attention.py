@@ -7,7 +7,6 @@ import math
 import pytest
 import test_train_step as tts
 import torch
-from test_train_step import dataset, fitted  # noqa: F401 (fixtures)
 
 import petfunc
 from petfunc.ops import fused_attention
