@@ -1,11 +1,10 @@
 """Compile inductor's C++ kernels of one graph a few translation units at a time.
 
 Inductor builds every C++ kernel of a CPU graph as its own shared library: one
-``g++`` run per kernel. Each run loads the precompiled ATen header (about 150 MB,
-0.4 s) and links (0.2 s) before it compiles the kernel itself (typically 0.1-0.5 s),
-so the fixed cost dominates. PET's training step has 75 kernels (energy only) to
-about 200 (with forces and stress): most of a cold compile was spent loading the
-same header over and over.
+``g++`` run per kernel. Each run loads the precompiled ATen header (large) and links
+before it compiles the kernel itself (typically quick), so the fixed cost
+dominates. PET's training step has about a hundred to a few hundred kernels: most
+of a cold compile is spent loading the same header over and over.
 
 :func:`grouped` batches them: while it is active, the kernels are cut, in the
 order inductor defines them, into consecutive groups of about

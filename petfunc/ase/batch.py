@@ -171,7 +171,7 @@ class BatchEvaluator:
             return self._eager(self.params, positions, cell, neighbors)
         layout = mesh_layout(neighbors.long_range)
         if layout not in self._compiled:
-            from petfunc.compile.compiled import compile as petfunc_compile
+            from petfunc.compile import compile as petfunc_compile
 
             self._compiled[layout] = petfunc_compile(
                 self._derivatives(self._model.energy),

@@ -381,7 +381,7 @@ class PETCalculator(Calculator):
         if self.compile:
             layout = mesh_layout(neighbors.long_range)
             if layout not in self._compiled:
-                from petfunc.compile.compiled import compile as petfunc_compile
+                from petfunc.compile import compile as petfunc_compile
 
                 # the traced function is fixed by the config: later processes
                 # load the trace instead of tracing again (petfunc.compile)
@@ -523,7 +523,7 @@ class PETCalculator(Calculator):
         if not self.compile:
             return fn(*args)
         if name not in self._llpr_compiled:
-            from petfunc.compile.compiled import compile as petfunc_compile
+            from petfunc.compile import compile as petfunc_compile
 
             members = self.llpr["ensemble_weights"].shape[0] if "ensemble_weights" in self.llpr else 0
             self._llpr_compiled[name] = petfunc_compile(

@@ -11,6 +11,8 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
+from torch._guards import TracingContext, tracing
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
@@ -50,9 +52,6 @@ def compile_inductor_direct(graph: torch.fx.GraphModule, mode, fakes):
     points, or inductor's config asks for freezing or the C++ wrapper, whose
     AOTAutograd path differs): then the caller uses the backend as usual.
     """
-    from torch._dispatch.python import enable_python_dispatcher
-    from torch._guards import TracingContext, tracing
-
     config = torch._inductor.config
     entry = _inductor_entry_points()
     if entry is None or config.freezing or config.cpp_wrapper:

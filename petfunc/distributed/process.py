@@ -369,7 +369,7 @@ class DataParallel:
         factors = share_factors(local, total, self.weights)
         if self._fn is None:
             if self._compile:
-                from petfunc.compile.compiled import compile as compile_fn
+                from petfunc.compile import compile as compile_fn
 
                 self._fn = compile_fn(
                     self._raw,

@@ -18,10 +18,9 @@ The numbers are those of ``torch.bmm``.
 The functions are used only while ``make_fx`` traces (compiled steps), where they
 change the generated code; eager calls are plain ``torch.bmm``. (Unlike
 :mod:`petfunc.ops.permute` and :mod:`petfunc.ops.lookup`, whose adjoints replace a slow
-scatter-add, they gave eager autograd nothing to gain: eager training steps with them
-and the gathers took 0.94x (carbon) and 0.97x (qm9) the time of plain indexing and
-bmm, against 0.91-0.92x and 0.91-0.93x with the gathers alone; and a ``torch.func``
-call of an ``autograd.Function`` costs Python time.)
+scatter-add, they gave eager autograd nothing to gain: eager training steps were
+faster with the gathers alone; and a ``torch.func`` call of an
+``autograd.Function`` costs Python time.)
 """
 
 from __future__ import annotations
