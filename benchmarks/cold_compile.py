@@ -7,32 +7,34 @@ cache: ``petfunc.compile`` of the default PET's training step (the setting of
 stress), then its first call. Variants, interleaved (A B A B ...):
 
 * ``separate``: inductor builds each C++ kernel alone (``PETFUNC_GROUP_KERNELS=0``);
-* ``grouped``: kernels built a few per library (:mod:`petfunc._torch.cpu_kernels`,
+* ``grouped``: kernels built a few per library (the ``kernel_groups`` patch,
   petfunc's default);
 * ``aot``: grouped, but the graph goes to inductor through AOTAutograd's two
   re-traces, as torch.compile's backend does (``PETFUNC_DIRECT_INDUCTOR=0``;
   petfunc's default is one functionalizing re-trace, see
-  ``petfunc.compile.compiled._compile_inductor_direct``);
+  ``petfunc.compile.inductor.compile_inductor_direct``);
 * ``late_probe``: grouped, but inductor probes the CPU's vector instruction sets
   when it first needs them, not in the background while ``make_fx`` traces
-  (``PETFUNC_EARLY_ISA_PROBE=0``; see :func:`petfunc._torch.cpu_kernels.start_isa_probe`);
+  (``PETFUNC_EARLY_ISA_PROBE=0``; see :mod:`petfunc.compile.isa_probe`);
 * ``simplify``: grouped, but inductor's vectorization analysis runs
-  ``sympy.simplify`` on every index (``PETFUNC_FAST_STRIDES=0``; petfunc's default
-  expands polynomial indices instead, see :mod:`petfunc._torch.vec_strides`);
+  ``sympy.simplify`` on every index (the ``fast_strides`` patch off; petfunc's
+  default expands polynomial indices instead);
 * ``late_split``: grouped, but CPU ``addmm`` is split after inductor's passes have
-  merged ``mm + add``, not before them (``PETFUNC_EARLY_ADDMM_SPLIT=0``; see
-  ``petfunc.compile.hold_cpu_addmm_merge``);
+  merged ``mm + add``, not before them (the ``addmm_merge_hold`` patch off);
 * ``fusion64``: grouped, but inductor's scheduler tries 64 fusion partners per
   node and buffer, as shipped, instead of petfunc's 16
-  (``PETFUNC_FUSION_PAIR_ATTEMPTS=64``; see ``petfunc.compile.fusion_pair_attempts``);
-* ``late_split_fusion64``: both of the last two, what petfunc did before them;
+  (``PETFUNC_FUSION_PAIR_ATTEMPTS=64``, the ``fusion_pair_attempts`` patch);
+* ``late_split_fusion64``: both of the last two;
 * ``o2``: grouped, with the C++ kernels built at ``-O2`` instead of inductor's
-  ``-O3`` (``PETFUNC_KERNEL_OPT=O2``; see
-  :func:`petfunc._torch.cpu_kernels.kernel_opt_level`: about 2 s faster to compile,
-  1.5 % slower a step on carbon, not the default);
+  ``-O3`` (``PETFUNC_KERNEL_OPT=O2``, the ``kernel_opt_level`` patch: a shorter
+  compile, a slower step; not the default);
 * ``no_lofa``, ``no_asserts``: grouped, with inductor's loop reordering after
   fusion off, or without the size, alignment and scalar assertions in its
-  generated code (both tried and not kept: no faster).
+  generated code (both tried and not kept: no faster);
+* ``stock``: every patch of torch internals off (``PETFUNC_STOCK_TORCH=1``);
+* ``off:NAME[,NAME...]``: grouped, with the named patches of
+  :func:`petfunc.compile.patches` off (``PETFUNC_PATCHES_OFF``), for any patch:
+  ``off:unguarded_sum_helper``, ``off:addmm_split``, ...
 
 Also printed: the median step time of each variant over the other batches, so that
 a compile-time gain that costs step time would show. ``--compare-with CHECKOUT``
@@ -44,6 +46,7 @@ before/after comparison of a change:
     python benchmarks/cold_compile.py --variants grouped --compare-with /tmp/before
     python benchmarks/cold_compile.py --variants grouped aot --repeats 2
     python benchmarks/cold_compile.py --dataset carbon --variants grouped late_split_fusion64 --repeats 4
+    python benchmarks/cold_compile.py --variants grouped stock off:fast_strides --repeats 2
 """
 
 from __future__ import annotations
@@ -84,7 +87,23 @@ VARIANTS = {
         "TORCHINDUCTOR_ALIGNMENT_ASSERTS": "0",
         "TORCHINDUCTOR_SCALAR_ASSERTS": "0",
     },
+    "stock": {"PETFUNC_STOCK_TORCH": "1"},
 }
+
+
+def variant_environment(variant: str) -> dict:
+    """The environment of ``variant``: one of :data:`VARIANTS`, or ``off:NAME,...``
+    (those patches off, kernel groups on unless named)."""
+    if variant.startswith("off:"):
+        return {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_PATCHES_OFF": variant[len("off:") :]}
+    return VARIANTS[variant]
+
+
+def variant_name(text: str) -> str:
+    """``text`` if it names a variant (for argparse)."""
+    if text in VARIANTS or (text.startswith("off:") and len(text) > len("off:")):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(VARIANTS)}, or off:NAME[,NAME...]")
 
 
 def child(dataset: str, variant: str, threads: int) -> None:
@@ -137,7 +156,7 @@ def measure(dataset: str, variant: str, threads: int, checkout: Path = HERE.pare
             PETFUNC_TRACE_CACHE="0",
             PYTHONPATH=str(checkout),
             PETFUNC_BENCH_DATA=str(DATA),
-            **VARIANTS[variant],
+            **variant_environment(variant),
         )
         out = subprocess.run(
             [sys.executable, str(script), "--child", dataset, variant, "--threads", str(threads)],
@@ -155,7 +174,7 @@ def main(argv=None):
     parser.add_argument("--dataset", choices=["qm9", "carbon"], default="qm9")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["separate", "grouped"])
+    parser.add_argument("--variants", nargs="+", type=variant_name, default=["separate", "grouped"])
     parser.add_argument(
         "--compare-with",
         type=Path,
@@ -191,16 +210,19 @@ def main(argv=None):
             results[name].append(result)
             print(
                 f"# run {r + 1} {name:14s} trace {result['trace']:5.1f} s, compile + first call "
-                f"{result['compile']:5.1f} s, total {result['total']:5.1f} s; step {result['step_ms']:.1f} ms; "
+                f"{result['compile']:5.1f} s, total {result['total']:5.1f} s; "
+                f"step {result['step_ms']:.1f} ms; "
                 f"{result['nodes']} graph nodes, {result['graphs']} graph(s)",
                 flush=True,
             )
-    print("| variant | trace (s) | compile + first call (s) | total (s) | step (ms) |")
-    print("|---|---|---|---|---|")
+    print("| variant | trace (s) | compile + first call (s) | total (s) | step (ms) | graphs |")
+    print("|---|---|---|---|---|---|")
     for name, measured in results.items():
         med = {k: statistics.median(r[k] for r in measured) for k in ("trace", "compile", "total", "step_ms")}
+        graphs = max(r["graphs"] for r in measured)
         print(
-            f"| {name} | {med['trace']:.1f} | {med['compile']:.1f} | {med['total']:.1f} | {med['step_ms']:.1f} |"
+            f"| {name} | {med['trace']:.1f} | {med['compile']:.1f} | {med['total']:.1f} "
+            f"| {med['step_ms']:.1f} | {graphs} |"
         )
 
 

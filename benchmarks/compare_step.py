@@ -14,6 +14,13 @@ of the first step's loss (the two must compute the same function).
 ``--deterministic`` instead compares this checkout with itself run under
 ``torch.use_deterministic_algorithms(True)`` ("other"), as ``petfunc train`` runs
 by default: what reproducible scatter-adds cost.
+
+``--patches-off NAME[,NAME...]`` compares this checkout with itself compiled with
+those patches of torch internals off ("other"; names as in
+``petfunc.compile.patches()``, ``all`` for every one): what a speed patch gains a
+step, for example
+
+    python benchmarks/compare_step.py --patches-off addmm_split --dataset carbon
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import contextlib
 import importlib.util
 import inspect
+import os
 import statistics
 import sys
 import time
@@ -52,6 +60,22 @@ def import_checkout(path: Path, name: str = "petfunc_other"):
     return module
 
 
+@contextlib.contextmanager
+def environment(**settings):
+    """``os.environ`` with ``settings`` for a ``with`` block (petfunc reads its
+    PETFUNC_* settings when it compiles)."""
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     which = parser.add_mutually_exclusive_group(required=True)
@@ -60,6 +84,12 @@ def main(argv=None):
         "--deterministic",
         action="store_true",
         help="compare with this checkout under deterministic algorithms",
+    )
+    which.add_argument(
+        "--patches-off",
+        metavar="NAME[,NAME...]",
+        help="compare with this checkout compiled with these patches of torch internals off "
+        "(petfunc.compile.patches() names; 'all': PETFUNC_STOCK_TORCH=1)",
     )
     parser.add_argument("--dataset", choices=["qm9", "carbon"], default="qm9")
     parser.add_argument(
@@ -74,7 +104,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     apply_malloc(args)
     torch.set_num_threads(args.threads)
-    other = petfunc if args.deterministic else import_checkout(args.compare_with.resolve())
+    other = petfunc if args.compare_with is None else import_checkout(args.compare_with.resolve())
     structures = frames(args.dataset)
 
     this = setup(args.dataset, torch.float32, args.batches, structures=structures)
@@ -94,9 +124,14 @@ def main(argv=None):
 
     def mode(label):
         """Deterministic algorithms for "other" with --deterministic (at compile time
-        inductor then lowers scatter-adds to aten's; at run time aten's are serial)."""
+        inductor then lowers scatter-adds to aten's; at run time aten's are serial);
+        the patches named by --patches-off off for "other"."""
         if args.deterministic and label == "other":
             return petfunc.deterministic_algorithms()
+        if args.patches_off and label == "other":
+            if args.patches_off == "all":
+                return environment(PETFUNC_STOCK_TORCH="1")
+            return environment(PETFUNC_PATCHES_OFF=args.patches_off)
         return contextlib.nullcontext()
 
     losses = {}

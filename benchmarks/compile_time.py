@@ -34,7 +34,7 @@ def child(path: str, d_pet: int, threads: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import petfunc
     from petfunc.ase import PETCalculator
-    from petfunc.compile.compiled import Compiled, _split, no_duck_shape
+    from petfunc.compile import Compiled, no_duck_shape
 
     torch.set_num_threads(threads)
     config = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), d_pet=d_pet)
@@ -56,7 +56,7 @@ def child(path: str, d_pet: int, threads: int) -> None:
         dynamo = torch.compile(compiled.graph, dynamic=True, fullgraph=True)
 
         def run(x):
-            flat = compiled._graph_inputs(_split((calc.params, *x))[0])
+            flat = compiled.call_inputs(compiled.checked_tensors((calc.params, *x)))[0]
             with torch.no_grad(), no_duck_shape():
                 return dynamo(*flat)
 

@@ -41,7 +41,7 @@ from ase.optimize import FIRE
 from tqdm import tqdm
 
 import petfunc
-from petfunc.ase.calculator import PETCalculator
+from petfunc.ase import PETCalculator
 
 
 def load_calculator(path, args, dtype):

@@ -1,27 +1,22 @@
 """Rematerialisation: PET's transformer layers recomputed in the backward pass.
 
 Forces and stress are a backward pass through the whole network, which needs the
-activations of every layer. For the default PET these are about 2.7 MiB per atom
-(float32, 70 neighbours per atom: 176 MiB for 64 carbon atoms), and they set the
-memory of large systems. Inside a function wrapped by :func:`remat`, each
+activations of every layer. For the default PET these are megabytes per atom, and
+they set the memory of large systems. Inside a function wrapped by :func:`remat`, each
 transformer layer keeps only its inputs for the backward pass and computes its
 internals again when the backward pass reaches it (``torch.utils.checkpoint``,
 non-reentrant). The derivatives are the same, bit for bit (the same operations
 run on the same inputs); the price is one more forward pass of the transformer
-layers (measured: a force and stress step 1.35-1.65x slower).
-
-Measured (``benchmarks/memory.py``; default PET, float32, eager forces and stress,
-2 threads): the activations kept for the backward pass fall 4.8x, the peak
-resident memory of a 1728-atom carbon cell about 2x (see the README for the
-table). Other memory (one layer's recomputed internals, gradients, the neighbour
-list) is not reduced.
+layers. The activations kept for the backward pass, and so the peak memory of a
+large cell, fall several times (``benchmarks/memory.py``, see docs/performance.md).
+Other memory (one layer's recomputed internals, gradients, the neighbour list) is
+not reduced.
 
 Works with ``torch.autograd`` (``autodiff="autograd"``, eager), double backward
 included. A double backward (a force or stress loss differentiated for its
 parameter gradient) saves little, though: the first backward pass builds a graph
-for the second, and that graph keeps the recomputed activations (measured: 9 %
-fewer kept bytes for a training step with forces and stress, 3.7x fewer for an
-energy-only one). ``torch.func`` transforms refuse the saved-tensor hooks that
+for the second, and that graph keeps the recomputed activations (an energy-only
+training step saves much more). ``torch.func`` transforms refuse the saved-tensor hooks that
 ``torch.utils.checkpoint`` relies on, so inside them, under ``make_fx``
 (:func:`petfunc.compile`, ``petfunc export``) and under ``torch.compile``,
 rematerialisation raises a ``RuntimeError`` instead of running.
@@ -33,10 +28,9 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import sys
-import types
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils.checkpoint import checkpoint
 
 
@@ -70,8 +64,6 @@ def call(layer, *args):
     """
     if not _ACTIVE.get() or not torch.is_grad_enabled():
         return layer(*args)
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
     if (
         torch._C._functorch.peek_interpreter_stack() is not None
         or get_proxy_mode() is not None
@@ -101,13 +93,3 @@ def saved_tensor_bytes(fn, *args, **kwargs):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = fn(*args, **kwargs)
     return out, sum(saved.values())
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable: ``petfunc.remat(fn)`` is :func:`remat`, as
-    ``petfunc.hessian(...)`` is, while ``petfunc.remat.call`` keeps working."""
-
-    __call__ = staticmethod(remat)
-
-
-sys.modules[__name__].__class__ = _CallableModule

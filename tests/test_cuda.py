@@ -119,7 +119,7 @@ def test_ensemble_equals_members():
         stacked, positions, cell, neighbors
     )
     efs = petfunc.energy_forces_stress(model.energy)
-    for k, member in enumerate(ensemble.unstack(stacked)):
+    for k, member in enumerate(petfunc.tree.unstack(stacked)):
         e, f, s = efs(member, positions, cell, neighbors)
         assert _relative(energies[k], e) < 1e-10
         assert _relative(forces[k], f) < 1e-10

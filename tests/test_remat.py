@@ -19,6 +19,7 @@ import petfunc
 from petfunc import allocator
 from petfunc.ase import PETCalculator
 from petfunc.derivatives import energy_terms_forces_strain_derivative
+from petfunc.remat import saved_tensor_bytes
 from petfunc.structures import collate, prepare_atoms
 
 
@@ -68,7 +69,7 @@ def test_remat_gives_the_same_derivatives(featurizer):
 
 def saved_bytes(fn, *args):
     """Bytes of the unique storages autograd saves for the backward pass of ``fn``."""
-    return petfunc.remat.saved_tensor_bytes(fn, *args)[1]
+    return saved_tensor_bytes(fn, *args)[1]
 
 
 def test_remat_keeps_fewer_activations():

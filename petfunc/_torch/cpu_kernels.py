@@ -1,11 +1,10 @@
 """Compile inductor's C++ kernels of one graph a few translation units at a time.
 
 Inductor builds every C++ kernel of a CPU graph as its own shared library: one
-``g++`` run per kernel. Each run loads the precompiled ATen header (about 150 MB,
-0.4 s) and links (0.2 s) before it compiles the kernel itself (typically 0.1-0.5 s),
-so the fixed cost dominates. PET's training step has 75 kernels (energy only) to
-about 200 (with forces and stress): most of a cold compile was spent loading the
-same header over and over.
+``g++`` run per kernel. Each run loads the precompiled ATen header (large) and links
+before it compiles the kernel itself (typically quick), so the fixed cost
+dominates. PET's training step has about a hundred to a few hundred kernels: most
+of a cold compile is spent loading the same header over and over.
 
 :func:`grouped` batches them: while it is active, the kernels are cut, in the
 order inductor defines them, into consecutive groups of about
@@ -25,29 +24,22 @@ the expected shape (one ``extern "C" void kernel(...)`` and nothing else at file
 scope) is left to inductor, and so is every kernel of a group that fails to build or
 load (with a warning).
 
-Measured on the default PET's training step (``benchmarks/cold_compile.py``), cold
-compile from an empty cache: qm9 116 -> 80 s, carbon 158 -> 118 s with groups built
-after code generation; starting them during code generation then took carbon from
-118.6 to 107.4 s (qm9 unchanged).
-``PETFUNC_GROUP_KERNELS=0`` turns this off.
-
-:func:`start_isa_probe` runs inductor's probe of the CPU's vector instruction sets
-(one test program built and loaded per instruction set, about 8 s on this
-project's CPU when inductor's cache is empty) in a background thread, while
-``make_fx`` traces; :func:`wait_isa_probe` joins it before inductor needs it.
+A cold compile of PET's training step from an empty cache is a third shorter
+(``benchmarks/cold_compile.py --variants separate grouped``, see docs/performance.md).
+``PETFUNC_GROUP_KERNELS=0`` (or ``PETFUNC_PATCHES_OFF=kernel_groups``) turns this off.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import functools
-import os
 import re
-import threading
+import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
-from petfunc._torch.patch import Scoped, scoped_attribute
+from petfunc._torch import versions
+from petfunc._torch.patch import SPEED, Patch
 
 
 _KERNEL = re.compile(r'^extern\s+"C"\s+void\s+kernel\s*\(', re.M)
@@ -55,7 +47,7 @@ _KERNEL = re.compile(r'^extern\s+"C"\s+void\s+kernel\s*\(', re.M)
 _DEFINITION = re.compile(r"\Aasync_compile\.cpp_pybinding\((\[.*?\]), r'''(.*)'''\)\s*\Z", re.S)
 #: a group is closed once its kernels hold this many characters of source (the
 #: training step's kernels: about 0.4 MB (energy only) to 1.4 MB (with forces and
-#: stress); a group of 150 kB builds in about 5 s on this project's CPU)
+#: stress); a group builds in a few seconds)
 GROUP_CHARS = 150_000
 _SCALARS = {"int64_t", "uintptr_t", "float", "double"}
 
@@ -104,7 +96,8 @@ template <> inline int64_t petfunc_arg<int64_t>(PyObject* args, Py_ssize_t i) {
 }
 template <> inline uintptr_t petfunc_arg<uintptr_t>(PyObject* args, Py_ssize_t i) {
     void* value = PyLong_AsVoidPtr(PyTuple_GET_ITEM(args, i));
-    if (value == reinterpret_cast<void*>(-1) && PyErr_Occurred()) throw std::runtime_error("expected an int argument");
+    if (value == reinterpret_cast<void*>(-1) && PyErr_Occurred())
+        throw std::runtime_error("expected an int argument");
     return reinterpret_cast<uintptr_t>(value);
 }
 template <> inline double petfunc_arg<double>(PyObject* args, Py_ssize_t i) {
@@ -180,7 +173,7 @@ def group_source(kernels) -> str:
 
 
 @functools.cache
-def _code_cache():
+def code_cache():
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     class GroupedBindingsCache(CppPythonBindingsCodeCache):
@@ -192,7 +185,7 @@ def _code_cache():
     return GroupedBindingsCache
 
 
-class _Pending:
+class Pending:
     """A kernel waiting for its group to be built; callable like the kernel.
 
     If its group cannot be built or loaded (a torch version whose internals
@@ -211,7 +204,7 @@ class _Pending:
         if self._kernel is None:
             try:
                 if self._load is None and self._error is None:
-                    _build(self.owner)
+                    build(self.owner)
                 if self._error is not None:
                     raise self._error
                 self._kernel = self._load()
@@ -230,7 +223,7 @@ class _Pending:
         return self.result()(*args)
 
 
-def _groups(kernels):
+def groups(kernels):
     """Consecutive groups of ``kernels`` (items with a ``source``), each closed once
     it holds :data:`GROUP_CHARS` characters; the last one may be smaller. The same
     kernels in the same order always give the same groups, so that the groups
@@ -250,17 +243,15 @@ def _groups(kernels):
 def _builders():
     """Threads that run the group builds (``g++`` runs in subprocesses, so the
     code generation goes on meanwhile): ``compile_threads`` of them."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from torch._inductor.async_compile import get_compile_threads
 
     return ThreadPoolExecutor(max_workers=max(1, get_compile_threads()), thread_name_prefix="petfunc-g++")
 
 
-def _start(group):
+def start(group):
     """Start building one group; returns ``{(argtypes, source): loader}``, where a
     loader returns the kernel's entry point (waiting for the build)."""
-    load = _code_cache().load_async(
+    load = code_cache().load_async(
         group_source([(k.argtypes, k.source) for k in group]), "cpu", submit_fn=_builders().submit
     )
     return {
@@ -276,11 +267,11 @@ class _Defined:
         self.argtypes, self.source = argtypes, source
 
 
-_defined = []  # kernels of the graph being generated, not yet in a started group
-_started = {}  # (argtypes, source) -> loader, for groups started during code generation
+defined = []  # kernels of the graph being generated, not yet in a started group
+started = {}  # (argtypes, source) -> loader, for groups started during code generation
 
 
-def _on_definition(body: str) -> None:
+def on_definition(body: str) -> None:
     """Code generation defined a kernel: add it to the open group, and start
     building that group once it is full."""
     match = _DEFINITION.match(body)
@@ -293,36 +284,36 @@ def _on_definition(body: str) -> None:
     source = match.group(2)
     if not groupable(argtypes, source):
         return
-    _defined.append(_Defined(argtypes, source))
-    closed, _ = _groups(_defined)
+    defined.append(_Defined(argtypes, source))
+    closed, _ = groups(defined)
     if closed:
-        del _defined[:]
+        del defined[:]
         try:
-            _started.update(_start(closed[0]))
+            started.update(start(closed[0]))
         except Exception:  # noqa: BLE001 - these kernels are built when the module loads
             pass
 
 
-def _build(owner):
+def build(owner):
     """Build the pending kernels of one compiled module (an ``AsyncCompile``):
     those whose group started during code generation get its loader; the others
     are cut into groups (the same groups, for a module from inductor's cache) and
     built now."""
     pending = owner.__dict__.pop("_petfunc_pending", [])
-    del _defined[:]  # code generation of this module is over
+    del defined[:]  # code generation of this module is over
     if not pending:
         return
     rest = []
     for p in pending:
-        loader = _started.pop((tuple(p.argtypes), p.source), None)
+        loader = started.pop((tuple(p.argtypes), p.source), None)
         if loader is not None:
             p._load = loader
         else:
             rest.append(p)
-    closed, last = _groups(rest)
+    closed, last = groups(rest)
     try:
         for group in closed + ([last] if last else []):
-            loaders = _start(group)
+            loaders = start(group)
             for p in group:
                 p._load = loaders[(tuple(p.argtypes), p.source)]
     except Exception as error:  # noqa: BLE001 - these kernels fall back one by one
@@ -331,177 +322,69 @@ def _build(owner):
                 p._error = error
 
 
-def _wrapper_class():
-    """Inductor's Python wrapper code generator (whose ``define_kernel`` receives
-    each C++ kernel's definition), or None."""
-    try:
-        from torch._inductor.codegen.wrapper import PythonWrapperCodegen
-    except ImportError:  # pragma: no cover - other torch versions: no early builds
-        return None
-    return PythonWrapperCodegen
+def _targets():
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    return [
+        (AsyncCompile, "cpp_pybinding"),
+        (AsyncCompile, "wait"),
+        (PythonWrapperCodegen, "define_kernel"),
+    ]
 
 
 def _install():
     """Route inductor's C++ kernels through the groups; returns what to restore."""
-    from torch._inductor.async_compile import AsyncCompile
-
-    wrapper = _wrapper_class()
-    saved = (AsyncCompile.cpp_pybinding, AsyncCompile.wait, wrapper, getattr(wrapper, "define_kernel", None))
-    original_pybinding, original_wait, wrapper, original_define = saved
+    targets = _targets()
+    originals = [getattr(owner, name) for owner, name in targets]
+    original_pybinding, original_wait, original_define = originals
 
     def cpp_pybinding(self, argtypes, source_code):
         if not groupable(argtypes, source_code):
             return original_pybinding(self, argtypes, source_code)
-        kernel = _Pending(self, list(argtypes), source_code, original_pybinding)
+        kernel = Pending(self, list(argtypes), source_code, original_pybinding)
         self.__dict__.setdefault("_petfunc_pending", []).append(kernel)
         return kernel
 
     def wait(self, scope):
-        _build(self)
+        build(self)
         for key, value in list(scope.items()):
-            if isinstance(value, _Pending):
+            if isinstance(value, Pending):
                 scope[key] = value.result()
         return original_wait(self, scope)
 
-    AsyncCompile.cpp_pybinding, AsyncCompile.wait = cpp_pybinding, wait
-    if original_define is not None:
+    def define_kernel(self, kernel_name, kernel_body, *args, **kwargs):
+        if isinstance(kernel_body, str):
+            on_definition(kernel_body)
+        return original_define(self, kernel_name, kernel_body, *args, **kwargs)
 
-        def define_kernel(self, kernel_name, kernel_body, *args, **kwargs):
-            if isinstance(kernel_body, str):
-                _on_definition(kernel_body)
-            return original_define(self, kernel_name, kernel_body, *args, **kwargs)
-
-        wrapper.define_kernel = define_kernel
-    return saved
+    for (owner, name), value in zip(targets, (cpp_pybinding, wait, define_kernel)):
+        setattr(owner, name, value)
+    return list(zip(targets, originals))
 
 
 def _uninstall(saved):
-    from torch._inductor.async_compile import AsyncCompile
-
-    AsyncCompile.cpp_pybinding, AsyncCompile.wait, wrapper, original_define = saved
-    if original_define is not None:
-        wrapper.define_kernel = original_define
-    del _defined[:]
+    for (owner, name), original in saved:
+        setattr(owner, name, original)
+    del defined[:]
 
 
-_scope = Scoped(_install, _uninstall)
+# WORKAROUND(torch<2.15): inductor builds every C++ kernel as a library of its own,
+# each g++ run loading the same precompiled header. Remove when inductor builds a
+# graph's CPU kernels in a few translation units.
+KERNEL_GROUPS = Patch(
+    "kernel_groups",
+    purpose=SPEED,
+    needed=versions.INDUCTOR_SPEED_PATCHES,
+    summary="inductor's C++ kernels built a few per library, starting during code generation",
+    module=sys.modules[__name__],
+    install=_install,
+    uninstall=_uninstall,
+    targets=_targets,
+)
 
 
 def grouped():
-    """While active, inductor's C++ kernels are built in groups (module docstring)."""
-    if os.environ.get("PETFUNC_GROUP_KERNELS", "1") == "0":
-        return contextlib.nullcontext()
-    try:
-        import torch._inductor.async_compile  # noqa: F401
-    except ImportError:  # pragma: no cover - inductor unavailable
-        return contextlib.nullcontext()
-    return _scope()
-
-
-#: inductor's own optimisation level for its C++ kernels
-_INDUCTOR_LEVEL = "O3"
-_LEVELS = ("O0", "O1", "O2", "O3", "Os", "Og")
-
-
-def kernel_opt_level() -> str:
-    """The ``g++`` optimisation level of inductor's C++ kernels while
-    :func:`optimization_level` is active: ``PETFUNC_KERNEL_OPT``, by default
-    inductor's own ``O3``.
-
-    Inductor vectorizes its kernels itself (``at::vec``, with
-    ``-fno-tree-loop-vectorize``); what ``-O3`` adds over ``-O2`` (loop
-    unswitching, peeling, splitting and distribution, predictive commoning,
-    larger inlining budgets) costs about a quarter of each ``g++`` run.
-    ``PETFUNC_KERNEL_OPT=O2`` trades that for speed: measured on the
-    benchmarks' carbon training step, a cold compile about 2 s shorter (fresh
-    processes, medians of three: 65.1 against 66.9 s) for a step about 1.5 %
-    slower (four interleaved runs in one process: 1.004-1.017x). After about a
-    thousand steps ``-O3`` is ahead, hence the default; short jobs (tests, a
-    quick fine-tune) may prefer ``O2``.
-    """
-    level = os.environ.get("PETFUNC_KERNEL_OPT", _INDUCTOR_LEVEL).strip().lstrip("-")
-    if level not in _LEVELS:
-        raise ValueError(f"PETFUNC_KERNEL_OPT must be one of {', '.join(_LEVELS)}, not {level!r}")
-    return level
-
-
-def _level_flags():
-    """The replacement of inductor's optimisation flags that makes its ``-O3`` for
-    C++ kernels :func:`kernel_opt_level`, or None (the level is inductor's own, or
-    this torch has other internals)."""
-    level = kernel_opt_level()
-    try:
-        from torch._inductor import cpp_builder
-    except ImportError:  # pragma: no cover - inductor unavailable
-        return None
-    original = getattr(cpp_builder, "_get_optimization_cflags", None)
-    if original is None or level == _INDUCTOR_LEVEL:
-        return None
-
-    @functools.wraps(original)
-    def optimization_cflags(*args, **kwargs):
-        cflags, ldflags = original(*args, **kwargs)
-        # only the kernels' level: the AOT wrapper's own (min_optimize) is left as is
-        return [level if flag == _INDUCTOR_LEVEL else flag for flag in cflags], ldflags
-
-    return cpp_builder, "_get_optimization_cflags", optimization_cflags
-
-
-_level_scope = scoped_attribute(_level_flags)
-
-
-def optimization_level():
-    """A ``with`` block in which inductor builds C++ kernels at
-    :func:`kernel_opt_level`. Flags are part of the key of inductor's library
-    cache, so kernels built at another level are never mixed up with these."""
-    kernel_opt_level()  # a bad setting fails here, before any compile
-    return _level_scope()
-
-
-_probe = None  # the background thread of start_isa_probe, once started
-
-
-def start_isa_probe() -> None:
-    """Start inductor's probe of the vector instruction sets of this CPU
-    (``torch._inductor.cpu_vec_isa.valid_vec_isa_list``) in a background thread,
-    once per process.
-
-    Inductor asks for it when it generates its first C++ kernel. With an empty
-    cache it builds a test program for each candidate instruction set and loads
-    each in a fresh Python process: 7-10 s of a cold compile, spent in ``g++`` and
-    subprocesses while the compiling thread waits. Started before ``make_fx``
-    traces (single-threaded Python), it runs on another core meanwhile. The probe
-    caches its answer in the process (``functools.cache``), so inductor then finds
-    it done; :func:`wait_isa_probe` must be called before inductor runs, so that
-    the two never probe at once. ``PETFUNC_EARLY_ISA_PROBE=0`` turns this off.
-    """
-    global _probe
-    if _probe is not None or os.environ.get("PETFUNC_EARLY_ISA_PROBE", "1") == "0":
-        return
-    # Every module the probe needs is imported here, in the calling thread. Imported
-    # by the probe's thread while the caller imports torch._dynamo (make_fx's shape
-    # environment does), torch's circular imports between _dynamo and _inductor
-    # meet half-initialised modules: "cannot import name 'IndentedBuffer' from
-    # partially initialized module 'torch._inductor.utils'" in the caller, and
-    # torch._dynamo left broken for the rest of the process (measured: torch 2.11
-    # and 2.13, in most runs of a script that imports torch._dynamo right after).
-    import torch._dynamo
-    import torch._inductor.codecache
-    import torch._inductor.cpp_builder
-    import torch.utils._filelock  # noqa: F401
-    from torch._inductor import cpu_vec_isa
-
-    def probe():
-        try:
-            cpu_vec_isa.valid_vec_isa_list()
-        except Exception:  # noqa: BLE001 - inductor probes again itself and reports
-            pass
-
-    _probe = threading.Thread(target=probe, name="petfunc-isa-probe", daemon=True)
-    _probe.start()
-
-
-def wait_isa_probe() -> None:
-    """Wait for :func:`start_isa_probe`'s thread, if one was started."""
-    if _probe is not None:
-        _probe.join()
+    """While active, inductor's C++ kernels are built in groups (module docstring):
+    the patch :data:`KERNEL_GROUPS` held for a ``with`` block."""
+    return KERNEL_GROUPS.scope()

@@ -24,9 +24,15 @@ compares them with the kernels).
 
 from __future__ import annotations
 
-import torch
+import sys
 
-from petfunc._torch.patch import Scoped
+import torch
+import torch._subclasses.fake_impls
+from torch._meta_registrations import meta_fft_r2c
+from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+from petfunc._torch import versions
+from petfunc._torch.patch import CORRECTNESS, Patch
 
 
 aten = torch.ops.aten
@@ -60,7 +66,8 @@ def _contiguous_strides(sizes):
 _REAL = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
 
 
-def _c2c(self, dim, normalization, forward):
+def fft_c2c(self, dim, normalization, forward):
+    """The output (empty, with its sizes and strides) of ``aten._fft_c2c``."""
     torch._check(self.dtype.is_complex, lambda: f"_fft_c2c expects a complex input, got {self.dtype}")
     if not dim:
         return self.clone()
@@ -72,7 +79,8 @@ def _uses_all_dims_at_once(dim):
     return len(dim) <= 3 and not (len(dim) >= 2 and dim[0] == 0 and dim[1] == 1)
 
 
-def _c2r(self, dim, normalization, last_dim_size):
+def fft_c2r(self, dim, normalization, last_dim_size):
+    """The output (empty, with its sizes and strides) of ``aten._fft_c2r``."""
     torch._check(self.dtype.is_complex, lambda: f"_fft_c2r expects a complex input, got {self.dtype}")
     dim = [d % self.dim() for d in dim]
     sizes = list(self.shape)
@@ -94,13 +102,12 @@ def _c2r(self, dim, normalization, last_dim_size):
     return self.new_empty_strided(sizes, transform_strides(sizes, inner, dim[-1:]), dtype=real)
 
 
-def _r2c(self, dim, normalization, onesided):
+def fft_r2c(self, dim, normalization, onesided):
+    """The output (empty, with its sizes and strides) of ``aten._fft_r2c``."""
     torch._check(self.dtype.is_floating_point, lambda: f"_fft_r2c expects a real input, got {self.dtype}")
     # (a fake tensor reports the meta device inside its kernels; fake_device is its own)
     if getattr(self, "fake_device", self.device).type != "cpu":
         # torch's own shape function (it specialises the sizes; GPUs are not traced here)
-        from torch._meta_registrations import meta_fft_r2c
-
         return meta_fft_r2c(self, dim, normalization, onesided)
     dim = [d % self.dim() for d in dim]
     sizes = list(self.shape)
@@ -124,7 +131,7 @@ def _r2c(self, dim, normalization, onesided):
     return self.new_empty_strided(sizes, out_strides, dtype=complex_dtype)
 
 
-_RULES = {aten._fft_r2c.default: _r2c, aten._fft_c2c.default: _c2c, aten._fft_c2r.default: _c2r}
+_RULES = {aten._fft_r2c.default: fft_r2c, aten._fft_c2c.default: fft_c2c, aten._fft_c2r.default: fft_c2r}
 
 
 def _check(func):
@@ -133,31 +140,47 @@ def _check(func):
 
 def _fake_impl(fake_mode, func, *args, **kwargs):
     # consulted by FakeTensorMode before an op's meta function
-    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-
     device = args[0].fake_device
     with in_kernel_invocation_manager(fake_mode):
         out = _RULES[func](*args, **kwargs)
     return FakeTensor(fake_mode, out, device)
 
 
-def _install():
-    from torch._subclasses.fake_impls import op_implementations_checks
+def _targets():
+    return [(torch._subclasses.fake_impls, "op_implementations_checks")]
 
-    entry = (_check, _fake_impl)
-    op_implementations_checks.insert(0, entry)
+
+def _install():
+    (owner, name), entry = _targets()[0], (_check, _fake_impl)
+    getattr(owner, name).insert(0, entry)
     return entry
 
 
 def _uninstall(entry):
-    from torch._subclasses.fake_impls import op_implementations_checks
+    (owner, name) = _targets()[0]
+    getattr(owner, name).remove(entry)
 
-    op_implementations_checks.remove(entry)
 
-
-_scope = Scoped(_install, _uninstall)
+# WORKAROUND(torch<2.15): torch's meta functions of _fft_r2c (CPU), _fft_c2c and
+# _fft_c2r read symbolic sizes as integers or fail on them, so P3M's mesh
+# convolution does not trace with symbolic mesh sizes. Remove when torch's meta
+# functions keep sizes symbolic (the test test_torch_fft_meta_fixes_sizes in
+# tests/compile/test_patches.py then fails). Off: a traced FFT fails inside torch
+# (c2c, c2r) or fixes the mesh sizes, which the trace guards of petfunc.compile then
+# enforce (a mesh of another size is refused with a ValueError).
+FFT_META = Patch(
+    "fft_meta",
+    purpose=CORRECTNESS,
+    needed=versions.FFT_META_NOT_SYMBOLIC,
+    summary="fake-tensor shape functions of the FFT kernels that keep symbolic sizes",
+    module=sys.modules[__name__],
+    install=_install,
+    uninstall=_uninstall,
+    targets=_targets,
+)
 
 
 def fft_meta():
-    """Use the shape functions above inside the block (re-entrant)."""
-    return _scope()
+    """Use the shape functions above inside the block (re-entrant): the patch
+    :data:`FFT_META` held for a ``with`` block."""
+    return FFT_META.scope()

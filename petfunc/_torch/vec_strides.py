@@ -7,10 +7,10 @@ index and of the difference ``index(x + 1) - index(x)``
 (``simplify_index_in_vec_range`` and ``stride_at`` of ``torch._inductor.sizevars``;
 ``torch._inductor.codegen.cpp`` in torch 2.11).
 ``simplify`` tries many rewrites, and with symbolic sizes PET's training step has
-well over a thousand distinct indices: in a cold compile of the benchmarks' carbon
-training step (96 s in all), 1676 calls took 12.2 s, 9 s of them on indices that are
-plain polynomials in the loop variables and size symbols
-(``384*d0*s53 + 384*d0 + 16*d1*s53 + 16*d1 + d2*s53 + d2 + d3``), which it returned
+well over a thousand distinct indices, and in a cold compile of the benchmarks'
+carbon training step most of its time goes to indices that are plain polynomials in
+the loop variables and size symbols
+(``384*d0*s53 + 384*d0 + 16*d1*s53 + 16*d1 + d2*s53 + d2 + d3``), which it returns
 unchanged.
 
 For such a polynomial (sums and products of integer symbols, rational numbers and
@@ -21,27 +21,28 @@ when ``simplify``'s is the same number, so every decision inductor takes on it
 stride differs at most in how it is written (``s53 + 1`` either way in PET's
 graphs). Any other index goes to inductor's own functions unchanged.
 
-With it, 40 calls and 0.5 s are left, and the generated code is byte for byte the
-same (compared for the qm9 and carbon training steps). ``python
-benchmarks/cold_compile.py --dataset carbon --variants grouped simplify --repeats 2``:
-compile + first call 79.8 s instead of 83.7 s (medians; less than 12 s because
-``g++`` builds kernel groups on the other core meanwhile).
-``PETFUNC_FAST_STRIDES=0`` turns this off.
+With it, almost none of those calls are left, and the generated code is byte for
+byte the same (compared for the qm9 and carbon training steps): a shorter cold
+compile (``benchmarks/cold_compile.py --variants grouped simplify``, see
+docs/performance.md). ``PETFUNC_FAST_STRIDES=0`` (or ``PETFUNC_PATCHES_OFF=fast_strides``)
+turns this off.
 """
 
 from __future__ import annotations
 
 import functools
-import os
+import importlib
+import sys
 
-from petfunc._torch.patch import Scoped
+import sympy
+
+from petfunc._torch import versions
+from petfunc._torch.patch import SPEED, replacing
 
 
-def _is_polynomial(expr) -> bool:
+def is_polynomial(expr) -> bool:
     """Whether ``expr`` is built of symbols and rational numbers by ``+``, ``*`` and
     non-negative integer powers only."""
-    import sympy
-
     stack = [expr]
     while stack:
         node = stack.pop()
@@ -63,8 +64,6 @@ def analysis_module():
     """The module whose ``stride_at_vec_range`` looks up ``stride_at`` and
     ``simplify_index_in_vec_range`` (``torch._inductor.sizevars`` in torch 2.13,
     ``torch._inductor.codegen.cpp`` in 2.11), or None."""
-    import importlib
-
     for name in ("torch._inductor.sizevars", "torch._inductor.codegen.cpp"):
         try:
             module = importlib.import_module(name)
@@ -77,18 +76,16 @@ def analysis_module():
     return None
 
 
-def _install():
-    module = analysis_module()
-    if module is None:
-        return None
-    original_stride = module.stride_at
-    original_range = module.simplify_index_in_vec_range
+def _targets():
+    # where no module has the analysis, the newest torch's place: the install then fails
+    module = analysis_module() or importlib.import_module("torch._inductor.sizevars")
+    return [(module, "stride_at"), (module, "simplify_index_in_vec_range")]
 
+
+def _replacements(original_stride, original_range):
     @functools.lru_cache
     def stride_at(index, var):
-        if _is_polynomial(index):
-            import sympy
-
+        if is_polynomial(index):
             return sympy.expand(index.xreplace({var: var + 1}) - index)
         return original_stride(index, var)
 
@@ -96,32 +93,29 @@ def _install():
     def simplify_index_in_vec_range(index, var, vec_length):
         # the simplified index only feeds stride_at (the docstring above), which
         # needs no rewriting of a polynomial
-        if _is_polynomial(index):
+        if is_polynomial(index):
             return index
         return original_range(index, var, vec_length)
 
-    module.stride_at = stride_at
-    module.simplify_index_in_vec_range = simplify_index_in_vec_range
-    return module, original_stride, original_range
+    return [stride_at, simplify_index_in_vec_range]
 
 
-def _uninstall(saved) -> None:
-    if saved is None:
-        return
-    module, original_stride, original_range = saved
-    module.stride_at = original_stride
-    module.simplify_index_in_vec_range = original_range
-
-
-_scope = Scoped(_install, _uninstall)
+# WORKAROUND(torch<2.15): inductor's vectorization analysis runs sympy.simplify on
+# every index of a vectorized C++ loop, which dominates its time on symbolic sizes.
+# Remove when inductor skips simplify for polynomial indices.
+FAST_STRIDES = replacing(
+    "fast_strides",
+    purpose=SPEED,
+    needed=versions.INDUCTOR_SPEED_PATCHES,
+    summary="inductor's stride analysis of vectorized C++ loads by expansion, not sympy.simplify",
+    module=sys.modules[__name__],
+    targets=_targets,
+    replacements=_replacements,
+)
 
 
 def fast_strides():
     """A ``with`` block in which inductor analyses polynomial indices by expansion
-    instead of ``sympy.simplify`` (the module docstring); a no-op with
-    ``PETFUNC_FAST_STRIDES=0`` or a torch without these functions."""
-    if os.environ.get("PETFUNC_FAST_STRIDES", "1") == "0":
-        import contextlib
-
-        return contextlib.nullcontext()
-    return _scope()
+    instead of ``sympy.simplify`` (the module docstring): the patch
+    :data:`FAST_STRIDES` held; a no-op where it is off."""
+    return FAST_STRIDES.scope()

@@ -5,30 +5,35 @@ Some of PyTorch's C++ batching rules read a tensor's sizes as plain integers
 in torch 2.11 ``mm`` and ``bmm``, whose rules call ``matmul`` on the physical tensors).
 Under ``make_fx`` with symbolic sizes that read turns every size of the tensor into
 a constant of the trace: the traced ensemble then only works for the batch it was
-traced with (compile note P7: ``expand: attempting to expand a dimension of length
-148 -> 81``). :func:`symbolic_vmap_rules` temporarily replaces those rules by Python
-rules with the same semantics that only use symbolic sizes. Unbatched tensors that
+traced with (``expand: attempting to expand a dimension of length 148 -> 81``).
+:func:`symbolic_vmap_rules` temporarily replaces those rules by Python rules with
+the same semantics that only use symbolic sizes. Unbatched tensors that
 are written into (the ``self`` of ``scatter_add``) are cloned after being expanded,
-so no index operation ever writes into a stride-0 tensor (note P6, the inductor
-miscompilation of index ops on expanded tensors, pytorch/pytorch#183986).
+so no index operation ever writes into a stride-0 tensor (inductor miscompiles index
+ops on expanded tensors, pytorch/pytorch#183986).
 
 With ``decompose_layer_norm=True`` it also decomposes ``native_layer_norm`` above
 autograd: PyTorch's third derivative of it is wrong, and its forward-mode
 derivative cannot be traced on fake tensors.
 
-The replacements live in ``torch.library.Library`` objects that exist only inside
-the context manager; outside, PyTorch's own rules are back in place.
+The replacements live in ``torch.library.Library`` objects (the patches
+:data:`VMAP_RULES` and :data:`LAYER_NORM_DECOMPOSITION`) that exist only inside the
+context manager; outside, PyTorch's own rules are back in place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 
 import torch
+import torch._decomp
 from torch._C._functorch import _add_batch_dim, _unwrap_batched, current_level
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from petfunc._torch.patch import Scoped
+from petfunc._torch import versions
+from petfunc._torch.patch import CORRECTNESS, Patch
 
 
 aten = torch.ops.aten
@@ -84,7 +89,7 @@ def _scatter_add(self, dim, index, src):
         logical = s.dim() - (sb is not None)
         target = _front(s, sb, size)
         if sb is None:
-            target = target.clone()  # never scatter into an expanded tensor (P6)
+            target = target.clone()  # never scatter into an expanded tensor (pytorch#183986)
         out = aten.scatter_add.default(
             target, dim % max(logical, 1) + 1, _front(i, ib, size), _front(x, xb, size)
         )
@@ -161,39 +166,46 @@ _RULES = {
 # ops with symbolic-size rules
 _DECOMPOSED = ("native_layer_norm", "native_layer_norm_backward")
 
-# native_layer_norm, decomposed above autograd into differentiable primitives, for
-# two reasons: (1) its third derivative is silently wrong in torch 2.13 (its mean
-# and rstd outputs are not differentiable, so differentiating its double backward
-# drops terms: a Hessian-vector-product loss had parameter gradients off by 0.3-2 %
-# against finite differences); (2) its forward-mode derivative breaks make_fx
-# tracing on fake tensors (a meta tensor leaks out: FakeTensorDeviceMismatchError)
+# native_layer_norm, decomposed above autograd into differentiable primitives (see
+# LAYER_NORM_DECOMPOSITION below)
 _AUTOGRAD_DECOMPOSED = ("native_layer_norm",)
 
 
-def _register_batching():
-    from torch._decomp import decomposition_table
+def _batching_targets():
+    return [(torch.library, "Library"), (torch._decomp, "decomposition_table")]
 
+
+def _ops(names):
+    return [getattr(aten, name).default for name in names]
+
+
+def _register_batching():
+    rules = {getattr(aten, name).default: rule for name, rule in _RULES.items()}
+    decompositions = {op: torch._decomp.decomposition_table[op] for op in _ops(_DECOMPOSED)}
     library = torch.library.Library("aten", "IMPL", "FuncTorchBatched")
-    with warnings.catch_warnings():
-        # "Overriding a previously registered kernel": that is the point
-        warnings.simplefilter("ignore", UserWarning)
-        for name, rule in _RULES.items():
-            library.impl(name, rule)
-        for name in _DECOMPOSED:
-            op = getattr(aten, name).default
-            library.impl(op, decomposition_table[op])
+    try:
+        with warnings.catch_warnings():
+            # "Overriding a previously registered kernel": that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            for op, rule in {**rules, **decompositions}.items():
+                library.impl(op, rule)
+    except BaseException:
+        library._destroy()
+        raise
     return library
 
 
 def _register_autograd_decompositions():
-    from torch._decomp import decomposition_table
-
+    decompositions = {op: torch._decomp.decomposition_table[op] for op in _ops(_AUTOGRAD_DECOMPOSED)}
     library = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        for name in _AUTOGRAD_DECOMPOSED:
-            op = getattr(aten, name).default
-            library.impl(op, _without_empty_warning(decomposition_table[op]), "Autograd")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            for op, decomposition in decompositions.items():
+                library.impl(op, _without_empty_warning(decomposition), "Autograd")
+    except BaseException:
+        library._destroy()
+        raise
     return library
 
 
@@ -214,8 +226,64 @@ def _destroy(library):
     library._destroy()
 
 
-_batching = Scoped(_register_batching, _destroy)
-_layer_norm = Scoped(_register_autograd_decompositions, _destroy)
+def _dispatcher_state(names):
+    """The dispatcher's registrations of the ops ``names``: what the patch edits."""
+    return lambda: tuple(torch._C._dispatch_dump(f"aten::{name}") for name in names)
+
+
+# WORKAROUND(torch<2.15): torch's C++ batching rules of cat, scatter_add, gather,
+# slice_backward and native_layer_norm(_backward) (2.11-2.12: also mm, bmm) read
+# sizes as integers, which fixes the sizes of a symbolic trace of a vmap (ensembles,
+# Hessians, LLPR). Remove when those rules keep sizes symbolic (the test
+# test_torch_batching_rules_fix_sizes in tests/compile/test_patches.py then fails).
+# Off: a trace that vmaps (inside symbolic_vmap_rules) is refused with a clear error.
+VMAP_RULES = Patch(
+    "vmap_rules",
+    purpose=CORRECTNESS,
+    needed=versions.VMAP_RULES_READ_INTEGER_SIZES,
+    summary="vmap batching rules of cat, mm, bmm, scatter_add, gather, slice_backward and the "
+    "layer norm pair that keep symbolic sizes symbolic",
+    module=sys.modules[__name__],
+    install=_register_batching,
+    uninstall=_destroy,
+    targets=_batching_targets,
+    state=_dispatcher_state([*_RULES, *_DECOMPOSED]),
+)
+
+# WORKAROUND(torch<2.15): native_layer_norm's third derivative is silently wrong (its
+# mean and rstd outputs are not differentiable, so differentiating its double backward
+# drops terms: a Hessian-vector-product loss had parameter gradients off by 0.3-2 %
+# against finite differences), and its forward-mode derivative breaks make_fx on fake
+# tensors (FakeTensorDeviceMismatchError). Remove when torch's layer norm has exact
+# higher derivatives. Off: symbolic_vmap_rules(decompose_layer_norm=True) (Hessians,
+# Hessian losses) raises a clear error.
+LAYER_NORM_DECOMPOSITION = Patch(
+    "layer_norm_decomposition",
+    purpose=CORRECTNESS,
+    needed=versions.LAYER_NORM_HIGHER_DERIVATIVES_WRONG,
+    summary="native_layer_norm decomposed above autograd: exact third and forward-mode derivatives",
+    module=sys.modules[__name__],
+    install=_register_autograd_decompositions,
+    uninstall=_destroy,
+    targets=_batching_targets,
+    state=_dispatcher_state(_AUTOGRAD_DECOMPOSED),
+)
+
+
+class PatchUnavailableError(RuntimeError):
+    """A correctness patch that a computation needs is off (``PETFUNC_STOCK_TORCH``,
+    ``PETFUNC_PATCHES_OFF``) or could not be installed on this torch."""
+
+
+def _require(patch: Patch, what: str) -> None:
+    if patch.installed or not patch.needed:
+        return
+    reason = repr(patch.failure) if patch.failure is not None else "switched off by PETFUNC_* settings"
+    raise PatchUnavailableError(
+        f"{what} needs petfunc's patch {patch.name!r} of torch's internals ({patch.summary}), "
+        f"which is not installed ({reason}); without it the results would be wrong or tied to "
+        "the traced sizes"
+    )
 
 
 @contextlib.contextmanager
@@ -225,12 +293,19 @@ def symbolic_vmap_rules(decompose_layer_norm: bool = False):
     Args:
         decompose_layer_norm: also decompose ``native_layer_norm`` above autograd,
             for third derivatives (Hessian training) and for traced forward-mode
-            derivatives (see ``_AUTOGRAD_DECOMPOSED``).
+            derivatives (:data:`LAYER_NORM_DECOMPOSITION`).
 
-    Re-entrant and thread-safe; PyTorch's own rules are restored on exit.
+    Re-entrant and thread-safe; PyTorch's own rules are restored on exit. Where a
+    patch it needs is not installed, the block runs eagerly with torch's own rules
+    (right for concrete sizes), and raises :class:`PatchUnavailableError` under
+    ``make_fx`` (whose symbolic sizes torch's rules would fix); with
+    ``decompose_layer_norm`` it raises in any case.
     """
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_batching())
+        stack.enter_context(VMAP_RULES.scope())
+        if get_proxy_mode() is not None:
+            _require(VMAP_RULES, "a vmap traced with symbolic sizes")
         if decompose_layer_norm:
-            stack.enter_context(_layer_norm())
+            stack.enter_context(LAYER_NORM_DECOMPOSITION.scope())
+            _require(LAYER_NORM_DECOMPOSITION, "a third or forward-mode derivative of layer norm")
         yield

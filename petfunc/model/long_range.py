@@ -36,8 +36,10 @@ import warnings
 
 import torch
 
+from petfunc import tree
+from petfunc.compile import register_input_check
 from petfunc.config import PETConfig
-from petfunc.graph.long_range import LeadingMeshes, LongRange
+from petfunc.graph import LeadingMeshes, LongRange, Neighbors, mesh_layout
 from petfunc.model import nn
 
 
@@ -406,3 +408,37 @@ def features(
         config, charges, positions, cell, neighbors, edge_centers, edge_neighbors, edge_distances
     )
     return nn.mlp2(params["out_projection"], potential)
+
+
+def has_p3m_inputs(args) -> bool:
+    """Whether ``args`` hold the long-range inputs of a P3M batch with a mesh."""
+
+    def is_neighbors(x):
+        return isinstance(x, Neighbors)
+
+    return any(
+        any(mesh_layout(x.long_range) or ())
+        for x in tree.tree_leaves(args, is_leaf=is_neighbors)
+        if is_neighbors(x)
+    )
+
+
+def refuse_p3m_inductor(example_args, backend) -> None:
+    """The input check of :func:`petfunc.compile` for P3M: inductor is refused for
+    P3M inputs on devices where it is not known right (:func:`p3m_inductor_correct`)."""
+    devices = {x.device for x in tree.tree_leaves(example_args) if isinstance(x, torch.Tensor)}
+    if (
+        backend == "inductor"
+        and not all(p3m_inductor_correct(d) for d in devices)
+        and has_p3m_inputs(example_args)
+    ):
+        raise ValueError(
+            "inductor of torch < 2.13 is not known to compile the derivative of P3M "
+            "long-range features with respect to the cell right on a GPU (torch 2.11 "
+            "miscompiled it: strain derivatives, hence stresses, wrong by 100 %; avoided "
+            "since, but checked on the CPU only): use backend='aot_eager', Ewald inputs "
+            "(from_atoms(..., long_range='ewald')), the CPU, or torch >= 2.13"
+        )
+
+
+register_input_check(refuse_p3m_inductor)

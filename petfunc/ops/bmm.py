@@ -18,10 +18,9 @@ The numbers are those of ``torch.bmm``.
 The functions are used only while ``make_fx`` traces (compiled steps), where they
 change the generated code; eager calls are plain ``torch.bmm``. (Unlike
 :mod:`petfunc.ops.permute` and :mod:`petfunc.ops.lookup`, whose adjoints replace a slow
-scatter-add, they gave eager autograd nothing to gain: eager training steps with them
-and the gathers took 0.94x (carbon) and 0.97x (qm9) the time of plain indexing and
-bmm, against 0.91-0.92x and 0.91-0.93x with the gathers alone; and a ``torch.func``
-call of an ``autograd.Function`` costs Python time.)
+scatter-add, they gave eager autograd nothing to gain: eager training steps were
+faster with the gathers alone; and a ``torch.func`` call of an
+``autograd.Function`` costs Python time.)
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ def _product_rule(product):
     return staticmethod(jvp)
 
 
-class _NN(_Product):
+class BmmNN(_Product):
     """``a @ b``."""
 
     @staticmethod
@@ -69,12 +68,12 @@ class _NN(_Product):
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        return _NT.apply(g, b), _TN.apply(a, g)
+        return BmmNT.apply(g, b), BmmTN.apply(a, g)
 
-    jvp = _product_rule(lambda a, b: _NN.apply(a, b))
+    jvp = _product_rule(lambda a, b: BmmNN.apply(a, b))
 
 
-class _NT(_Product):
+class BmmNT(_Product):
     """``a @ b^T``."""
 
     @staticmethod
@@ -84,12 +83,12 @@ class _NT(_Product):
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        return _NN.apply(g, b), _TN.apply(g, a)
+        return BmmNN.apply(g, b), BmmTN.apply(g, a)
 
-    jvp = _product_rule(lambda a, b: _NT.apply(a, b))
+    jvp = _product_rule(lambda a, b: BmmNT.apply(a, b))
 
 
-class _TN(_Product):
+class BmmTN(_Product):
     """``a^T @ b``."""
 
     @staticmethod
@@ -99,9 +98,9 @@ class _TN(_Product):
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        return _NT.apply(b, g), _NN.apply(a, g)
+        return BmmNT.apply(b, g), BmmNN.apply(a, g)
 
-    jvp = _product_rule(lambda a, b: _TN.apply(a, b))
+    jvp = _product_rule(lambda a, b: BmmTN.apply(a, b))
 
 
 def _call(product, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -112,14 +111,14 @@ def _call(product, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def bmm_nn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of ``[n, i, k]`` and ``[n, k, j]``: ``[n, i, j]``."""
-    return _call(_NN, a, b)
+    return _call(BmmNN, a, b)
 
 
 def bmm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b^T`` of ``[n, i, k]`` and ``[n, j, k]``: ``[n, i, j]``."""
-    return _call(_NT, a, b)
+    return _call(BmmNT, a, b)
 
 
 def bmm_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a^T @ b`` of ``[n, k, i]`` and ``[n, k, j]``: ``[n, i, j]``."""
-    return _call(_TN, a, b)
+    return _call(BmmTN, a, b)

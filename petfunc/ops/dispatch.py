@@ -10,26 +10,22 @@ plain indexing (up to the order of summation of the lookups' adjoint).
 * Eagerly on the CPU, with plain autograd (``autodiff="autograd"``: the eager ASE
   calculator, relaxations and MD, and ``petfunc train`` without ``--compile``), they
   make a step faster: PyTorch's CPU scatter-add with accumulation adds with atomics
-  (about 0.8 ms for each of the 14 in a qm9 training step). Measured side by side,
-  the same inputs, interleaved: training steps 0.92x the time on qm9 and on carbon
-  (``benchmarks/compare_step.py --eager``), the forces and stress of a 64-atom
-  carbon cell 0.89x. Under
+  (``benchmarks/compare_step.py --eager``, see docs/performance.md). Under
   ``torch.use_deterministic_algorithms`` (what ``petfunc train`` sets on the CPU
-  by default) the scatter-add is serial and as fast: no change there (1.01x, 0.995x).
-  On GPUs, where the scatter-add is fast and eager steps are bound by Python, plain
+  by default) the scatter-add is serial and as fast: no change there. On GPUs,
+  where the scatter-add is fast and eager steps are bound by Python, plain
   indexing is kept (not measured).
 * Eagerly inside ``torch.func`` transforms (``autodiff="func"``, vmapped
-  ensembles) each ``autograd.Function`` call costs Python time (about 1 ms of an
-  eager qm9 step), so plain indexing is kept there.
+  ensembles) each ``autograd.Function`` call costs Python time, so plain indexing
+  is kept there.
 * Under ``torch.compile``'s Dynamo (a user compiling an energy function directly)
   plain indexing is kept as well: Dynamo traces it as it always did.
-* Small eager calls keep plain indexing too: a ``Function`` costs about 70 µs of
-  Python for its forward and backward, about what the scatter-add of
-  :data:`EAGER_MIN_ELEMENTS` elements costs (measured on this project's 2-core
-  CPU: a permutation of 32768 float32 elements 164 µs plain against 134 µs
-  through the ``Function``, 24576 elements 53 against 129 µs). With every call
-  through the ``Function``, a 9-atom molecule's forces in the eager ASE calculator
-  took 1.22x as long; with this threshold, 1.01x.
+* Small eager calls keep plain indexing too: a ``Function`` costs tens of
+  microseconds of Python for its forward and backward, about what the scatter-add of
+  :data:`EAGER_MIN_ELEMENTS` elements costs (a permutation of 32768 float32
+  elements is about as fast either way). With every call through the ``Function``,
+  a small molecule's forces in the eager ASE calculator took a fifth longer; with
+  this threshold, about as long as plain indexing.
 """
 
 from __future__ import annotations

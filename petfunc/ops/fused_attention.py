@@ -1,7 +1,7 @@
 """PET's attention as three CPU kernels: the attention, its derivative and the
 derivative of that derivative, each one pass over the atoms.
 
-The decomposed attention (:func:`petfunc.model.transformer.attention`) materialises
+The decomposed attention (:func:`petfunc.ops.attention.grid_attention`) materialises
 ``[atoms, heads, t, t]`` grids: scores, weights, and in force training about a dozen
 more for the derivatives and their derivatives. For a periodic batch these grids are
 tens of MB each, so every pass over them runs at memory speed. The kernels of
@@ -19,106 +19,25 @@ derivative beyond those, a third one or forward mode, is computed from the
 decomposed attention's formulas on the saved inputs; vmap (ensembles) folds the
 vmapped dimension into the atoms.
 
-Measured on the default PET's compiled training step (2-core Xeon, float32,
-side by side on the same batches): the same speed as the decomposed attention
-(qm9 33.9 vs 34.0 ms, carbon 136.3 vs 136.1 ms; in another run 33.9 vs 33.7 and
-137.8 vs 133.7 ms), with less memory (carbon: peak step memory 172 instead of 243
-MiB). The grids grow with the square of the
-neighbour count, so the saving grows with it. On a CPU without AVX-512 (an AMD
-EPYC with AVX2) the kernels use 32-byte vectors: carbon 209 vs 189 ms a step
-(decomposed), qm9 58.5 vs 58.2 ms. With 64-byte vectors there, as before, the
-products' accumulators spilled and the carbon step took 630 ms.
+On the default PET's compiled training step they run at the speed of the
+decomposed attention with less peak memory (docs/performance.md). The grids grow
+with the square of the neighbour count, so the saving grows with it. On a CPU
+without AVX-512 the kernels use 32-byte vectors (with 64-byte vectors there the
+products' accumulators spilled to memory).
 
-The library is built with the system's C++ compiler (``c++`` or ``$CXX``) at first
-use, about 3 s, into inductor's cache folder, keyed by the source, the compiler and
-the CPU's instruction sets. Where it cannot be built, a warning says so and the
-decomposed attention is used.
+The library is built with the system's C++ compiler at first use
+(:mod:`petfunc.ops.attention_library`); where it cannot be built, a warning says so
+and the decomposed attention is used.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
-import subprocess
-import tempfile
 import threading
-import warnings
-from pathlib import Path
 
 import torch
 
-
-SOURCE = Path(__file__).with_name("_attention.cpp")
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-
-
-# ---------------------------------------------------------------------------------------
-# building and loading the library
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return ""
-
-
-def _compiler() -> str:
-    return os.environ.get("CXX", "c++")
-
-
-@functools.lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    """The kernels' shared library (built at first use), or None where it cannot
-    be built (no compiler, not x86/Linux): the decomposed attention is used then."""
-    source = SOURCE.read_bytes()
-    try:
-        version = subprocess.run(
-            [_compiler(), "--version"], capture_output=True, text=True, check=True
-        ).stdout
-    except (OSError, subprocess.CalledProcessError) as error:
-        warnings.warn(
-            f"petfunc: no C++ compiler ({_compiler()}: {error}) for the fused attention kernels, "
-            "the decomposed attention is used instead"
-        )
-        return None
-    key = hashlib.sha256(
-        source + " ".join(_FLAGS).encode() + version.encode() + _cpu_flags().encode()
-    ).hexdigest()[:24]
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    folder = Path(cache_dir()) / "petfunc_attention"
-    path = folder / f"attention_{key}.so"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        # build next to the target and rename: concurrent processes (ddp ranks) each
-        # build their own file and the last rename wins, never a half-written library
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            built = Path(tmp) / path.name
-            result = subprocess.run(
-                [_compiler(), *_FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True
-            )
-            if result.returncode != 0:
-                warnings.warn(
-                    f"petfunc: building the fused attention kernels failed, the decomposed attention "
-                    f"is used instead:\n{result.stderr[-2000:]}"
-                )
-                return None
-            os.replace(built, path)
-    lib = ctypes.CDLL(str(path))
-    i64, f64, cint, ptr = ctypes.c_int64, ctypes.c_double, ctypes.c_int, ctypes.c_void_p
-    sizes = [i64, i64, i64, i64, f64, cint]
-    for suffix in ("f32", "f64"):
-        getattr(lib, f"petfunc_attention_forward_{suffix}").argtypes = [ptr] * 3 + sizes
-        getattr(lib, f"petfunc_attention_backward_{suffix}").argtypes = [ptr] * 5 + sizes
-        getattr(lib, f"petfunc_attention_backward2_{suffix}").argtypes = [ptr] * 8 + sizes
-    return lib
+from petfunc.ops.attention import grid_attention
+from petfunc.ops.attention_library import library
 
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
@@ -256,11 +175,9 @@ def _unfold(x, batch_size):
 
 
 def decomposed(qkv, bias, heads: int, scale: float):
-    """The same attention from torch ops (the transformer's own grid attention)."""
-    from petfunc.model.transformer import _grid_attention  # (transformer imports this module)
-
+    """The same attention from torch ops (:func:`petfunc.ops.attention.grid_attention`)."""
     a, t, three_d = qkv.shape
-    return _grid_attention(qkv.reshape(a * t, three_d), bias, heads, scale).reshape(a, t, three_d // 3)
+    return grid_attention(qkv.reshape(a * t, three_d), bias, heads, scale).reshape(a, t, three_d // 3)
 
 
 def _decomposed_backward(qkv, bias, grad, heads, scale):

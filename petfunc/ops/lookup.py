@@ -5,9 +5,8 @@ edge embeddings, and the per-species blocks of the compression layer's first
 linear map (see ``petfunc.model._compress``). The adjoint of ``table[index]`` is a
 scatter-add of the ``[n, d]`` output gradient into the ``[n_rows, d]`` table, and
 inductor's CPU code emits it with one atomic add (a compare-and-swap loop) per
-element, because many rows share an index: about 1.7 ns per element on this
-project's CPU, 2.5-3 ms per lookup in the carbon benchmark's training step (about
-4 % of its time for its three lookups; one table row, carbon the only species).
+element, because many rows share an index: a few per cent of the carbon
+benchmark's training step for its three lookups (docs/performance.md).
 
 With ``one_hot[r, i] = (index[i] == r)`` the same adjoint is the product
 ``one_hot @ grad``: ``2 n_rows`` FLOPs per gradient element in a library matrix
@@ -43,7 +42,10 @@ def _one_hot_rows(index: torch.Tensor, n_rows: int, dtype: torch.dtype) -> torch
     return (rows[:, None] == index[None, :]).to(dtype)
 
 
-class _LookupRows(torch.autograd.Function):
+class LookupRows(torch.autograd.Function):
+    """The lookup of :func:`lookup_rows` as an ``autograd.Function``:
+    ``LookupRows.apply(table, index)``."""
+
     generate_vmap_rule = True
 
     @staticmethod
@@ -85,4 +87,4 @@ def lookup_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         or not use_custom_derivatives(index.shape[0] * table.shape[1], table.device)
     ):
         return table[index]
-    return _LookupRows.apply(table, index)
+    return LookupRows.apply(table, index)

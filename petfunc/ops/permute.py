@@ -38,7 +38,10 @@ def _gather(x: torch.Tensor, index: torch.Tensor, mask: torch.Tensor | None) -> 
     return y
 
 
-class _PermuteRows(torch.autograd.Function):
+class PermuteRows(torch.autograd.Function):
+    """The gather of :func:`permute_rows` as an ``autograd.Function``:
+    ``PermuteRows.apply(x, index, mask, inverse, inverse_mask)``."""
+
     generate_vmap_rule = True
 
     @staticmethod
@@ -54,12 +57,12 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         index, mask, inverse, inverse_mask = ctx.maps
-        return _PermuteRows.apply(grad, inverse, inverse_mask, index, mask), None, None, None, None
+        return PermuteRows.apply(grad, inverse, inverse_mask, index, mask), None, None, None, None
 
     @staticmethod
     def jvp(ctx, tangent, *_):
         index, mask, inverse, inverse_mask = ctx.maps
-        return _PermuteRows.apply(tangent, index, mask, inverse, inverse_mask)
+        return PermuteRows.apply(tangent, index, mask, inverse, inverse_mask)
 
 
 def permute_rows(
@@ -90,4 +93,4 @@ def permute_rows(
     """
     if not use_custom_derivatives(index.shape[0] * math.prod(x.shape[1:]), x.device):
         return _gather(x, index, mask)  # small or under eager torch.func: see the module docstring
-    return _PermuteRows.apply(x, index, mask, inverse, inverse_mask)
+    return PermuteRows.apply(x, index, mask, inverse, inverse_mask)

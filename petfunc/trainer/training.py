@@ -1378,7 +1378,7 @@ def _fit(
     def build_step(example):
         if not compile_on or exact_dp:  # exact_dp: petfunc.distributed
             return raw_step
-        from petfunc.compile.compiled import compile as compile_fn
+        from petfunc.compile import compile as compile_fn
 
         log(f"compiling the training step ({backend}); the first call takes a while ...")
         t0 = time.perf_counter()
@@ -1400,7 +1400,7 @@ def _fit(
     def build_eval(example):
         if not compile_on:
             return eval_loss_fn
-        from petfunc.compile.compiled import compile as compile_fn
+        from petfunc.compile import compile as compile_fn
 
         return compile_fn(
             eval_loss_fn,

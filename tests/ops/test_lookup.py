@@ -6,7 +6,7 @@ from derivative_checks import assert_same_autograd_derivatives
 from torch.func import grad, jacfwd, jacrev, jvp, vmap
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from petfunc.ops import lookup
+from petfunc.ops import dispatch, lookup
 
 
 DT = torch.float64
@@ -16,7 +16,7 @@ INDEX = torch.tensor([2, 0, 2, 2, 1, 0, 2, 3, 2])  # repeated rows, as species a
 def lookup_rows(table, index):
     """The autograd.Function itself (lookup.lookup_rows uses it in traces and eager
     autograd, a plain gather under eager torch.func)."""
-    return lookup._LookupRows.apply(table, index)
+    return lookup.LookupRows.apply(table, index)
 
 
 def objective(gather):
@@ -85,14 +85,12 @@ def test_eager_autograd_uses_the_product_adjoint_torch_func_and_large_tables_a_g
     (its first and second derivatives those of the plain gather); small lookups and
     eager torch.func keep the plain gather, and tables of more than MAX_ROWS rows
     keep the gather's adjoint everywhere."""
-    from petfunc.ops import dispatch as _custom_derivatives
-
     table = torch.randn(4, 3, dtype=DT, requires_grad=True)
     assert "LookupRows" not in type(lookup.lookup_rows(table, INDEX).grad_fn).__name__
-    many = torch.randint(0, 4, (-(-_custom_derivatives.EAGER_MIN_ELEMENTS // 3),))  # 3 columns
+    many = torch.randint(0, 4, (-(-dispatch.EAGER_MIN_ELEMENTS // 3),))  # 3 columns
     assert "LookupRows" in type(lookup.lookup_rows(table, many).grad_fn).__name__
     assert "LookupRows" not in type(lookup.lookup_rows(table, many[1:]).grad_fn).__name__
-    monkeypatch.setattr(_custom_derivatives, "EAGER_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(dispatch, "EAGER_MIN_ELEMENTS", 0)
     y = lookup.lookup_rows(table, INDEX)
     assert torch.equal(y, table[INDEX]) and "LookupRows" in type(y.grad_fn).__name__
     new, ref = objective(lookup.lookup_rows), objective(plain)

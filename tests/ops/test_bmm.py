@@ -11,9 +11,9 @@ from petfunc.ops import bmm
 
 DT = torch.float64
 PRODUCTS = {
-    "nn": (bmm._NN.apply, lambda a, b: torch.bmm(a, b), ((3, 4, 5), (3, 5, 6))),
-    "nt": (bmm._NT.apply, lambda a, b: torch.bmm(a, b.transpose(1, 2)), ((3, 4, 5), (3, 6, 5))),
-    "tn": (bmm._TN.apply, lambda a, b: torch.bmm(a.transpose(1, 2), b), ((3, 5, 4), (3, 5, 6))),
+    "nn": (bmm.BmmNN.apply, lambda a, b: torch.bmm(a, b), ((3, 4, 5), (3, 5, 6))),
+    "nt": (bmm.BmmNT.apply, lambda a, b: torch.bmm(a, b.transpose(1, 2)), ((3, 4, 5), (3, 6, 5))),
+    "tn": (bmm.BmmTN.apply, lambda a, b: torch.bmm(a.transpose(1, 2), b), ((3, 5, 4), (3, 5, 6))),
 }
 
 

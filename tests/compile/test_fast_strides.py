@@ -1,4 +1,5 @@
-"""petfunc._torch.vec_strides: inductor's vectorization strides without sympy.simplify.
+"""The fast_strides patch (petfunc.compile.patches()): inductor's vectorization
+strides without sympy.simplify.
 
 The fast path must give the stride inductor's own analysis gives: the same number
 where that is a number (0 broadcast, 1 contiguous, else a constant stride) and an
@@ -11,11 +12,13 @@ import pytest
 import sympy
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
-from petfunc._torch import vec_strides as _vec_strides
+from tests.helpers.patches import patch, skip_unless_enabled
 
 
 # torch._inductor.sizevars (2.13) or torch._inductor.codegen.cpp (2.11)
-sizevars = _vec_strides.analysis_module()
+FAST_STRIDES = patch("fast_strides")
+strides = FAST_STRIDES.module
+sizevars = strides.analysis_module()
 if sizevars is None:
     pytest.skip("this torch has no such stride analysis", allow_module_level=True)
 
@@ -54,7 +57,7 @@ def _reference(index, var, vec_length):
 
 
 def _fast(index, var, vec_length):
-    with _vec_strides.fast_strides():
+    with FAST_STRIDES.scope():
         return sizevars.stride_at_vec_range.__wrapped__(index, var, vec_length)
 
 
@@ -79,7 +82,7 @@ def _same(a, b):
 
 @pytest.mark.parametrize("index,var", PET_INDICES)
 def test_polynomial_indices_give_inductors_stride(index, var):
-    assert _vec_strides._is_polynomial(index)
+    assert strides.is_polynomial(index)
     for vec_length in (8, 16):
         _same(_fast(index, var, vec_length), _reference(index, var, vec_length))
 
@@ -97,18 +100,19 @@ def test_random_polynomials_give_inductors_stride():
 
 @pytest.mark.parametrize("index,var", NON_POLYNOMIAL)
 def test_other_indices_go_to_inductor(index, var):
-    assert not _vec_strides._is_polynomial(index)
+    assert not strides.is_polynomial(index)
     assert _fast(index, var, 16) == _reference(index, var, 16)
 
 
 def test_the_patch_is_scoped(monkeypatch):
+    skip_unless_enabled("fast_strides")
     originals = sizevars.stride_at, sizevars.simplify_index_in_vec_range
-    with _vec_strides.fast_strides():
+    with FAST_STRIDES.scope():
         assert sizevars.stride_at is not originals[0]
-        with _vec_strides.fast_strides():  # re-entrant
+        with FAST_STRIDES.scope():  # re-entrant
             pass
         assert sizevars.simplify_index_in_vec_range is not originals[1]
     assert (sizevars.stride_at, sizevars.simplify_index_in_vec_range) == originals
     monkeypatch.setenv("PETFUNC_FAST_STRIDES", "0")
-    with _vec_strides.fast_strides():
+    with FAST_STRIDES.scope():
         assert (sizevars.stride_at, sizevars.simplify_index_in_vec_range) == originals

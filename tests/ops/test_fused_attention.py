@@ -7,10 +7,11 @@ import math
 import pytest
 import test_train_step as tts
 import torch
-from test_train_step import dataset, fitted  # noqa: F401 (fixtures)
 
 import petfunc
+from petfunc.compile import PatchUnavailableError
 from petfunc.ops import fused_attention
+from tests.helpers.patches import patch
 
 
 pytestmark = pytest.mark.skipif(fused_attention.library() is None, reason="no C++ compiler for the kernels")
@@ -171,6 +172,10 @@ def test_compiled_hessian_loss_with_fused_attention(monkeypatch):
         return compiled
 
     monkeypatch.setattr(petfunc, "compile", compile_and_check)
+    if not patch("layer_norm_decomposition").allowed():  # PETFUNC_STOCK_TORCH: refused, as documented
+        with pytest.raises(PatchUnavailableError, match="layer_norm_decomposition"):
+            thl._check_compiled(model.raw_energy, params, teacher, "aot_eager")
+        return
     thl._check_compiled(model.raw_energy, params, teacher, "aot_eager")
     assert "petfunc.attention_backward2.default" in seen[0]
 

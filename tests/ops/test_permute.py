@@ -7,13 +7,13 @@ from derivative_checks import assert_same_autograd_derivatives
 from torch.func import grad, jacfwd, jacrev, jvp, vmap
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from petfunc.ops import permute
+from petfunc.ops import dispatch, permute
 
 
 def permute_rows(x, index, inverse, mask=None, inverse_mask=None):
     """The autograd.Function itself (petfunc.ops.permute.permute_rows uses it in traces and
     eager autograd, a plain gather under eager torch.func)."""
-    return permute._PermuteRows.apply(x, index, mask, inverse, inverse_mask)
+    return permute.PermuteRows.apply(x, index, mask, inverse, inverse_mask)
 
 
 DT = torch.float64
@@ -128,17 +128,15 @@ def test_eager_autograd_uses_the_gather_adjoint_torch_func_a_plain_gather(monkey
     (no scatter-add in the backward), with the plain gather's values and first and
     second derivatives; small gathers and eager torch.func transforms keep the plain
     gather (a Function call costs them Python time)."""
-    from petfunc.ops import dispatch as _custom_derivatives
-
     x = torch.randn(7, 3, dtype=DT, requires_grad=True)
     assert "PermuteRows" not in type(permute.permute_rows(x, INDEX, INVERSE, mask=MASK).grad_fn).__name__
-    n = _custom_derivatives.EAGER_MIN_ELEMENTS // 4
+    n = dispatch.EAGER_MIN_ELEMENTS // 4
     big, order = torch.randn(n, 4, requires_grad=True), torch.randperm(n)
     assert "PermuteRows" in type(permute.permute_rows(big, order, torch.argsort(order)).grad_fn).__name__
     assert (
         "PermuteRows" not in type(permute.permute_rows(big, order[1:], torch.argsort(order)).grad_fn).__name__
     )
-    monkeypatch.setattr(_custom_derivatives, "EAGER_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(dispatch, "EAGER_MIN_ELEMENTS", 0)
     y = permute.permute_rows(x, INDEX, INVERSE, mask=MASK)
     assert torch.equal(y, reference(x, INDEX, MASK))
     assert "PermuteRows" in type(y.grad_fn).__name__

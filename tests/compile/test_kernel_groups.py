@@ -1,17 +1,19 @@
-"""Inductor's C++ kernels built a few per library (petfunc._torch.cpu_kernels).
+"""The kernel_groups patch (petfunc.compile.patches()): inductor's C++ kernels built a
+few per library.
 
 The grouped library must call every kernel with its own arguments (pointers, sizes,
 floats), and the whole compiled function must give the numbers it gives when
 inductor builds each kernel alone.
 """
 
-import sys
-
 import pytest
 import torch
 
 import petfunc
-from petfunc._torch import cpu_kernels as _cpu_kernels
+from tests.helpers.patches import patch, skip_unless_enabled
+
+
+kernel_groups = patch("kernel_groups").module
 
 
 SCALE = """#include <torch/csrc/inductor/cpp_prefix.h>
@@ -35,13 +37,13 @@ extern "C"  void  kernel(const double* in_ptr0,
 
 
 def test_only_plain_kernels_are_grouped():
-    assert _cpu_kernels.groupable(["const float*", "float*", "const int64_t", "const float"], SCALE)
+    assert kernel_groups.groupable(["const float*", "float*", "const int64_t", "const float"], SCALE)
     # something else at file scope (a helper, a global) could clash with another kernel's
     helper = SCALE.replace('extern "C"', 'static int helper() { return 1; }\nextern "C"')
-    assert not _cpu_kernels.groupable(["const float*", "float*", "const int64_t", "const float"], helper)
-    assert not _cpu_kernels.groupable(["const float*"], SCALE + SCALE)  # two entry points
-    assert not _cpu_kernels.groupable(["at::Tensor"], SCALE)  # an argument parse_arg cannot convert
-    source = _cpu_kernels.group_source(
+    assert not kernel_groups.groupable(["const float*", "float*", "const int64_t", "const float"], helper)
+    assert not kernel_groups.groupable(["const float*"], SCALE + SCALE)  # two entry points
+    assert not kernel_groups.groupable(["at::Tensor"], SCALE)  # an argument parse_arg cannot convert
+    source = kernel_groups.group_source(
         [
             (["const float*", "float*", "const int64_t", "const float"], SCALE),
             (["const double*", "double*", "const int64_t"], SHIFT),
@@ -54,8 +56,8 @@ def test_only_plain_kernels_are_grouped():
 def test_grouped_library_calls_each_kernel_with_its_arguments():
     # built with inductor's flags and precompiled header, loaded as inductor loads
     # its own kernels (a few seconds: one g++ run)
-    library = _cpu_kernels._code_cache().load(
-        _cpu_kernels.group_source(
+    library = kernel_groups.code_cache().load(
+        kernel_groups.group_source(
             [
                 (["const float*", "float*", "const int64_t", "const float"], SCALE),
                 (["const double*", "double*", "const int64_t"], SHIFT),
@@ -82,6 +84,7 @@ def _energy(params, positions, index):
 
 @pytest.mark.slow
 def test_grouped_compile_equals_separate_kernels(tmp_path, monkeypatch):
+    skip_unless_enabled("kernel_groups")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(3, 6, generator=g, dtype=torch.float64)}
@@ -92,10 +95,10 @@ def test_grouped_compile_equals_separate_kernels(tmp_path, monkeypatch):
     results = {}
     for grouped in ("1", "0"):
         monkeypatch.setenv("PETFUNC_GROUP_KERNELS", grouped)
-        before = len(_cpu_kernels._code_cache().cache)
+        before = len(kernel_groups.code_cache().cache)
         compiled = petfunc.compile(_energy, params, *args[0], backend="inductor")
         results[grouped] = [compiled(params, *a) for a in args]
-        built = len(_cpu_kernels._code_cache().cache) - before
+        built = len(kernel_groups.code_cache().cache) - before
         assert (built > 0) == (grouped == "1")
     for a, grouped, separate in zip(args, results["1"], results["0"]):
         assert torch.equal(grouped, separate)
@@ -104,8 +107,9 @@ def test_grouped_compile_equals_separate_kernels(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_group_that_fails_to_build_falls_back_to_single_kernels(tmp_path, monkeypatch):
+    skip_unless_enabled("kernel_groups")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_cpu_kernels, "group_source", lambda kernels: "this is not C++;\n")
+    monkeypatch.setattr(kernel_groups, "group_source", lambda kernels: "this is not C++;\n")
     g = torch.Generator().manual_seed(1)
     params = {"w": torch.randn(3, 5, generator=g, dtype=torch.float64)}
     positions, index = (
@@ -132,15 +136,15 @@ def test_a_group_that_cannot_be_set_up_falls_back(monkeypatch):
         built_alone.append(source)
         return lambda *args: "alone"
 
-    pending = [_cpu_kernels._Pending(owner, ["float*"], SCALE, alone)]
+    pending = [kernel_groups.Pending(owner, ["float*"], SCALE, alone)]
     owner._petfunc_pending = list(pending)
 
     def broken():
         raise TypeError("load_async() got an unexpected keyword argument")
 
-    monkeypatch.setattr(_cpu_kernels, "_code_cache", broken)
+    monkeypatch.setattr(kernel_groups, "code_cache", broken)
     monkeypatch.setattr("torch._inductor.async_compile.get_compile_threads", lambda: 1)
-    _cpu_kernels._build(owner)
+    kernel_groups.build(owner)
     with pytest.warns(RuntimeWarning, match="unexpected keyword argument"):
         assert pending[0](1, 2) == "alone"
     assert built_alone == [SCALE]
@@ -157,27 +161,27 @@ def test_groups_start_while_code_is_generated(monkeypatch):
         started.append([k.source for k in group])
         return {(tuple(k.argtypes), k.source): (lambda: "built") for k in group}
 
-    monkeypatch.setattr(_cpu_kernels, "_start", start)
-    monkeypatch.setattr(_cpu_kernels, "GROUP_CHARS", len(SCALE) + len(SHIFT))
-    monkeypatch.setattr(_cpu_kernels, "_defined", [])
-    monkeypatch.setattr(_cpu_kernels, "_started", {})
+    monkeypatch.setattr(kernel_groups, "start", start)
+    monkeypatch.setattr(kernel_groups, "GROUP_CHARS", len(SCALE) + len(SHIFT))
+    monkeypatch.setattr(kernel_groups, "defined", [])
+    monkeypatch.setattr(kernel_groups, "started", {})
     for argtypes, source in (
         (["const float*", "float*", "const int64_t", "const float"], SCALE),
         (["const double*", "double*", "const int64_t"], SHIFT),
         (["const double*", "double*", "const int64_t"], SHIFT + "// another\n"),
     ):
         # what inductor's C++ scheduling passes to the wrapper's define_kernel
-        _cpu_kernels._on_definition(f"async_compile.cpp_pybinding({argtypes!r}, r'''\n{source}\n''')\n")
-    _cpu_kernels._on_definition("some_triton_kernel = async_compile.triton(...)")  # ignored
+        kernel_groups.on_definition(f"async_compile.cpp_pybinding({argtypes!r}, r'''\n{source}\n''')\n")
+    kernel_groups.on_definition("some_triton_kernel = async_compile.triton(...)")  # ignored
     assert started == [["\n" + SCALE + "\n", "\n" + SHIFT + "\n"]]  # full once past GROUP_CHARS
-    assert len(_cpu_kernels._defined) == 1  # the open group
+    assert len(kernel_groups.defined) == 1  # the open group
 
     class Owner:
         pass
 
     owner = Owner()
     owner._petfunc_pending = [
-        _cpu_kernels._Pending(owner, a, "\n" + s + "\n", None)
+        kernel_groups.Pending(owner, a, "\n" + s + "\n", None)
         for a, s in (
             (["const float*", "float*", "const int64_t", "const float"], SCALE),
             (["const double*", "double*", "const int64_t"], SHIFT),
@@ -185,79 +189,10 @@ def test_groups_start_while_code_is_generated(monkeypatch):
         )
     ]
     pending = list(owner._petfunc_pending)
-    _cpu_kernels._build(owner)
+    kernel_groups.build(owner)
     assert [p._load() for p in pending] == ["built"] * 3
     assert len(started) == 2 and started[1] == ["\n" + SHIFT + "// another\n\n"]  # the last, partial group
-    assert _cpu_kernels._started == {} and _cpu_kernels._defined == []
+    assert kernel_groups.started == {} and kernel_groups.defined == []
     # a module loaded from the cache (no code generation) cuts the same groups
-    groups, last = _cpu_kernels._groups(pending)
+    groups, last = kernel_groups.groups(pending)
     assert [[p.source for p in g] for g in groups + [last]] == started
-
-
-def test_vector_isa_probe_runs_once_in_the_background(monkeypatch):
-    """``petfunc.compile`` with inductor on CPU starts inductor's probe of the vector
-    instruction sets (7-10 s with an empty cache) in a thread while ``make_fx``
-    traces, once per process, and joins it before inductor compiles; other
-    backends do not start it, nor does ``PETFUNC_EARLY_ISA_PROBE=0``."""
-    import threading
-
-    import torch._inductor.cpu_vec_isa as cpu_vec_isa
-
-    calls = []
-    monkeypatch.setattr(
-        cpu_vec_isa, "valid_vec_isa_list", lambda: calls.append(threading.current_thread().name)
-    )
-    monkeypatch.setattr(_cpu_kernels, "_probe", None)
-    x = torch.randn(4, 3)
-
-    petfunc.compile(lambda y: y.sin(), x, static_argnums=(), backend="aot_eager")
-    assert _cpu_kernels._probe is None
-    monkeypatch.setenv("PETFUNC_EARLY_ISA_PROBE", "0")
-    petfunc.compile(lambda y: y.sin(), x, static_argnums=())
-    assert _cpu_kernels._probe is None
-    monkeypatch.delenv("PETFUNC_EARLY_ISA_PROBE")
-
-    compiled = petfunc.compile(lambda y: y.sin(), x, static_argnums=())  # traces; no compile yet
-    probe = _cpu_kernels._probe
-    assert probe is not None and probe.name == "petfunc-isa-probe"
-    _cpu_kernels.start_isa_probe()  # once per process
-    assert _cpu_kernels._probe is probe
-    waited = []
-    monkeypatch.setattr(_cpu_kernels, "wait_isa_probe", lambda: waited.append("wait"))
-    monkeypatch.setattr(
-        sys.modules["petfunc.compile"],
-        "_compile_inductor_direct",
-        lambda *args: waited.append("compile") or (lambda *inputs: inputs[0].sin()),
-    )
-    compiled(x)
-    assert waited == ["wait", "compile"]  # joined before inductor compiles
-    probe.join()
-    assert calls == ["petfunc-isa-probe"]
-
-
-def test_vector_isa_probe_does_not_race_the_callers_imports(tmp_path):
-    """The probe's thread imports nothing: with its imports in that thread, a caller
-    importing ``torch._dynamo`` meanwhile (as ``petfunc.compile`` does right after
-    starting it) met torch's half-initialised modules in most runs ("cannot import
-    name 'IndentedBuffer' from partially initialized module") and was left with a
-    broken ``torch._dynamo``. Fresh processes, as that needs; two runs, each failed
-    before the fix on torch 2.11 and 2.13."""
-    import os
-    import subprocess
-
-    script = (
-        "import torch\n"
-        "from petfunc import _cpu_kernels\n"
-        "_cpu_kernels.start_isa_probe()\n"
-        "import torch._dynamo\n"
-        "from torch.fx.experimental.symbolic_shapes import ShapeEnv\n"
-        "ShapeEnv()\n"
-        "_cpu_kernels.wait_isa_probe()\n"
-        "print('imports ok')\n"
-    )
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-    for _ in range(2):
-        run = subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
-        )
-        assert run.returncode == 0 and "imports ok" in run.stdout, run.stderr[-2000:]

@@ -1,0 +1,101 @@
+"""Every ``PETFUNC_*`` environment setting that :mod:`petfunc.compile` and
+:mod:`petfunc._torch` read, read here and nowhere else.
+
+Each is read when it is used (not at import), so a process may change it between
+two compilations, as the benchmarks and tests do.
+
+Patches of torch internals (:func:`petfunc.compile.patches`):
+
+* ``PETFUNC_STOCK_TORCH=1``: no patch at all; petfunc runs torch as shipped.
+* ``PETFUNC_PATCHES_OFF=name,name``: these patches off (names as in
+  :func:`petfunc.compile.patches`), for side-by-side benchmarks.
+* older switches of single patches, still read: ``PETFUNC_GROUP_KERNELS=0``
+  (``kernel_groups``), ``PETFUNC_FAST_STRIDES=0`` (``fast_strides``),
+  ``PETFUNC_EARLY_ADDMM_SPLIT=0`` (``addmm_merge_hold``).
+* ``PETFUNC_FUSION_PAIR_ATTEMPTS`` (default 16) and ``PETFUNC_KERNEL_OPT`` (default
+  inductor's ``O3``): the values two patches set.
+
+The compile path: ``PETFUNC_DIRECT_INDUCTOR=0`` (inductor through AOTAutograd),
+``PETFUNC_EARLY_ISA_PROBE=0``, ``PETFUNC_FUSED_ATTENTION=1``,
+``PETFUNC_TRACE_CACHE=0`` and ``PETFUNC_TRACE_CACHE_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+#: the switches of single patches that petfunc read before ``PETFUNC_PATCHES_OFF``
+#: (``=0`` turns the patch off)
+PATCH_SWITCHES = {
+    "kernel_groups": "PETFUNC_GROUP_KERNELS",
+    "fast_strides": "PETFUNC_FAST_STRIDES",
+    "addmm_merge_hold": "PETFUNC_EARLY_ADDMM_SPLIT",
+}
+
+#: the optimisation levels ``PETFUNC_KERNEL_OPT`` may name
+KERNEL_OPT_LEVELS = ("O0", "O1", "O2", "O3", "Os", "Og")
+#: inductor's own optimisation level for its C++ kernels
+INDUCTOR_OPT_LEVEL = "O3"
+
+
+def stock_torch() -> bool:
+    """``PETFUNC_STOCK_TORCH=1``: every patch of torch internals off."""
+    return os.environ.get("PETFUNC_STOCK_TORCH", "0") == "1"
+
+
+def patches_off() -> set[str]:
+    """The names ``PETFUNC_PATCHES_OFF`` lists (comma-separated)."""
+    return {name.strip() for name in os.environ.get("PETFUNC_PATCHES_OFF", "").split(",") if name.strip()}
+
+
+def patch_on(name: str) -> bool:
+    """Whether the settings leave the patch ``name`` on (its version gate aside)."""
+    if stock_torch() or name in patches_off():
+        return False
+    switch = PATCH_SWITCHES.get(name)
+    return switch is None or os.environ.get(switch, "1") != "0"
+
+
+def fusion_pair_attempts() -> int:
+    """How many later nodes of one buffer's readers inductor's scheduler tries to fuse
+    each node with on the CPU: ``PETFUNC_FUSION_PAIR_ATTEMPTS``, by default 16
+    (inductor ships 64; see :mod:`petfunc._torch.inductor_config`)."""
+    return int(os.environ.get("PETFUNC_FUSION_PAIR_ATTEMPTS", "16"))
+
+
+def kernel_opt_level() -> str:
+    """The ``g++`` optimisation level of inductor's C++ kernels: ``PETFUNC_KERNEL_OPT``,
+    by default inductor's own ``O3`` (see :mod:`petfunc._torch.opt_level`)."""
+    level = os.environ.get("PETFUNC_KERNEL_OPT", INDUCTOR_OPT_LEVEL).strip().lstrip("-")
+    if level not in KERNEL_OPT_LEVELS:
+        raise ValueError(f"PETFUNC_KERNEL_OPT must be one of {', '.join(KERNEL_OPT_LEVELS)}, not {level!r}")
+    return level
+
+
+def early_isa_probe() -> bool:
+    """Whether inductor's probe of the CPU's vector instruction sets starts while
+    ``make_fx`` traces (``PETFUNC_EARLY_ISA_PROBE=0``: when inductor needs it)."""
+    return os.environ.get("PETFUNC_EARLY_ISA_PROBE", "1") != "0"
+
+
+def direct_inductor() -> bool:
+    """Whether inductor compiles the traced graph without AOTAutograd by default
+    (``PETFUNC_DIRECT_INDUCTOR=0``: through AOTAutograd, as torch.compile does)."""
+    return os.environ.get("PETFUNC_DIRECT_INDUCTOR", "1") != "0"
+
+
+def fused_attention() -> bool:
+    """Whether :func:`petfunc.compile` traces PET's attention as the fused CPU kernels
+    by default (``PETFUNC_FUSED_ATTENTION=1``)."""
+    return os.environ.get("PETFUNC_FUSED_ATTENTION", "0") == "1"
+
+
+def trace_cache() -> bool:
+    """Whether traced graphs are cached (``PETFUNC_TRACE_CACHE=0``: never)."""
+    return os.environ.get("PETFUNC_TRACE_CACHE", "1") != "0"
+
+
+def trace_cache_folder() -> str | None:
+    """``PETFUNC_TRACE_CACHE_DIR``, the folder of cached traces, if set."""
+    return os.environ.get("PETFUNC_TRACE_CACHE_DIR") or None

@@ -1,0 +1,18 @@
+"""petfunc's patches of torch internals, by name, for tests (through the public
+accessor petfunc.compile.patches())."""
+
+import pytest
+
+from petfunc.compile import patches
+
+
+def patch(name: str):
+    """The patch ``name`` of :func:`petfunc.compile.patches`."""
+    return next(p for p in patches() if p.name == name)
+
+
+def skip_unless_enabled(name: str) -> None:
+    """Skip the calling test where the patch ``name`` is off (``PETFUNC_STOCK_TORCH``,
+    ``PETFUNC_PATCHES_OFF``, or not needed on this torch): it tests that patch."""
+    if not patch(name).allowed():
+        pytest.skip(f"petfunc's patch {name} of torch internals is off")

@@ -1,0 +1,1 @@
+"""Tests of petfunc.ops (one file per module)."""
