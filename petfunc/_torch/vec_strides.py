@@ -34,8 +34,6 @@ import functools
 import importlib
 import sys
 
-import sympy
-
 from petfunc._torch import versions
 from petfunc._torch.patch import SPEED, replacing
 
@@ -43,6 +41,8 @@ from petfunc._torch.patch import SPEED, replacing
 def is_polynomial(expr) -> bool:
     """Whether ``expr`` is built of symbols and rational numbers by ``+``, ``*`` and
     non-negative integer powers only."""
+    import sympy  # slow to import: loaded where inductor compiles, which imports it anyway
+
     stack = [expr]
     while stack:
         node = stack.pop()
@@ -83,6 +83,8 @@ def _targets():
 
 
 def _replacements(original_stride, original_range):
+    import sympy  # slow to import: loaded where inductor compiles, which imports it anyway
+
     @functools.lru_cache
     def stride_at(index, var):
         if is_polynomial(index):

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 from torch.utils import _pytree as pytree
 
 from petfunc import tree
@@ -28,6 +27,14 @@ from petfunc.compile.donation import (
 )
 from petfunc.compile.trace import fake_inputs, merge_args, split_args, trace, trace_device
 from petfunc.ops import fused_attention as fused
+
+
+def _sympy_names() -> dict:
+    """The names a guard's code is evaluated with. Imported on first use: the module
+    imports sympy, too slow to load with every ``import petfunc``."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    return SYMPY_INTERP
 
 
 def _specialised_size(size, shape_env) -> int | None:
@@ -224,9 +231,9 @@ class Compiled:
         if self._trace_guard_code is None:
             return
         scope = {"L": {f"t{i}": t for i, t in enumerate(inputs)}}
-        if eval(self._trace_guard_code, SYMPY_INTERP, scope):
+        if eval(self._trace_guard_code, _sympy_names(), scope):
             return
-        broken = [g for g in self._trace_guards if not eval(g, SYMPY_INTERP, scope)]
+        broken = [g for g in self._trace_guards if not eval(g, _sympy_names(), scope)]
 
         def readable(text):
             return re.sub(r"L\['t(\d+)'\]", lambda m: self._input_names[int(m.group(1))], text)
@@ -319,7 +326,7 @@ class Compiled:
         names = {f"t{i}": t for i, t in enumerate(inputs)}
         for code, fixed, compiled in reversed(self._entries):
             if all(inputs[i].shape[d] == size for i, d, size in fixed) and (
-                code is None or eval(code, SYMPY_INTERP, {"L": names})
+                code is None or eval(code, _sympy_names(), {"L": names})
             ):
                 return compiled
         return self._compile_for(inputs)

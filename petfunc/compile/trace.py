@@ -8,7 +8,6 @@ import contextlib
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.utils import _pytree as pytree
 
 from petfunc._torch.registry import trace_patches
@@ -48,6 +47,9 @@ def fake_inputs(tensors, static, device=None):
     """``(mode, fakes)``: fake copies of ``tensors`` in a new fake-tensor mode whose shape
     environment does no duck shaping; symbolic sizes for data, fixed sizes where
     ``static`` is true; on ``device`` instead of each input's own device if given."""
+    # imports sympy: too slow to load with every ``import petfunc``
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
     mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False), allow_non_fake_inputs=True)
     fakes = []
     for t, is_static in zip(tensors, static):
