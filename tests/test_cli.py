@@ -8,8 +8,8 @@ import pytest
 import torch
 import yaml
 
-from petfunc.cli.commands import main, make_default_dataset
-from petfunc.trainer.training import evaluate
+from petfunc.cli import main, make_default_dataset
+from petfunc.trainer import evaluate
 
 
 TINY = [
@@ -101,12 +101,12 @@ def test_sigterm_puts_the_folder_back(demo_run, tmp_path):
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import os, signal\n"
-        "import petfunc.trainer.training as trainer\n"
-        "original = trainer.fit\n"
+        "import petfunc.cli.train as command\n"
+        "original = command.fit\n"
         "def fit(*args, **kwargs):\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return original(*args, **kwargs)\n"
-        "trainer.fit = fit\n"
+        "command.fit = fit\n"
     )
     env = dict(
         os.environ,
@@ -599,7 +599,8 @@ def test_options_read_exponent_numbers_as_metatrain_does(tmp_path):
     """metatrain reads options with OmegaConf, where ``1e-3`` is a number; PyYAML's
     YAML 1.1 rules alone would give the string '1e-3' (a rejected learning rate, or a
     validation "file" named 1e-1)."""
-    from petfunc.cli.commands import _overrides, _parser, _read_options_file
+    from petfunc.cli.commands import parser
+    from petfunc.cli.options import overrides, read_options_file
     from petfunc.trainer.options import resolve_options
 
     path = tmp_path / "options.yaml"
@@ -608,17 +609,17 @@ def test_options_read_exponent_numbers_as_metatrain_does(tmp_path):
         "architecture:\n  training:\n    learning_rate: 1e-3\n    weight_decay: 5E-5\n"
         "  model:\n    cutoff: 45e-1\n    d_pet: 1e3x\n"
     )
-    given = _read_options_file(path)
+    given = read_options_file(path)
     assert given["validation_set"] == 0.1 and given["architecture"]["model"]["d_pet"] == "1e3x"
     given["architecture"]["model"].pop("d_pet")
     options = resolve_options(given)
     training = options["architecture"]["training"]
     assert training["learning_rate"] == 1e-3 and training["weight_decay"] == 5e-5
     assert options["architecture"]["model"]["cutoff"] == 4.5
-    args = _parser().parse_args(
+    args = parser().parse_args(
         ["train", "--set", "architecture.training.learning_rate=2e-3", "--set", "seed='7'"]
     )
-    assert dict(_overrides(args)) == {"architecture.training.learning_rate": 2e-3, "seed": "7"}
+    assert dict(overrides(args)) == {"architecture.training.learning_rate": 2e-3, "seed": "7"}
 
 
 def test_training_checkpoint_in_python(demo_run):

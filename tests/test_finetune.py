@@ -23,11 +23,11 @@ import torch
 
 import petfunc
 from petfunc import lora, tree
-from petfunc.cli.commands import make_default_dataset
+from petfunc.cli import make_default_dataset
 from petfunc.data.samples import make_batch, sample_from_atoms
 from petfunc.train.step import HEADS, trainable
 from petfunc.io import load_model
-from petfunc.trainer.training import fit
+from petfunc.trainer import fit
 from petfunc.trainer.options import resolve_options, trained_parameters
 
 
@@ -518,7 +518,7 @@ def test_inherit_heads_picks_the_source_target(base, tmp_path):
     from metatrain.utils.data import DatasetInfo
     from metatrain.utils.data.target_info import get_energy_target_info
 
-    from petfunc.trainer.training import _initial_model
+    from petfunc.trainer.models import initial_model
 
     data, checkpoint = base
     config, _ = load_model(checkpoint)
@@ -534,7 +534,7 @@ def test_inherit_heads_picks_the_source_target(base, tmp_path):
 
     options = resolve_options(_heads_options(data, path, inherit_heads={"energy": "mtt::b"}))
     lines = []
-    _, params = _initial_model(options, {}, [], torch.float64, "cpu", 0, lines.append)
+    _, params = initial_model(options, {}, [], torch.float64, "cpu", 0, lines.append)
     flat = tree.flatten(params)
     assert torch.equal(
         flat["node_heads.energy.0.0.weight"], state["backend.node_heads.mtt::b.0.0.weight"].double()
@@ -565,7 +565,7 @@ def test_inherit_heads_picks_the_source_target(base, tmp_path):
             log=lambda m: None,
         )
     # petfunc eval --target reads that head too
-    from petfunc.cli.commands import main
+    from petfunc.cli import main
 
     assert main(["eval", str(path), str(data), "--target", "mtt::b", "--json", str(tmp_path / "m.json")]) == 0
     assert main(["eval", str(path), str(data)]) == 2
@@ -583,7 +583,7 @@ def test_inherit_heads_picks_the_source_target(base, tmp_path):
         "systems": str(data),
         "targets": {"mtt::b": {"key": "energy", "quantity": "energy"}},
     }
-    _, params = _initial_model(resolve_options(named), {}, [], torch.float64, "cpu", 0, lambda m: None)
+    _, params = initial_model(resolve_options(named), {}, [], torch.float64, "cpu", 0, lambda m: None)
     assert torch.equal(
         tree.flatten(params)["node_heads.energy.0.0.weight"],
         state["backend.node_heads.mtt::b.0.0.weight"].double(),
@@ -619,7 +619,7 @@ def test_command_line_flags(base, tmp_path, capsys):
     """`petfunc train options.yaml --finetune MODEL --finetune-method lora`."""
     import yaml
 
-    from petfunc.cli.commands import main
+    from petfunc.cli import main
 
     data, checkpoint = base
     options = _heads_options(data, checkpoint)

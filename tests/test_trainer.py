@@ -15,14 +15,13 @@ import pytest
 import torch
 
 from petfunc import tree
-from petfunc.cli import commands as cli
-from petfunc.cli.commands import make_default_dataset
+from petfunc.cli import main, make_default_dataset
 from petfunc.model.pet import PET
 from petfunc.train.step import make_optimizer, trainable, warmup_cosine
 from petfunc.data.batching import batch_plan
 from petfunc.io import load_model, read_checkpoint
 from petfunc.io.checkpoint import state_from_plain, state_to_plain
-from petfunc.trainer.training import TrainingError, fit
+from petfunc.trainer import TrainingError, fit
 from petfunc.trainer.options import parse_loss, resolve_options
 
 
@@ -115,7 +114,7 @@ def test_missing_auto_labels_are_reported(dataset, tmp_path):
 def test_error_metrics_skip_missing_labels_not_nan_predictions():
     import numpy as np
 
-    from petfunc.trainer.training import error_metrics
+    from petfunc.trainer import error_metrics
 
     pred = {
         "energy_per_atom": [1.0, 2.0, np.nan],
@@ -942,7 +941,7 @@ def test_validation_loss_does_not_depend_on_batching(dataset):
     from petfunc import PETConfig
     from petfunc.data.samples import fit_composition, fit_scale, make_batch, sample_from_atoms
     from petfunc.train.loss import LossTerm, LossWeights, make_loss
-    from petfunc.trainer.training import _floats, _Sums
+    from petfunc.trainer.metrics import Sums, floats
 
     frames = ase.io.read(dataset, ":7")
     config = PETConfig(atomic_types=tuple(sorted({int(z) for a in frames for z in a.numbers})), **TINY_MODEL)
@@ -961,10 +960,10 @@ def test_validation_loss_does_not_depend_on_batching(dataset):
         terms = [t for t in ("energy", "forces", "stress") if getattr(weights, t).weight > 0]
 
         def epoch_loss(size, pooled=True):
-            sums = _Sums(terms, weights if pooled else None)
+            sums = Sums(terms, weights if pooled else None)
             for start in range(0, len(samples), size):
                 batch = make_batch(samples[start : start + size], config, w, c, torch.float64)
-                sums.add(_floats(loss_fn(params, batch)[1]))
+                sums.add(floats(loss_fn(params, batch)[1]))
             return sums.summary(c)["loss"]
 
         whole = float(loss_fn(params, make_batch(samples, config, w, c, torch.float64))[0])
@@ -981,7 +980,7 @@ def test_augmentation_does_not_depend_on_the_process(dataset):
 
     from petfunc import PETConfig
     from petfunc.data.samples import sample_from_atoms
-    from petfunc.trainer.training import iterate_batches
+    from petfunc.trainer import iterate_batches
 
     frames = ase.io.read(dataset, ":10")
     config = PETConfig(atomic_types=tuple(sorted({int(z) for a in frames for z in a.numbers})), **TINY_MODEL)
@@ -1440,7 +1439,7 @@ def test_finetune_from_metatrain_checkpoint(tmp_path):
     assert torch.equal(result.params["energy_scale"], start["energy_scale"])
     # Options may not redefine the architecture when fine-tuning; as in metatrain, the
     # keys they give must match the checkpoint's (an unchanged options file works).
-    from petfunc.trainer.training import check_model_section
+    from petfunc.trainer import check_model_section
 
     check_model_section(
         {"d_pet": config.d_pet, "cutoff": config.cutoff, "normalization": config.normalization.lower()},
@@ -1466,7 +1465,7 @@ def test_long_range_training(dataset, tmp_path):
     fresh = PET(config).init(seed=options["seed"], dtype=torch.float32)
     key = "long_range_featurizer.charges_map.weight"
     assert not torch.allclose(tree.flatten(params)[key], tree.flatten(fresh)[key])
-    assert cli.main(["eval", str(tmp_path / "run" / "best.ckpt"), str(dataset)]) == 0
+    assert main(["eval", str(tmp_path / "run" / "best.ckpt"), str(dataset)]) == 0
 
 
 def test_charge_and_spin_conditioned_training(dataset, tmp_path):
@@ -1491,7 +1490,7 @@ def test_charge_and_spin_conditioned_training(dataset, tmp_path):
     assert config.system_conditioning and config.max_charge == 2
     gate = tree.flatten(params)["system_conditioning.project.2.weight"]
     assert gate.abs().max() > 0
-    from petfunc.trainer.training import read_labelled
+    from petfunc.data import read_labelled
 
     samples = read_labelled(path, config, charge_key="q", spin_multiplicity_key="mult")
     assert [s.structure.charge for s in samples[:4]] == [-1, 0, 1, -1]
@@ -1570,7 +1569,7 @@ def test_partial_model_section_is_checked_against_the_checkpoint(dataset):
     there, not against the defaults ({d_pet: 4} fails with the default num_heads 8 but
     suits a checkpoint with num_heads 2)."""
     from petfunc.config import PETConfig
-    from petfunc.trainer.training import check_model_section
+    from petfunc.trainer import check_model_section
 
     config = PETConfig(atomic_types=(13, 28, 29), **{**TINY_MODEL, "d_pet": 4, "num_heads": 2})
     options = tiny_options(dataset)
