@@ -1,0 +1,1 @@
+"""Helpers shared by test files (import as ``from tests.helpers.NAME import ...``)."""
