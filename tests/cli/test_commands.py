@@ -23,3 +23,14 @@ def test_entry_point_declared():
     with pytest.raises(SystemExit) as info:
         main(["--help"])
     assert info.value.code == 0
+
+
+def test_parser_has_the_three_commands_and_points_to_the_options_reference(capsys):
+    from petfunc.cli.commands import COMMANDS, parser
+
+    assert sorted(COMMANDS) == ["eval", "export", "train"]
+    args = parser().parse_args(["train", "options.yaml", "--epochs", "3", "--threads", "2"])
+    assert (args.command, args.options, args.epochs, args.threads) == ("train", "options.yaml", 3, 2)
+    with pytest.raises(SystemExit):
+        parser().parse_args(["train", "--help"])
+    assert "docs/options.md" in capsys.readouterr().out

@@ -5,6 +5,7 @@ rank, world size and hooks.
 import pytest
 
 from petfunc.trainer import fit
+from petfunc.trainer.processes import processes
 from tests.helpers.trainer import params_equal, quiet, tiny_options
 
 
@@ -69,3 +70,22 @@ def test_several_processes_need_a_process_group(dataset):
                 reduce_grads=lambda g: g,
                 reduce_metrics=lambda m: m,
             )
+
+
+def test_processes_say_which_step_a_run_takes():
+    """Without a process group: one process takes the fused step; a reduce_grads hook
+    or several processes (with both hooks) split it; only rank 0 writes."""
+    one = processes()
+    assert (one.rank, one.world_size, one.reduce_grads) == (0, 1, None)
+    assert one.is_main and not one.split_step and not one.data_parallel
+    assert one.reduce_metrics({"loss": 2.0}) == {"loss": 2.0}
+    one.check_same_run({"seed": 1})  # one process: nothing to compare with
+
+    def hook(value):
+        return value
+
+    hooked = processes(reduce_grads=hook)
+    assert hooked.split_step and not hooked.data_parallel and hooked.reduce_grads is hook
+    second = processes(1, 2, hook, hook)
+    assert not second.is_main and second.split_step and not second.data_parallel
+    assert second.reduce_metrics is hook
