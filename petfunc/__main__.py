@@ -2,7 +2,7 @@
 
 import sys
 
-from petfunc.cli.commands import main
+from petfunc.cli import main
 
 
 sys.exit(main())

@@ -278,9 +278,9 @@ def test_petfunc_train_under_torchrun_equals_one_process(tmp_path):
     import inspect
     import shutil
 
-    import petfunc.cli.commands
+    import petfunc.cli.train
 
-    if "petfunc.distributed" not in inspect.getsource(petfunc.cli):
+    if "petfunc.distributed" not in inspect.getsource(petfunc.cli.train):
         pytest.skip("petfunc.cli is not wired to petfunc.distributed")
     torchrun = shutil.which("torchrun")
     if torchrun is None:

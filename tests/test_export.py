@@ -220,6 +220,7 @@ def test_aoti_build_is_the_default_on_the_cpu_only(monkeypatch, tmp_path):
     --aoti asks for it anyway. The CLI's choice is checked with the builder replaced
     by a recorder."""
     from petfunc.cli import commands as cli
+    from petfunc.cli import export as cli_export
 
     assert pexport.default_aoti("cpu") and pexport.default_aoti(torch.device("cpu"))
     assert not pexport.default_aoti("cuda") and not pexport.default_aoti("cuda:1")
@@ -240,8 +241,8 @@ def test_aoti_build_is_the_default_on_the_cpu_only(monkeypatch, tmp_path):
         path.write_bytes(b"")
         return path
 
-    monkeypatch.setattr("petfunc.export.package.export", recorder)
-    monkeypatch.setattr("petfunc.io.load.load_model", lambda *args, **kwargs: (CONFIG, make_params()))
+    monkeypatch.setattr(cli_export, "export", recorder)
+    monkeypatch.setattr(cli_export, "load_model", lambda *args, **kwargs: (CONFIG, make_params()))
     for flags, expected in (
         ([], ("cpu", True)),
         (["--device", "cuda"], ("cuda", False)),

@@ -891,9 +891,9 @@ def test_several_training_files(tmp_path):
     from omegaconf import OmegaConf
     from torch.utils.data import Subset
 
-    from petfunc.cli.commands import make_default_dataset
+    from petfunc.cli import make_default_dataset
     from petfunc.data.read import split_datasets
-    from petfunc.trainer.training import fit
+    from petfunc.trainer import fit
 
     first = make_default_dataset(tmp_path / "cells.xyz", n_structures=11, seed=1)
     frames = ase.io.read(make_default_dataset(tmp_path / "more.xyz", n_structures=9, seed=2), ":")

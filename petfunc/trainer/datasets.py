@@ -4,12 +4,12 @@
 ``test_set`` of resolved options (one dataset or a list of them), splits each
 training file the way ``mtt train`` does (same seed, same structures, same order),
 keeps a restart on the split of the run it continues, and chooses the label keys
-of every file (:mod:`petfunc.data.read`).
+of every file (:mod:`petfunc.trainer.labels`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import hashlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,18 +20,16 @@ from petfunc.config import PETConfig
 from petfunc.data import (
     Labels,
     Sample,
-    available_keys,
     check_info_keys,
-    has_key,
     read_frames,
     require_complete_labels,
     restart_split,
     split_datasets,
     to_samples,
 )
-from petfunc.train import LossTerm, LossWeights
+from petfunc.train import LossWeights
+from petfunc.trainer.labels import label_keys, training_labels
 from petfunc.trainer.options import dataset_sections, indices_only
-from petfunc.units import energy_unit_factor, length_unit_factor
 
 
 @dataclass
@@ -109,7 +107,7 @@ def _samples(parts, labels, config: PETConfig) -> list[Sample]:
     return samples
 
 
-def _check_split_options(options: Mapping, ckpt: Mapping) -> None:
+def check_split_options(options: Mapping, ckpt: Mapping) -> None:
     """A restart keeps the split of the run it continues; options that ask for another
     one (a new validation or test fraction, a fraction instead of a file) are an
     error, not silently ignored."""
@@ -143,7 +141,7 @@ def _check_split_options(options: Mapping, ckpt: Mapping) -> None:
             )
 
 
-def _checked_indices(indices, n: int, where: str) -> np.ndarray:
+def checked_indices(indices, n: int, where: str) -> np.ndarray:
     """``indices`` (all of ``range(n)`` when ``None``) as an array, each below ``n``."""
     if indices is None:
         return np.arange(n)
@@ -159,14 +157,12 @@ def _subset(frames, section: Mapping, where: str):
     """A separate validation or test file's structures at its ``indices`` (all without)."""
     if section.get("indices") is None:
         return frames
-    return [frames[j] for j in _checked_indices(section["indices"], len(frames), where + ".indices")]
+    return [frames[j] for j in checked_indices(section["indices"], len(frames), where + ".indices")]
 
 
 def content_digest(frames) -> str:
     """A short SHA-256 of structures as read: species, positions, cell, pbc, the
     calculator results (ASE's energy, forces, stress), ``info`` and per-atom arrays."""
-    import hashlib
-
     digest = hashlib.sha256()
 
     def add(key, value):
@@ -187,6 +183,35 @@ def content_digest(frames) -> str:
     return digest.hexdigest()[:16]
 
 
+class _Layout:
+    """Where the structures of a run come from: the training dataset sections, and
+    the validation and test options (a fraction, indices of the training file, or
+    sections of their own)."""
+
+    def __init__(self, options: Mapping):
+        self.train_sections = dataset_sections(options["training_set"])
+        self.val_option = options["validation_set"]
+        self.test_option = options.get("test_set", 0.0)
+        self.val_sections = self._own_sections(self.val_option)
+        self.test_sections = self._own_sections(self.test_option)
+        self.val_fraction = self._fraction(self.val_option)
+        self.test_fraction = self._fraction(self.test_option)
+        self.many = len(self.train_sections) > 1
+
+    @staticmethod
+    def _own_sections(option):
+        """the dataset sections of a validation or test set read from files of its own"""
+        return None if isinstance(option, (int, float)) or indices_only(option) else dataset_sections(option)
+
+    @staticmethod
+    def _fraction(option) -> float:
+        return float(option) if isinstance(option, (int, float)) else 0.0
+
+    def where(self, name: str, i: int) -> str:
+        """The option that names file ``i`` of ``name``, as errors and logs give it."""
+        return f"{name}[{i}]" if self.many else name
+
+
 def read_training_files(
     options: Mapping,
     weights: LossWeights,
@@ -202,50 +227,63 @@ def read_training_files(
     ``explicit`` names the loss terms the options ask for, whose labels must then be
     in some training file; a restart checkpoint ``ckpt`` brings its split.
     """
-    # one or several datasets (metatrain's list form); each is split on its own
-    train_sections = dataset_sections(options["training_set"])
-    val_option = options["validation_set"]
-    test_option = options.get("test_set", 0.0)
+    layout = _Layout(options)
+    files = _read_files(layout, layout.train_sections, "training_set", weights)
+    val_files = _read_separate(layout, layout.val_sections, "validation_set", weights)
+    test_files = _read_separate(layout, layout.test_sections, "test_set", weights)
+    splits = _split(layout, files, options, seed, ckpt, log)
+    train_parts, val_parts, test_parts = _parts(layout, files, splits, ckpt, log)
+    for name, sections, separate, parts in (
+        ("validation_set", layout.val_sections, val_files, val_parts),
+        ("test_set", layout.test_sections, test_files, test_parts),
+    ):
+        for i, (frames, section) in enumerate(zip(separate, sections or [])):
+            parts.append((frames, section, None, layout.where(name, i)))
+    split_json = _split_record(layout, splits, (files, val_files, test_files), ckpt, log)
+    labels, weights = training_labels(
+        (train_parts, val_parts, test_parts), weights, explicit, layout.many, log
+    )
+    train_labels, val_labels, test_labels = labels
+    return TrainingFiles(
+        train_parts, val_parts, train_labels, val_labels, weights, split_json, test_parts, test_labels
+    )
 
-    def own_sections(option):
-        """the dataset sections of a validation or test set read from files of its own"""
-        return None if isinstance(option, (int, float)) or indices_only(option) else dataset_sections(option)
 
-    val_sections, test_sections = own_sections(val_option), own_sections(test_option)
-    val_fraction = float(val_option) if isinstance(val_option, (int, float)) else 0.0
-    test_fraction = float(test_option) if isinstance(test_option, (int, float)) else 0.0
-    many = len(train_sections) > 1
-
-    def where(name, i):
-        return f"{name}[{i}]" if many else name
-
-    def read_file(section, option):
-        """A dataset file's structures, its info keys and labels checked on the whole
-        file, before any validation split takes some of its structures."""
+def _read_files(layout: _Layout, sections, name: str, weights: LossWeights) -> list:
+    """The structures of each dataset file of ``sections`` (option ``name``), their
+    info keys and labels checked on the whole file, before any validation split takes
+    some of its structures."""
+    out = []
+    for i, section in enumerate(sections or []):
+        option = layout.where(name, i)
         path = section["systems"]["read_from"]
         frames = read_frames(path, option)
         check_info_keys(frames, section.get("extra_data") or {}, path, option + ".extra_data.")
         require_complete_labels(
             frames, label_keys(frames, section, weights, set(), option), path, where=option
         )
-        return frames
+        out.append(frames)
+    return out
 
-    def read_files(sections, name):
-        return [read_file(section, where(name, i)) for i, section in enumerate(sections or [])]
 
-    files = read_files(train_sections, "training_set")
-    val_files = [
-        _subset(f, sec, f"validation_set[{i}]" if many else "validation_set")
-        for i, (f, sec) in enumerate(zip(read_files(val_sections, "validation_set"), val_sections or []))
+def _read_separate(layout: _Layout, sections, name: str, weights: LossWeights) -> list:
+    """The structures of a validation or test set's own files, at their ``indices``."""
+    return [
+        _subset(frames, section, layout.where(name, i))
+        for i, (frames, section) in enumerate(
+            zip(_read_files(layout, sections, name, weights), sections or [])
+        )
     ]
-    test_files = [
-        _subset(f, sec, f"test_set[{i}]" if many else "test_set")
-        for i, (f, sec) in enumerate(zip(read_files(test_sections, "test_set"), test_sections or []))
-    ]
+
+
+def _split(layout: _Layout, files, options: Mapping, seed: int, ckpt, log) -> list:
+    """``(train, validation, test)`` file indices of every training file: drawn as
+    ``mtt train`` draws them, or, for a restart, those of the run it continues."""
+    train_sections, val_option, test_option = layout.train_sections, layout.val_option, layout.test_option
     sizes = [len(f) for f in files]
     # metatrain's explicit indices: a training file's structures, before any split
     chosen = [
-        _checked_indices(section.get("indices"), len(f), where("training_set", i) + ".indices")
+        checked_indices(section.get("indices"), len(f), layout.where("training_set", i) + ".indices")
         for i, (f, section) in enumerate(zip(files, train_sections))
     ]
     explicit_indices = (
@@ -254,40 +292,53 @@ def read_training_files(
         or indices_only(test_option)
     )
     if ckpt is not None:  # a restart trains on the structures of the run it continues
-        _check_split_options(options, ckpt)
-        splits = restart_split(
-            ckpt, sizes, None if val_sections else val_fraction, seed, partition=not explicit_indices
-        )
-    else:
-        # a separate file or indices-only set draws nothing (metatrain shuffles then not)
-        splits = split_datasets(
-            [len(c) for c in chosen],
-            None if val_sections or indices_only(val_option) else val_fraction,
+        check_split_options(options, ckpt)
+        return restart_split(
+            ckpt,
+            sizes,
+            None if layout.val_sections else layout.val_fraction,
             seed,
-            None if test_sections or indices_only(test_option) else test_fraction,
+            partition=not explicit_indices,
         )
-        # positions in the chosen structures -> indices in the file
-        splits = [tuple(c[part] for part in parts) for c, parts in zip(chosen, splits)]
-        for name, option, k in (("validation_set", val_option, 1), ("test_set", test_option, 2)):
-            if indices_only(option):  # as metatrain: taken from the whole file, training kept as it is
-                idx = _checked_indices(option["indices"], sizes[0], f"{name}.indices")
-                train = splits[0][0]
-                overlap = np.intersect1d(train, idx)
-                if len(overlap):
-                    log(
-                        f"warning: {name}.indices and the training structures share {len(overlap)} structure(s) "
-                        f"(for example {overlap[:5].tolist()}); metatrain does not remove them from training either"
-                    )
-                parts = list(splits[0])
-                parts[k] = idx
-                splits[0] = tuple(parts)
-    # (frames, section, file indices, option name) of every training, validation and test part
+    # a separate file or indices-only set draws nothing (metatrain shuffles then not)
+    splits = split_datasets(
+        [len(c) for c in chosen],
+        None if layout.val_sections or indices_only(val_option) else layout.val_fraction,
+        seed,
+        None if layout.test_sections or indices_only(test_option) else layout.test_fraction,
+    )
+    # positions in the chosen structures -> indices in the file
+    splits = [tuple(c[part] for part in parts) for c, parts in zip(chosen, splits)]
+    for name, option, k in (("validation_set", val_option, 1), ("test_set", test_option, 2)):
+        if indices_only(option):  # as metatrain: taken from the whole file, training kept as it is
+            idx = checked_indices(option["indices"], sizes[0], f"{name}.indices")
+            train = splits[0][0]
+            overlap = np.intersect1d(train, idx)
+            if len(overlap):
+                log(
+                    f"warning: {name}.indices and the training structures share {len(overlap)} structure(s) "
+                    f"(for example {overlap[:5].tolist()}); "
+                    "metatrain does not remove them from training either"
+                )
+            parts = list(splits[0])
+            parts[k] = idx
+            splits[0] = tuple(parts)
+    return splits
+
+
+def _parts(layout: _Layout, files, splits, ckpt, log) -> tuple[list, list, list]:
+    """``(frames, section, file indices, option name)`` of every training part, and of
+    the validation and test parts split off the training files."""
     train_parts, val_parts, test_parts = [], [], []
-    for i, (frames, section, (train_idx, val_idx, test_idx)) in enumerate(zip(files, train_sections, splits)):
-        train_parts.append(([frames[j] for j in train_idx], section, train_idx, where("training_set", i)))
+    for i, (frames, section, (train_idx, val_idx, test_idx)) in enumerate(
+        zip(files, layout.train_sections, splits)
+    ):
+        train_parts.append(
+            ([frames[j] for j in train_idx], section, train_idx, layout.where("training_set", i))
+        )
         for name, option, sections, idx, parts in (
-            ("validation_set", val_option, val_sections, val_idx, val_parts),
-            ("test_set", test_option, test_sections, test_idx, test_parts),
+            ("validation_set", layout.val_option, layout.val_sections, val_idx, val_parts),
+            ("test_set", layout.test_option, layout.test_sections, test_idx, test_parts),
         ):
             if sections is not None:
                 continue
@@ -304,124 +355,36 @@ def read_training_files(
                     f"{section['systems']['read_from']} for {use}; {name} {fraction:g} is ignored"
                 )
             if len(idx):
-                parts.append(([frames[j] for j in idx], section, idx, where(name, i)))
-    for name, sections, separate, parts in (
-        ("validation_set", val_sections, val_files, val_parts),
-        ("test_set", test_sections, test_files, test_parts),
-    ):
-        for i, (frames, section) in enumerate(zip(separate, sections or [])):
-            parts.append((frames, section, None, where(name, i)))
-    # file indices of every part, stored in checkpoints for restarts
+                parts.append(([frames[j] for j in idx], section, idx, layout.where(name, i)))
+    return train_parts, val_parts, test_parts
+
+
+def _split_record(layout: _Layout, splits, frames_of, ckpt, log) -> dict:
+    """The split as checkpoints store it: file indices of every part, per training
+    file, and a digest of each file's content (``frames_of``: the training,
+    validation and test files), so that a restart says when a file changed (the
+    indices only catch another number of structures); separate validation and test
+    files too, as they pick the best epoch."""
     split_json = {
         name: [[int(j) for j in split[k]] for split in splits]
         for k, name in enumerate(("training", "validation", "test"))
     }
-    # and a digest of each training file's content: a restart says when a file changed
-    # (the indices only catch another number of structures)
-    # (separate validation and test files too: they pick the best epoch)
     changed = []
-    for key, name, frames_of in (
-        ("digests", "training_set", files),
-        ("validation_digests", "validation_set", val_files),
-        ("test_digests", "test_set", test_files),
+    for key, name, frames in zip(
+        ("digests", "validation_digests", "test_digests"),
+        ("training_set", "validation_set", "test_set"),
+        frames_of,
     ):
-        split_json[key] = [content_digest(frames) for frames in frames_of]
+        split_json[key] = [content_digest(f) for f in frames]
         stored = (ckpt.get("split") or {}).get(key) if ckpt is not None else None
         if stored is not None:
-            changed += [where(name, i) for i, (a, b) in enumerate(zip(stored, split_json[key])) if a != b]
+            changed += [
+                layout.where(name, i) for i, (a, b) in enumerate(zip(stored, split_json[key])) if a != b
+            ]
     if changed:
         log(
-            f"warning: {', '.join(changed)} changed since the checkpoint (the same number of structures, other "
-            "positions, cells, species or labels): the restart uses the files as they are now"
+            f"warning: {', '.join(changed)} changed since the checkpoint "
+            "(the same number of structures, other positions, cells, species or labels): "
+            "the restart uses the files as they are now"
         )
-
-    # labels: a loss term the options ask for must have labels in some training file;
-    # structures of files without them get NaN labels, which the loss skips
-    train_labels = [
-        label_keys(f, sec, weights, explicit if not many else set(), w) for f, sec, _, w in train_parts
-    ]
-    for term in sorted(explicit) if many else ():
-        names = ("forces",) if term == "forces" else ("stress", "virial")
-        if not any(getattr(lab, n) for lab in train_labels for n in names):
-            f, sec, _, w = train_parts[0]
-            label_keys(f, sec, weights, {term}, w)  # raises, naming the first file
-    val_labels = [label_keys(f, sec, weights, set(), w) for f, sec, _, w in val_parts]
-    test_labels = [label_keys(f, sec, weights, set(), w) for f, sec, _, w in test_parts]
-    has = {name: any(getattr(lab, name) for lab in train_labels) for name in ("forces", "stress", "virial")}
-    # terms without any training labels are dropped (no derivative is computed for them)
-    for term, found in (("forces", has["forces"]), ("stress", has["stress"] or has["virial"])):
-        # as metatrain's "No forces found": a term not switched off, found nowhere
-        sought = set()
-        for _, section, _, _ in train_parts:
-            value = section["targets"]["energy"].get(term)
-            if value == "auto":
-                sought.add(term)
-            elif isinstance(value, dict):
-                sought.add(value["key"])
-        if getattr(weights, term).weight > 0 and not found and sought:
-            log(
-                f"no {term} labels in the training files (looked for {', '.join(map(repr, sorted(sought)))}): "
-                f"training without the {term} term"
-            )
-    weights = dataclasses.replace(
-        weights,
-        forces=weights.forces if has["forces"] else LossTerm(0.0, weights.forces.type),
-        stress=weights.stress if (has["stress"] or has["virial"]) else LossTerm(0.0, weights.stress.type),
-    )
-
-    return TrainingFiles(
-        train_parts, val_parts, train_labels, val_labels, weights, split_json, test_parts, test_labels
-    )
-
-
-def label_keys(frames, section: Mapping, weights: LossWeights, explicit: set, where: str) -> Labels:
-    """Which keys to read; raises when requested labels are missing from the file."""
-    path = section["systems"]["read_from"]
-    target = section["targets"]["energy"]
-
-    def present(key):
-        return sum(has_key(a, key) for a in frames)
-
-    def missing(what, key, how):
-        keys = available_keys(frames)
-        return ValueError(
-            f"{where}: {how}, but no structure in {path!r} has {what} labels under the key "
-            f"{key!r} (keys in the file: {keys}). Set '{where}.targets.energy.{what}' to the right "
-            f"key, or to false to train without {what} (and drop any {what} weight from the "
-            "'architecture.training.loss' option)."
-        )
-
-    energy = target["key"]
-    if weights.energy.weight > 0 and not present(energy):
-        keys = available_keys(frames)
-        raise ValueError(
-            f"{where}: no structure in {path!r} has an energy under the key {energy!r} "
-            f"(keys in the file: {keys}); set '{where}.targets.energy.key'"
-        )
-    keys = {}
-    for name, term in (("forces", weights.forces), ("stress", weights.stress), ("virial", weights.stress)):
-        spec = target[name]
-        if spec is False:
-            keys[name] = None
-            continue
-        key = name if spec == "auto" else spec["key"]
-        if present(key):
-            keys[name] = key
-            continue
-        keys[name] = None
-        loss_term = "forces" if name == "forces" else "stress"
-        if spec != "auto":
-            raise missing(name, key, f"'{where}.targets.energy.{name}' asks for {name}")
-        if loss_term in explicit and not (name == "stress" and target["virial"]):
-            raise missing(name, key, f"the loss has a {loss_term} term (weight {term.weight})")
-    extra = section.get("extra_data") or {}
-    return Labels(
-        energy,
-        keys["forces"],
-        keys["stress"],
-        keys["virial"],
-        energy_unit_factor(target["unit"]),
-        length_unit_factor(section["systems"]["length_unit"]),
-        extra.get("charge"),
-        extra.get("spin_multiplicity"),
-    )
+    return split_json

@@ -1,1 +1,1 @@
-"""Helpers shared by test files in several folders."""
+"""Helpers shared by test files in several folders (``from tests.helpers.NAME import ...``)."""

@@ -1,0 +1,171 @@
+"""``petfunc eval``: the RMSE and MAE of a model on a labelled extxyz file, its label
+keys and units by default those the model was trained on; optionally each
+structure's predictions as extxyz."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from petfunc.cli.arguments import add_threads, positive_int
+from petfunc.trainer import evaluate, training_label_options
+
+
+def add_parser(subparsers) -> None:
+    """The ``eval`` command and its flags."""
+    ev = subparsers.add_parser(
+        "eval",
+        help="errors of a model on a dataset",
+        description="RMSE and MAE of energies per atom, forces and stress.",
+    )
+    ev.add_argument(
+        "model", help="a petfunc checkpoint (.ckpt), a best_params.pt file, or a metatrain checkpoint"
+    )
+    ev.add_argument("dataset", help="extxyz file with reference labels")
+    ev.add_argument("--batch-size", type=positive_int, default=16)
+    ev.add_argument("--dtype", choices=("float32", "float64"), help="default: the model's")
+    ev.add_argument("--device", default="cpu")
+    ev.add_argument(
+        "--which",
+        choices=("best", "last"),
+        default="best",
+        help="parameters of a training checkpoint (default: best)",
+    )
+    labels = "(default: as the model was trained, else {})"
+    ev.add_argument("--energy-key", help=labels.format("energy"))
+    ev.add_argument("--forces-key", help=labels.format("forces"))
+    ev.add_argument("--stress-key", help=labels.format("stress"))
+    ev.add_argument(
+        "--virial-key",
+        help="atoms.info key of virial labels W, compared as the stress -W/V " + labels.format("none"),
+    )
+    ev.add_argument(
+        "--charge-key",
+        default=None,
+        help="atoms.info key of the total charge (conditioned models; default: charge)",
+    )
+    ev.add_argument(
+        "--spin-key",
+        default=None,
+        help="atoms.info key of the spin multiplicity (conditioned models; "
+        "default: spin_multiplicity, else spin)",
+    )
+    ev.add_argument("--energy-unit", help="unit of the file's energies " + labels.format("eV"))
+    ev.add_argument("--length-unit", help="unit of the file's lengths " + labels.format("angstrom"))
+    ev.add_argument(
+        "--target",
+        metavar="NAME",
+        help="energy target of a metatrain checkpoint with several (default: 'energy')",
+    )
+    ev.add_argument("--json", metavar="FILE", help="also write the metrics as JSON")
+    ev.add_argument(
+        "--output",
+        "-o",
+        metavar="FILE",
+        help="also write the predictions as extxyz (energy, forces, stress of each structure), in the "
+        "units the file was read in (--energy-unit, --length-unit)",
+    )
+    add_threads(ev)
+
+
+LABEL_DEFAULTS = {
+    "energy_key": "energy",
+    "forces_key": "forces",
+    "stress_key": "stress",
+    "virial_key": None,
+    "energy_unit": "eV",
+    "length_unit": "angstrom",
+}
+
+
+def label_options(args) -> None:
+    """Fill the label keys and units ``petfunc eval`` was not given: from the first
+    training file of a petfunc checkpoint's options (a model trained on ``U0`` in
+    kcal/mol is evaluated on ``U0`` in kcal/mol), the units of a metatrain model's
+    training data, else the defaults."""
+    missing = [name for name in LABEL_DEFAULTS if getattr(args, name) is None]
+    trained = training_label_options(args.model, args.target) if missing else {}
+    taken = []
+    for name in missing:
+        value = trained.get(name, LABEL_DEFAULTS[name])
+        setattr(args, name, value)
+        if value != LABEL_DEFAULTS[name]:
+            taken.append(f"{name.replace('_', ' ')} {value!r}")
+    if taken:
+        # say which keys go with the units taken: a metatrain model stores its units but
+        # not its keys, and a file whose default keys hold labels in other units would
+        # otherwise give wrong errors without a word
+        keys = [
+            f"{name.split('_')[0]} {getattr(args, name)!r}"
+            for name in ("energy_key", "forces_key", "stress_key", "virial_key")
+            if getattr(args, name)
+        ]
+        print(
+            "labels read as the model was trained: "
+            + ", ".join(taken)
+            + "; keys "
+            + ", ".join(keys)
+            + " (--energy-unit, --length-unit and the --*-key options override)"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``petfunc eval`` with the parsed ``args``; returns the exit status."""
+    dtype = {"float32": torch.float32, "float64": torch.float64, None: None}[args.dtype]
+    # keys given on the command line must be in the file; defaults may be absent
+    named = [
+        getattr(args, name)
+        for name in ("energy_key", "forces_key", "stress_key", "virial_key")
+        if getattr(args, name) is not None
+    ]
+    if args.stress_key is not None and args.virial_key is not None:
+        # two labels of one quantity (metatrain's options refuse them too): one of
+        # them would be ignored without a word
+        raise ValueError("give --stress-key or --virial-key, not both: they label the same quantity")
+    label_options(args)
+    metrics, _ = evaluate(
+        args.model,
+        args.dataset,
+        batch_size=args.batch_size,
+        dtype=dtype,
+        device=args.device,
+        which=args.which,
+        energy_key=args.energy_key,
+        forces_key=args.forces_key,
+        stress_key=args.stress_key,
+        virial_key=args.virial_key,
+        energy_unit=args.energy_unit,
+        length_unit=args.length_unit,
+        charge_key=args.charge_key,
+        spin_multiplicity_key=args.spin_key,
+        output=args.output,
+        target=args.target,
+        required_keys=named,
+    )
+    print(f"{args.dataset}: {metrics['n_structures']} structures, {metrics['n_atoms']} atoms")
+    rows = (
+        ("energy_per_atom", "energy/atom", "eV/atom"),
+        ("forces", "forces", "eV/Å"),
+        ("stress", "stress", "eV/Å^3"),
+    )
+    if any(f"{key}_rmse" in metrics for key, _, _ in rows):
+        print(f"{'':16s}{'RMSE':>12s}{'MAE':>12s}  unit      labels")
+    else:
+        print("no labels in the file: predictions only")
+    for key, name, unit in rows:
+        if f"{key}_rmse" in metrics:
+            print(
+                f"{name:16s}{metrics[f'{key}_rmse']:12.5g}{metrics[f'{key}_mae']:12.5g}  "
+                f"{unit:8s}  {metrics[f'{key}_count']}"
+            )
+        if metrics.get(f"{key}_nan_predictions"):
+            print(f"warning: {metrics[f'{key}_nan_predictions']} {name} predictions are NaN", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(metrics, indent=2))
+    if args.output:
+        print(f"predictions written to {args.output}")
+    return 0

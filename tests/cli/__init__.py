@@ -1,0 +1,1 @@
+"""Tests of petfunc.cli, one file per module."""

@@ -1,0 +1,1 @@
+"""Tests of petfunc.trainer, one file per module."""

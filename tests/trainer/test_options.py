@@ -1,0 +1,183 @@
+"""The options: errors that name the key, metatrain's defaults, the loss forms as
+metatrain expands them.
+"""
+
+import pytest
+
+from petfunc.trainer import fit
+from petfunc.trainer.options import parse_loss, resolve_options
+from tests.helpers.trainer import quiet, tiny_options
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda o: o.update(epochs=3), "unknown option 'epochs'"),
+        (
+            lambda o: o["architecture"]["training"].update(num_epoch=3),
+            "'architecture.training.num_epoch'.*did you mean 'num_epochs'",
+        ),
+        (lambda o: o["architecture"]["model"].update(dpet=3), "'architecture.model.dpet'"),
+        (
+            lambda o: o.update(training_set={"systems": "x.xyz", "targets": {"energy": {"kye": "e"}}}),
+            "'training_set.targets.energy.kye'",
+        ),
+        (
+            lambda o: o["architecture"]["training"].update(loss={"energy": {"wieght": 2}}),
+            "'architecture.training.loss.energy.wieght'",
+        ),
+        (
+            lambda o: o["architecture"]["training"].update(loss={"forces": {"weight": 2}}),
+            r"'architecture.training.loss.forces': the forces loss is set under the energy target, as "
+            r"'architecture.training.loss.energy.gradients.positions' "
+            r"\(or 'architecture.training.loss.energy.forces'\)",
+        ),
+        (
+            lambda o: o["architecture"]["training"].update(loss={"energy": {"gradients": {"forces": 10}}}),
+            r"metatrain names gradients 'positions' \(forces\) and 'strain'",
+        ),
+        (
+            lambda o: o["architecture"]["training"].update(loss={"energy": {"type": "mse", "delta": 0.3}}),
+            r"'architecture.training.loss.energy.delta' is the threshold of the 'huber' loss; "
+            r"this term is 'mse'",
+        ),
+        (lambda o: o["architecture"]["training"].update(batch_size=0), "batch_size' must be positive"),
+        (lambda o: o.update(base_precision=16), "base_precision"),
+        (lambda o: o.update(validation_set=1.0), "validation_set"),
+        (
+            lambda o: o["architecture"]["training"].update(remat=True, compile=True),
+            "'architecture.training.remat' and .*compile.* exclude",
+        ),
+        (
+            lambda o: o["architecture"]["training"].update(remat="yes"),
+            "'architecture.training.remat' must be true or false",
+        ),
+        (
+            lambda o: o["architecture"]["training"].update(deterministic="yes"),
+            "'architecture.training.deterministic' must be true, false or null",
+        ),
+    ],
+)
+def test_bad_options(change, message):
+    options = tiny_options("data.xyz")
+    change(options)
+    with pytest.raises(ValueError, match=message):
+        resolve_options(options)
+
+
+def test_options_defaults_and_loss_forms():
+    options = resolve_options(
+        {"training_set": "data.xyz", "architecture": {"name": "pet", "training": {"num_workers": 4}}}
+    )
+    training = options["architecture"]["training"]
+    # metatrain's PET trainer defaults.
+    assert (training["batch_size"], training["num_epochs"], training["learning_rate"]) == (16, 1000, 1e-4)
+    assert training["augmentation"] is True and training["compile"] is False
+    assert training["best_model_metric"] == "mae_prod" and "num_workers" not in training
+    # metatrain's top-level logging keys: accepted, ignored (wandb with a warning)
+    logging_keys = resolve_options({"training_set": "data.xyz", "print_stats": True, "final_eval": False})
+    assert "print_stats" not in logging_keys and "final_eval" not in logging_keys
+    with pytest.warns(UserWarning, match="does not log to Weights & Biases"):
+        resolve_options({"training_set": "data.xyz", "wandb": {"project": "x"}})
+    # one energy target of another name (metatrain's mtt::NAME; its key is the name by default)
+    named = resolve_options(
+        {"training_set": {"systems": "data.xyz", "targets": {"mtt::U0": {"unit": "kcal/mol"}}}}
+    )
+    assert named["training_set"]["targets"]["energy"]["key"] == "mtt::U0"
+    assert named["training_set"]["targets"]["energy"]["unit"] == "kcal/mol"
+    # as in metatrain: no forces or stress by default for such a target without an
+    # explicit 'quantity: energy', and its loss keyed by its name
+    assert named["training_set"]["targets"]["energy"]["forces"] is False
+    assert named["training_set"]["targets"]["energy"]["stress"] is False
+    explicit = resolve_options(
+        {
+            "training_set": {"systems": "data.xyz", "targets": {"mtt::U0": {"quantity": "energy"}}},
+            "architecture": {"training": {"loss": {"mtt::U0": "mae"}}},
+        }
+    )
+    assert explicit["training_set"]["targets"]["energy"]["forces"] == "auto"
+    assert explicit["architecture"]["training"]["loss"] == {"energy": "mae"}
+    with pytest.raises(ValueError, match=r"unknown option 'training_set.targets.mtt::U0'"):
+        resolve_options({"training_set": {"systems": "data.xyz", "targets": {"energy": {}, "mtt::U0": {}}}})
+    assert options["training_set"]["targets"]["energy"]["forces"] == "auto"
+    assert options["validation_set"] == 0.1
+    # metatrain's deprecated 'distributed': false is fine; true needs several processes
+    training = {"distributed": False, "distributed_port": 1234}
+    resolve_options({"training_set": "data.xyz", "architecture": {"name": "pet", "training": training}})
+    with pytest.raises(ValueError, match="must be true or false"):
+        resolve_options({"training_set": "data.xyz", "architecture": {"training": {"distributed": "yes"}}})
+    distributed = {"training_set": "missing.xyz", "architecture": {"training": {"distributed": True}}}
+    with pytest.raises(ValueError, match="is true, but this is one process"):
+        fit(distributed, None, progress=False, log=quiet())
+    with pytest.raises(FileNotFoundError):  # two ranks: past that check, to the data
+        fit(
+            distributed,
+            None,
+            progress=False,
+            log=quiet(),
+            world_size=2,
+            reduce_grads=lambda g: g,
+            reduce_metrics=lambda m: m,
+        )
+    weights, explicit = parse_loss(
+        {"energy": {"type": "mae", "gradients": {"positions": {"weight": 10}}, "stress": 0.5}}
+    )
+    # metatrain: the energy type does not carry over to the gradient terms
+    assert (weights.energy.type, weights.forces.weight, weights.forces.type, weights.stress.weight) == (
+        "mae",
+        10.0,
+        "mse",
+        0.5,
+    )
+    assert explicit == {"forces", "stress"}
+    weights, explicit = parse_loss("huber")
+    assert weights.stress.type == "huber" and explicit == set()
+    weights, _ = parse_loss(
+        {"energy": {"type": "huber", "delta": 0.1, "forces": {"type": "huber", "delta": 0.3}}}
+    )
+    assert (weights.energy.delta, weights.forces.delta, weights.stress.type) == (0.1, 0.3, "mse")
+    with pytest.raises(ValueError, match="delta"):
+        parse_loss({"energy": {"type": "huber", "delta": -1.0}})
+
+
+LOSS_FORMS = [
+    None,
+    "huber",
+    "mae",
+    {"energy": "huber"},
+    {"energy": {"type": "mae", "gradients": {"positions": {"weight": 10}}}},
+    {"energy": {"type": "huber", "delta": 0.1, "forces": {"type": "huber", "delta": 0.3}}},
+    {"energy": {"weight": 2.0, "forces": "mae", "virial": {"weight": 0.5}}},
+    {"energy": {"gradients": {"positions": "huber", "strain": {"type": "mae", "weight": 3.0}}}},
+    {"energy": {"reduction": "sum", "forces": {"reduction": "sum", "weight": 2.0}}},
+    {"energy": {"type": "huber", "gradients": {"strain": {"reduction": "sum"}}}},
+]
+
+
+@pytest.mark.parametrize("form", LOSS_FORMS, ids=[str(f) for f in LOSS_FORMS])
+def test_loss_options_expand_like_metatrain(form):
+    """Every term's type, weight, Huber delta and reduction as metatrain's
+    expand_loss_config gives them, for an energy target with forces and stress."""
+    pytest.importorskip("metatrain")
+    from metatrain.utils.omegaconf import expand_loss_config
+    from omegaconf import OmegaConf
+
+    targets = {"energy": {"quantity": "energy", "forces": {"key": "forces"}, "stress": {"key": "stress"}}}
+    conf = OmegaConf.create(
+        {"training_set": [{"targets": targets}], "architecture": {"training": {"loss": form}}}
+    )
+    expanded = OmegaConf.to_container(expand_loss_config(conf)["architecture"]["training"]["loss"])["energy"]
+    weights, _ = parse_loss(form if form is not None else {})
+    reference = {
+        "energy": expanded,
+        "forces": expanded["gradients"]["positions"],
+        "stress": expanded["gradients"]["strain"],
+    }
+    for name, ref in reference.items():
+        term = getattr(weights, name)
+        assert (term.type, term.weight, term.delta, term.reduction) == (
+            ref["type"],
+            ref["weight"],
+            ref.get("delta", 1.0),
+            ref.get("reduction", "mean"),
+        ), name
