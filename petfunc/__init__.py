@@ -37,6 +37,7 @@ from petfunc import llpr as llpr
 from petfunc import lora as lora
 from petfunc import relax as relax
 from petfunc import tree as tree
+from petfunc._version import __version__ as __version__
 from petfunc.config import LongRangeConfig as LongRangeConfig
 from petfunc.config import PETConfig as PETConfig
 from petfunc.data import Batch as Batch
@@ -88,8 +89,6 @@ from petfunc.hessian import hessian as hessian
 from petfunc.hessian import hvp as hvp
 from petfunc.remat import remat as remat
 
-
-__version__ = "0.1.0"
 
 _compat.install()
 __getattr__ = _compat.module_getattr

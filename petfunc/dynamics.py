@@ -174,22 +174,12 @@ def run(
     thermostats = _thermostats(atoms_list, timestep, integrator, rngs, seed)
 
     def evaluate_all():
-        forces = []
-        for atoms, result in zip(atoms_list, evaluate(atoms_list, labels)):
-            atoms.calc = SinglePointCalculator(atoms, **result)
-            forces.append(atoms.get_forces(md=True))
-        return forces
-
-    def record(step):
-        potential[step] = [a.get_potential_energy() for a in atoms_list]
-        kinetic[step] = [a.get_kinetic_energy() for a in atoms_list]
-        if observer is not None:
-            observer(step, atoms_list)
+        return _forces(atoms_list, evaluate(atoms_list, labels))
 
     potential = np.zeros((steps + 1, len(atoms_list)))
     kinetic = np.zeros((steps + 1, len(atoms_list)))
     forces = evaluate_all()
-    record(0)
+    _record(0, atoms_list, potential, kinetic, observer)
     bar = tqdm(total=steps, desc="MD", unit="step", disable=not progress)
     for step in range(1, steps + 1):
         # first half: every structure moves (ASE's order of operations), then one
@@ -198,10 +188,28 @@ def run(
         forces = evaluate_all()
         for atoms, f, t, kick in zip(atoms_list, forces, thermostats, kicks):
             _second_half(atoms, f, timestep, t, kick)
-        record(step)
+        _record(step, atoms_list, potential, kinetic, observer)
         bar.update(1)
     bar.close()
     return DynamicsResult(atoms_list, potential, kinetic, evaluate.num_graphs)
+
+
+def _forces(atoms_list, results) -> list:
+    """Each structure's results as its calculator's (as PETCalculator would give them:
+    ASE then applies the constraints), and its forces for the integrator."""
+    forces = []
+    for atoms, result in zip(atoms_list, results):
+        atoms.calc = SinglePointCalculator(atoms, **result)
+        forces.append(atoms.get_forces(md=True))
+    return forces
+
+
+def _record(step: int, atoms_list, potential: np.ndarray, kinetic: np.ndarray, observer) -> None:
+    """The energies of ``step`` into ``potential`` and ``kinetic``; then the observer."""
+    potential[step] = [a.get_potential_energy() for a in atoms_list]
+    kinetic[step] = [a.get_kinetic_energy() for a in atoms_list]
+    if observer is not None:
+        observer(step, atoms_list)
 
 
 def _thermostats(atoms_list, timestep: float, integrator, rngs, seed: int) -> list:

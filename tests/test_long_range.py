@@ -369,9 +369,9 @@ def test_inductor_p3m_equals_eager(batch, cached):
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_calculator_follows_md_without_recompiling(backend):
     """The compiled calculator (P3M) equals eager over steps whose neighbour counts
-    change, with one graph. With inductor this is the check of torch 2.11's P3M
-    stress fault (README): before ``long_range._signed_volume`` avoided the fusion
-    it got wrong, this stress was off by about 100 % there."""
+    change, with one graph. With inductor this checks the P3M stress against the
+    fusion torch 2.11's inductor gets wrong (stress off by about 100 %), which
+    ``reciprocal.signed_volume`` avoids."""
     pytest.importorskip("ase")
     import petfunc.ase
 

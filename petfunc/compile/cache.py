@@ -121,7 +121,7 @@ def load_trace(path: Path):
     try:
         # a graph's code is re-run by torch.fx on load; it may name this lazily
         # imported module (torch 2.13)
-        import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401
+        import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401, PLC0415 - only where a cached graph loads
     except ImportError:
         pass
     try:

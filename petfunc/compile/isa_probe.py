@@ -38,7 +38,7 @@ def start() -> None:
     import torch._dynamo
     import torch._inductor.codecache
     import torch._inductor.cpp_builder
-    import torch.utils._filelock  # noqa: F401 - imported here (see above)
+    import torch.utils._filelock  # noqa: F401, PLC0415 - imported here (see above)
     from torch._inductor import cpu_vec_isa
 
     def probe():

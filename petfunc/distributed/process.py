@@ -167,7 +167,7 @@ def is_sum(key: str) -> bool:
 
 def all_reduce_metrics(values: dict[str, float], info: DistInfo | None = None) -> dict[str, float]:
     """Epoch metrics across ranks: the ``reduce_metrics`` hook of
-    :func:`petfunc.trainer.training`. Every value there is a sum (batch losses, batch count,
+    :func:`petfunc.trainer.fit`. Every value there is a sum (batch losses, batch count,
     ``*_sse``/``*_sae``/``*_count``), so this is a SUM all-reduce; the means are taken
     after it. With ``DataParallel(metrics="share")`` every rank holds the union batch's
     loss, and the summed batch count is ``world_size`` times larger too, so the mean

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from petfunc._files import atomic_write, remove_leftover_temporaries
+from petfunc._version import __version__
 from petfunc.config import PETConfig
 from petfunc.io import read_checkpoint, write_checkpoint
 from petfunc.train import TrainState
@@ -54,9 +55,6 @@ def epoch_files(output_dir: Path) -> dict[int, str]:
 
 
 def _version() -> str:
-    # petfunc's __init__ imports the trainer before it sets __version__
-    from petfunc import __version__
-
     return __version__
 
 

@@ -187,7 +187,7 @@ def test_energy_scale_of_a_composition_that_fits_exactly():
     from ase.calculators.emt import EMT
 
     from petfunc import PETConfig
-    from petfunc.data.samples import fit_composition, fit_scale, sample_from_atoms
+    from petfunc.data import fit_composition, fit_scale, sample_from_atoms
 
     config = PETConfig(atomic_types=(13, 29), **TINY_MODEL)
     frames = []

@@ -18,7 +18,7 @@ def test_test_set(dataset, tmp_path):
     here with the calculator on those file indices; a separate file works too."""
     import ase.io
 
-    from petfunc.ase.calculator import PETCalculator
+    from petfunc.ase import PETCalculator
 
     options = tiny_options(dataset, num_epochs=1)
     options["base_precision"] = 64
