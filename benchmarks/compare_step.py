@@ -48,15 +48,37 @@ from train_step import frames, setup
 
 
 def import_checkout(path: Path, name: str = "petfunc_other"):
-    """The ``petfunc`` package of another checkout, imported as ``name``
-    (petfunc's modules import each other relatively, so the two do not mix)."""
+    """The ``petfunc`` package of another checkout, imported as ``name`` beside this
+    checkout's ``petfunc``, so that the two do not mix.
+
+    A package whose modules import each other relatively is imported under ``name``
+    directly. One whose modules import ``petfunc.…`` absolutely (at module level) is
+    imported as ``petfunc`` while this checkout's modules are set aside, then moved
+    to ``name``.
+    """
     init = path / "petfunc" / "__init__.py"
     if not init.exists():
         raise SystemExit(f"{path} has no petfunc/__init__.py")
-    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
+    if "from . import" in init.read_text() or "from .config import" in init.read_text():
+        locations = [str(init.parent)]
+        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=locations)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    def ours(key):
+        return key == "petfunc" or key.startswith("petfunc.")
+
+    mine = {k: sys.modules.pop(k) for k in [k for k in sys.modules if ours(k)]}
+    sys.path.insert(0, str(path))
+    try:
+        module = importlib.import_module("petfunc")
+    finally:
+        sys.path.remove(str(path))
+        theirs = {k: sys.modules.pop(k) for k in [k for k in sys.modules if ours(k)]}
+        sys.modules.update(mine)
+    sys.modules.update({name + k[len("petfunc") :]: v for k, v in theirs.items()})
     return module
 
 
