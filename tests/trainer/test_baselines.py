@@ -215,7 +215,7 @@ def test_per_structure_targets(dataset, tmp_path):
     import ase.io
 
     from petfunc.ase.calculator import PETCalculator
-    from petfunc.data.samples import fit_scale, sample_from_atoms
+    from petfunc.data import fit_scale, sample_from_atoms
 
     options = tiny_options(dataset, num_epochs=1, per_structure_targets=["energy"])
     options["base_precision"] = 64

@@ -17,7 +17,7 @@ def test_max_atoms_per_batch(dataset, tmp_path):
     bad values are errors that name the option."""
     import ase.io
 
-    from petfunc.data.read import split_datasets
+    from petfunc.data import split_datasets
 
     options = tiny_options(dataset, num_epochs=2, max_atoms_per_batch=30)
     lines = []
@@ -133,7 +133,7 @@ def test_augmentation_does_not_depend_on_the_process(dataset):
     import ase.io
 
     from petfunc import PETConfig
-    from petfunc.data.samples import sample_from_atoms
+    from petfunc.data import sample_from_atoms
     from petfunc.trainer import iterate_batches
 
     frames = ase.io.read(dataset, ":10")

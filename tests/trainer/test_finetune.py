@@ -129,7 +129,7 @@ def test_heads_step_equals_metatrain():
     assert float(metrics["grad_norm"]) > CLIP
     assert set(state.opt_state.mu) == {k for k in tree.flatten(params) if k.startswith(HEADS)}
     # the data-parallel step (one process here) takes the same selection
-    from petfunc.distributed.process import DataParallel
+    from petfunc.distributed import DataParallel
 
     dp_state, _ = DataParallel(petfunc.PET(CONFIG), optimizer, WEIGHTS, CLIP, train=HEADS).step(state, batch)
     for key, value in tree.flatten(dp_state.params).items():

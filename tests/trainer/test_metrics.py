@@ -28,7 +28,7 @@ def test_validation_loss_does_not_depend_on_batching(dataset):
     import ase.io
 
     from petfunc import PETConfig
-    from petfunc.data.samples import fit_composition, fit_scale, make_batch, sample_from_atoms
+    from petfunc.data import fit_composition, fit_scale, make_batch, sample_from_atoms
     from petfunc.train.loss import LossTerm, LossWeights, make_loss
 
     frames = ase.io.read(dataset, ":7")

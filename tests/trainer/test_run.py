@@ -7,6 +7,7 @@ each fit takes seconds.
 
 import copy
 import hashlib
+import importlib
 import math
 
 import pytest
@@ -81,7 +82,7 @@ def test_nan_stops_without_corrupting_checkpoints(dataset, tmp_path):
 def test_remat_training_equals_plain(dataset, monkeypatch):
     # recomputed transformer layers (petfunc.remat): the same training, float64,
     # through the train step and the validation loss
-    from petfunc import remat as remat_module
+    remat_module = importlib.import_module("petfunc.remat")  # petfunc.remat is the function
 
     options = tiny_options(dataset, num_epochs=2)
     options["base_precision"] = 64
