@@ -99,7 +99,7 @@ def relative(a, b):
 def metatomic_calculator(config, params):
     pytest.importorskip("metatrain")
     metatomic_ase = pytest.importorskip("metatomic_ase")
-    import mtt_reference as ref
+    from helpers import mtt_reference as ref
 
     model = ref.make_model(config)
     ref.load_params(model, params)

@@ -272,8 +272,8 @@ def test_export_equals_eager(tmp_path, aoti):
     """`petfunc export` for the device (the exported program, and its AOTInductor
     build) gives the eager energies, forces and strain derivatives on three sizes,
     adaptive cutoff included (float64)."""
-    from petfunc.export import package as pexport
     from petfunc.data import padding_sample
+    from petfunc.export import package as pexport
     from petfunc.structures import collate, prepare_atoms
 
     config = petfunc.PETConfig(

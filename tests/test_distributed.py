@@ -15,12 +15,10 @@ import petfunc
 import petfunc.distributed as pdist
 from petfunc.train import init_state, make_train_step
 
-
-sys.path.insert(0, str(Path(__file__).parent))
-import dist_worker as W
+from helpers import dist_worker as W
 
 
-WORKER = Path(__file__).parent / "dist_worker.py"
+WORKER = Path(W.__file__)
 RTOL = 1e-10
 
 

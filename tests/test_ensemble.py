@@ -13,12 +13,13 @@ import warnings
 import pytest
 import torch
 import torch.utils._pytree as pytree
-import toy
 from torch.func import grad, vmap
 
 import petfunc
 import petfunc.ensemble as ensemble
 from petfunc._torch import vmap_rules as _vmap_rules
+
+from helpers import toy
 
 
 F64 = torch.float64

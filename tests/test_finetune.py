@@ -32,7 +32,7 @@ from petfunc.trainer.options import resolve_options, trained_parameters
 
 
 try:  # the metatrain comparisons need the test extra
-    import mtt_reference as ref
+    from helpers import mtt_reference as ref
 except ImportError:
     ref = None
 

@@ -8,10 +8,11 @@ import ase.build
 import numpy as np
 import pytest
 import torch
-import toy
 
 import petfunc
 from petfunc.hessian import chunked_hessian, hessian, hessian_rows, hvp, mass_weighted, structure_blocks
+
+from helpers import toy
 
 
 F64 = torch.float64

@@ -4,7 +4,6 @@ gradient against finite differences, and compiled == eager."""
 import pytest
 import torch
 import torch.utils._pytree as pytree
-import toy
 
 import petfunc
 from petfunc.hessian import hessian
@@ -15,6 +14,8 @@ from petfunc.train.hessian_loss import (
     make_hessian_loss,
     make_hessian_train_step,
 )
+
+from helpers import toy
 
 
 F64 = torch.float64

@@ -186,7 +186,7 @@ def test_load_wrong_content(tmp_path):
 
 def _metatrain():
     pytest.importorskip("metatrain")
-    import mtt_reference
+    from helpers import mtt_reference
 
     return mtt_reference
 

@@ -14,7 +14,6 @@ import torch
 pytest.importorskip("metatrain")
 
 import ase.build
-import mtt_reference as ref
 from metatomic.torch import ModelOutput, System, systems_to_torch
 from metatrain.llpr import LLPRUncertaintyModel
 from metatrain.utils.io import model_from_checkpoint
@@ -23,6 +22,8 @@ from metatrain.utils.neighbor_lists import get_requested_neighbor_lists, get_sys
 import petfunc
 from petfunc import llpr
 from petfunc.ase import PETCalculator
+
+from helpers import mtt_reference as ref
 
 
 CHECKPOINTS = sorted(

@@ -21,10 +21,11 @@ pytest.importorskip("metatrain")
 
 import ase
 import ase.build
-import mtt_reference as ref
 from metatrain.utils.io import model_from_checkpoint
 
 import petfunc
+
+from helpers import mtt_reference as ref
 
 
 RTOL = 1e-10
@@ -506,8 +507,8 @@ def test_adaptive_solver_off_its_root():
         [1.4316214865414698, 0.23250037300729465, 1.700482792013557],
     ]
     atoms = ase.Atoms(numbers=[14, 8, 14, 14, 1, 1], positions=positions)
-    from petfunc.model.adaptive import atomic_cutoffs
     from petfunc.model import edge_vectors
+    from petfunc.model.adaptive import atomic_cutoffs
 
     positions_t, cell, neighbors = petfunc.from_atoms([atoms], config, dtype=torch.float64)
     distances = torch.linalg.vector_norm(edge_vectors(positions_t, cell, neighbors), dim=-1) + 1e-15

@@ -82,11 +82,12 @@ def _check_gradients_against_metatrain(dataset, fitted, device):
     forces, stress) on ``device`` equal metatrain's training-mode gradients computed
     there (1e-8 relative), and so do the losses (1e-12)."""
     pytest.importorskip("metatrain")
-    import mtt_reference as ref
     from metatomic.torch import systems_to_torch
     from metatrain.utils.data.target_info import get_energy_target_info
     from metatrain.utils.evaluate_model import evaluate_model
     from metatrain.utils.neighbor_lists import get_system_with_neighbor_lists
+
+    from helpers import mtt_reference as ref
 
     # A batch of 3 structures (no padding needed), float64, energy + forces + stress.
     params = _params(fitted, seed=3, device=device)

@@ -13,8 +13,7 @@ import petfunc
 from petfunc import structures
 from petfunc.derivatives import energy_forces_strain_derivative
 from petfunc.graph.neighbors import Neighbors
-from petfunc.model import zbl
-from petfunc.model import edge_vectors, energy, per_atom_energies
+from petfunc.model import edge_vectors, energy, per_atom_energies, zbl
 
 
 SMALL = dict(d_pet=16, d_node=32, d_head=16, d_feedforward=32, num_heads=2)
@@ -139,7 +138,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pet_with_zbl_matches_metatrain(case):
     pytest.importorskip("metatrain")
-    from mtt_reference import evaluate, load_params, make_model
+    from helpers.mtt_reference import evaluate, load_params, make_model
 
     types, extra, make_frames = CASES[case]
     config = _config(types, **extra)

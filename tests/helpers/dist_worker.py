@@ -1,6 +1,6 @@
-"""Shared setup of tests/test_distributed.py, and its worker process.
+"""Shared setup of the data-parallel tests (tests/distributed/), and their worker process.
 
-Run as ``python tests/dist_worker.py SCENARIO OUT_DIR [CHECKPOINT]`` with torchrun's
+Run as ``python tests/helpers/dist_worker.py SCENARIO OUT_DIR [CHECKPOINT]`` with torchrun's
 environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set.
 """
 
@@ -11,16 +11,23 @@ import time
 import ase.build
 import numpy as np
 import torch
+import torch.distributed as dist
 from ase.calculators.emt import EMT
 
 import petfunc
-import torch.distributed as dist
-from petfunc.io.checkpoint import read_checkpoint, model_of, state_from_plain, write_checkpoint
-from petfunc.train import TrainState, pack_state, trainable
 import petfunc.distributed as pdist
 from petfunc.data import make_batch, sample_from_atoms
-from petfunc.train import LossTerm, LossWeights
-from petfunc.train import init_state, make_optimizer, warmup_cosine
+from petfunc.io.checkpoint import model_of, read_checkpoint, state_from_plain, write_checkpoint
+from petfunc.train import (
+    LossTerm,
+    LossWeights,
+    TrainState,
+    init_state,
+    make_optimizer,
+    pack_state,
+    trainable,
+    warmup_cosine,
+)
 
 
 CONFIG = petfunc.PETConfig(

@@ -6,11 +6,14 @@ positions, ``cat`` of member-dependent with shared tensors, layer norm, slicing,
 smaller than PET's, so compiled tests of ensembles and third derivatives stay quick.
 """
 
+import ase.build
+import numpy as np
 import torch
+from ase.calculators.emt import EMT
 
-from petfunc.model import nn
+from petfunc.data import make_batch, sample_from_atoms
+from petfunc.model import edge_vectors, nn
 from petfunc.model.cutoff import cosine
-from petfunc.model import edge_vectors
 
 
 N_RBF = 4
@@ -55,12 +58,6 @@ def energy(params, positions, cell, neighbors, cutoff: float = 4.0):
 
 # ---------------------------------------------------------------------------------------
 # labelled batches (EMT labels on rattled molecules and diamond cells)
-
-import ase.build  # noqa: E402
-import numpy as np  # noqa: E402
-from ase.calculators.emt import EMT  # noqa: E402
-
-from petfunc.data import make_batch, sample_from_atoms
 
 
 MOLECULES = ("CH3CH2OH", "H2O", "CH4", "C2H6", "CH3OH", "NH3")

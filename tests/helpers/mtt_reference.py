@@ -136,7 +136,7 @@ def evaluate(model, frames, stress: bool = True):
     de_deps = torch.stack(grads[len(frames) :])
     per_atom = (
         model(
-            [s for s in new_systems],
+            list(new_systems),
             {"energy": ModelOutput(quantity="energy", unit="eV", sample_kind="atom")},
         )["energy"]
         .block()
