@@ -13,7 +13,7 @@ take and return any pytree of tensors (dicts, lists, NamedTuples such as
    ``static_argnums``, stay fixed). Duck shaping is off, so equal sizes at trace
    time (say 3 structures and the 3 of xyz) are not merged into one symbol.
    Inputs on one GPU are traced as CPU tensors and the graph is moved to the GPU
-   afterwards (:func:`_trace_device`, :func:`_move_graph`).
+   afterwards (:func:`trace_device`, :func:`_move_graph`).
 3. At the first call the ``torch.compile`` backend (``"inductor"``,
    ``"aot_eager"``, ... or a backend callable) compiles that graph, given fake
    inputs with symbolic sizes, exactly as Dynamo hands a graph to a backend. Dynamo
@@ -210,7 +210,7 @@ def _fake_inputs(tensors, static, device=None):
     return mode, fakes
 
 
-def _trace_device(tensors) -> torch.device | None:
+def trace_device(tensors) -> torch.device | None:
     """The device to trace on in place of the inputs' own: the CPU when every input is
     on one accelerator (CUDA), else None (trace where the inputs are).
 
@@ -1000,11 +1000,11 @@ class Compiled:
             return tuple(t for k, t in enumerate(packed) if k not in self._out_layout.donated)
 
         inputs = self._graph_inputs(tensors)
-        trace_device = _trace_device(inputs)
+        traced_on = trace_device(inputs)
         if fused_attention is None:
             fused_attention = os.environ.get("PETFUNC_FUSED_ATTENTION", "0") == "1"
         if fused_attention:
-            if trace_device is not None or any(t.device.type != "cpu" for t in inputs):
+            if traced_on is not None or any(t.device.type != "cpu" for t in inputs):
                 raise ValueError(
                     "petfunc.compile: fused_attention=True is for functions on the CPU; "
                     "on a GPU the attention is compiled from its decomposition"
@@ -1041,15 +1041,15 @@ class Compiled:
         if loaded is not None:
             self.graph, self._out_spec, self._out_layout, trace_guards = loaded
         else:
-            mode, fakes = _fake_inputs(inputs, self._static, trace_device)
+            mode, fakes = _fake_inputs(inputs, self._static, traced_on)
             # vmap's symbolic-size rules for the whole trace: a vmap inside a grad (a
             # Hessian-vector loss, an ensemble) is replayed by the backward of that grad,
             # after the vmap's own block has exited (torch 2.12's C++ rule of bmm
             # then read the sizes as integers and fixed the atom count)
             with fft_meta(), symbolic_vmap_rules(), _fused.use(self.fused_attention), mode, torch.no_grad():
                 self.graph = make_fx(flat_fn, tracing_mode="real")(*fakes)
-            if trace_device is not None:
-                _move_graph(self.graph, trace_device, inputs[0].device)
+            if traced_on is not None:
+                _move_graph(self.graph, traced_on, inputs[0].device)
             trace_guards = _shape_guards(mode.shape_env, fakes, self._static)
             # forward-mode AD (jvp) leaves unused checks such as aten.is_same_size, which
             # return Python bools that Dynamo cannot put in a graph: drop dead nodes
@@ -1323,7 +1323,7 @@ class Compiled:
         return inputs
 
 
-def _has_p3m_inputs(args) -> bool:
+def has_p3m_inputs(args) -> bool:
     """Whether ``args`` hold the long-range inputs of a P3M batch with a mesh."""
     from petfunc.graph.long_range import mesh_layout
     from petfunc.graph.neighbors import Neighbors
@@ -1400,7 +1400,7 @@ def compile(
     if (
         backend == "inductor"
         and not all(long_range.p3m_inductor_correct(d) for d in devices)
-        and _has_p3m_inputs(example_args)
+        and has_p3m_inputs(example_args)
     ):
         raise ValueError(
             "inductor of torch < 2.13 is not known to compile the derivative of P3M "

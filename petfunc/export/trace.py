@@ -42,7 +42,7 @@ def trace(config: PETConfig, params, dtype=torch.float32, device="cpu", long_ran
     Returns ``(exported_program, example_inputs)``.
     """
     from petfunc._torch.fft_meta import fft_meta
-    from petfunc.compile.compiled import _fake_inputs, _move_graph, _trace_device, no_duck_shape
+    from petfunc.compile.compiled import _fake_inputs, _move_graph, no_duck_shape, trace_device
 
     device = torch.device(device)
     method = method_of(config, long_range)
@@ -51,21 +51,21 @@ def trace(config: PETConfig, params, dtype=torch.float32, device="cpu", long_ran
     example = (positions, cell, *neighbors[:N_GRAPH_FIELDS])
     if method:
         example += long_range_inputs(neighbors, cell, config, method)
-    # for a GPU: traced on the CPU, then moved, as petfunc.compile does (see _trace_device)
-    trace_device = _trace_device(list(example))
-    params = cast_params(params, dtype, trace_device or device)
+    # for a GPU: traced on the CPU, then moved, as petfunc.compile does (see trace_device)
+    traced_on = trace_device(list(example))
+    params = cast_params(params, dtype, traced_on or device)
     fn = energy_terms_forces_strain_derivative(PET(config).energy_terms)
 
     def flat(positions, cell, *fields):
         long_range = long_range_from_inputs(method, fields[N_GRAPH_FIELDS:])
         return fn(params, positions, cell, Neighbors(*fields[:N_GRAPH_FIELDS], long_range=long_range))
 
-    mode, fakes = _fake_inputs(list(example), [False] * len(example), trace_device)
+    mode, fakes = _fake_inputs(list(example), [False] * len(example), traced_on)
     with mode, torch.no_grad(), fft_meta():
         graph = make_fx(flat, tracing_mode="real")(*fakes)
     graph.graph.eliminate_dead_code()
-    if trace_device is not None:
-        _move_graph(graph, trace_device, device)
+    if traced_on is not None:
+        _move_graph(graph, traced_on, device)
     graph.recompile()
 
     auto = torch.export.Dim.AUTO
