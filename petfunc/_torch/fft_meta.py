@@ -18,7 +18,7 @@ the duration of a ``with`` block; they give the output the same sizes and stride
 directly. The c2c/c2r output is contiguous
 in the order (batch dimensions by decreasing input stride, then the transformed
 dimensions), which is what the CPU kernels return for contiguous inputs, the layout
-P3M passes them; the r2c one follows MKL's kernel (``tests/test_long_range.py``
+P3M passes them; the r2c one follows MKL's kernel (``tests/compile/test_fft_meta.py``
 compares them with the kernels).
 """
 
@@ -60,7 +60,8 @@ def _contiguous_strides(sizes):
 _REAL = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
 
 
-def _c2c(self, dim, normalization, forward):
+def fft_c2c(self, dim, normalization, forward):
+    """The output (empty, with its sizes and strides) of ``aten._fft_c2c``."""
     torch._check(self.dtype.is_complex, lambda: f"_fft_c2c expects a complex input, got {self.dtype}")
     if not dim:
         return self.clone()
@@ -72,7 +73,8 @@ def _uses_all_dims_at_once(dim):
     return len(dim) <= 3 and not (len(dim) >= 2 and dim[0] == 0 and dim[1] == 1)
 
 
-def _c2r(self, dim, normalization, last_dim_size):
+def fft_c2r(self, dim, normalization, last_dim_size):
+    """The output (empty, with its sizes, strides and real dtype) of ``aten._fft_c2r``."""
     torch._check(self.dtype.is_complex, lambda: f"_fft_c2r expects a complex input, got {self.dtype}")
     dim = [d % self.dim() for d in dim]
     sizes = list(self.shape)
@@ -94,7 +96,8 @@ def _c2r(self, dim, normalization, last_dim_size):
     return self.new_empty_strided(sizes, transform_strides(sizes, inner, dim[-1:]), dtype=real)
 
 
-def _r2c(self, dim, normalization, onesided):
+def fft_r2c(self, dim, normalization, onesided):
+    """The output (empty, with its sizes, strides and complex dtype) of ``aten._fft_r2c``."""
     torch._check(self.dtype.is_floating_point, lambda: f"_fft_r2c expects a real input, got {self.dtype}")
     # (a fake tensor reports the meta device inside its kernels; fake_device is its own)
     if getattr(self, "fake_device", self.device).type != "cpu":
@@ -124,7 +127,7 @@ def _r2c(self, dim, normalization, onesided):
     return self.new_empty_strided(sizes, out_strides, dtype=complex_dtype)
 
 
-_RULES = {aten._fft_r2c.default: _r2c, aten._fft_c2c.default: _c2c, aten._fft_c2r.default: _c2r}
+_RULES = {aten._fft_r2c.default: fft_r2c, aten._fft_c2c.default: fft_c2c, aten._fft_c2r.default: fft_c2r}
 
 
 def _check(func):

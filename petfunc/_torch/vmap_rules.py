@@ -214,8 +214,12 @@ def _destroy(library):
     library._destroy()
 
 
-_batching = Scoped(_register_batching, _destroy)
-_layer_norm = Scoped(_register_autograd_decompositions, _destroy)
+#: the batching rules above, registered while a :func:`symbolic_vmap_rules` block runs
+#: (``VMAP_RULES.installed`` is their library then, else None)
+VMAP_RULES = Scoped(_register_batching, _destroy)
+#: the decomposition of ``native_layer_norm`` above autograd, registered while a
+#: ``symbolic_vmap_rules(decompose_layer_norm=True)`` block runs
+LAYER_NORM_DECOMPOSITION = Scoped(_register_autograd_decompositions, _destroy)
 
 
 @contextlib.contextmanager
@@ -230,7 +234,7 @@ def symbolic_vmap_rules(decompose_layer_norm: bool = False):
     Re-entrant and thread-safe; PyTorch's own rules are restored on exit.
     """
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_batching())
+        stack.enter_context(VMAP_RULES())
         if decompose_layer_norm:
-            stack.enter_context(_layer_norm())
+            stack.enter_context(LAYER_NORM_DECOMPOSITION())
         yield
