@@ -3,50 +3,23 @@ gradient against finite differences, and compiled == eager."""
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 
 import petfunc
-from petfunc.hessian import hessian
 from petfunc.train.hessian_loss import (
     hessian_batch,
-    hvp_targets,
     make_hessian_grad_step,
     make_hessian_loss,
     make_hessian_train_step,
 )
 
 from helpers import toy
-
-
-F64 = torch.float64
-MINI = petfunc.PETConfig(
-    atomic_types=(1, 6, 7, 8),
-    d_pet=4,
-    d_node=4,
-    d_head=4,
-    d_feedforward=4,
-    num_heads=1,
-    cutoff=4.0,
-    num_gnn_layers=1,
-    num_attention_layers=1,
-    activation="SiLU",
-)
-WEIGHTS = petfunc.LossWeights.make(1.0, 10.0, 1.0)
-
-
-def _hbatch(energy_fn, teacher, n, seed, n_probes=2, config=MINI):
-    """EMT energies/forces/stress plus HVP labels from a teacher's Hessian."""
-    batch = toy.labelled_batch(config, n, seed)
-    g = torch.Generator().manual_seed(seed)
-    directions = torch.randn((n_probes,) + tuple(batch.positions.shape), generator=g, dtype=F64)
-    h = hessian(energy_fn)(teacher, batch.positions, batch.cell, batch.neighbors)
-    return hessian_batch(batch, directions, hvp_targets(h, directions))
+from helpers.hessian_training import F64, MINI, WEIGHTS, check_compiled, hessian_batch_of
 
 
 def test_hvp_term_is_the_model_hessian():
     model = petfunc.PET(MINI)
     params = model.init(seed=0, dtype=F64)
-    hb = _hbatch(model.raw_energy, params, 3, 0)
+    hb = hessian_batch_of(model.raw_energy, params, 3, 0)
     loss_fn = make_hessian_loss(model, WEIGHTS, hvp_weight=5.0)
     loss, metrics = loss_fn(params, hb)
     # labels are the model's own HVPs: that term vanishes, the others are make_loss's
@@ -62,19 +35,20 @@ def test_parameter_gradient_matches_finite_differences():
     model = petfunc.PET(MINI)
     teacher = model.init(seed=1, dtype=F64)
     params = model.init(seed=0, dtype=F64)
-    hb = _hbatch(model.raw_energy, teacher, 2, 1)
+    hb = hessian_batch_of(model.raw_energy, teacher, 2, 1)
     loss_fn = make_hessian_loss(model, WEIGHTS, hvp_weight=3.0)
     grads, metrics = make_hessian_grad_step(model, WEIGHTS, hvp_weight=3.0)(params, hb)
     assert float(metrics["hvp_loss"]) > 0
     # central differences along a random direction of the trainable parameters
     g = torch.Generator().manual_seed(0)
-    direction = pytree.tree_map(lambda t: torch.randn(t.shape, generator=g, dtype=F64), grads)
+    direction = petfunc.tree.tree_map(lambda t: torch.randn(t.shape, generator=g, dtype=F64), grads)
     analytic = sum(
-        float((a * d).sum()) for a, d in zip(pytree.tree_leaves(grads), pytree.tree_leaves(direction))
+        float((a * d).sum())
+        for a, d in zip(petfunc.tree.tree_leaves(grads), petfunc.tree.tree_leaves(direction))
     )
 
     def loss_at(step):
-        moved = pytree.tree_map(lambda p, d: p + step * d, petfunc.train.trainable(params), direction)
+        moved = petfunc.tree.tree_map(lambda p, d: p + step * d, petfunc.train.trainable(params), direction)
         return float(loss_fn({**params, **moved}, hb)[0])
 
     step = 1e-5
@@ -86,7 +60,7 @@ def test_training_on_hessians_reduces_the_hvp_error():
     model = petfunc.PET(MINI)
     teacher = model.init(seed=1, dtype=F64)
     params = model.init(seed=0, dtype=F64)
-    hb = _hbatch(model.raw_energy, teacher, 2, 2)
+    hb = hessian_batch_of(model.raw_energy, teacher, 2, 2)
     optimizer = petfunc.make_optimizer(1e-2)
     state = petfunc.init_state(params, optimizer)
     step = make_hessian_train_step(model, optimizer, petfunc.LossWeights.make(0.0, 0.0, 0.0), hvp_weight=1.0)
@@ -108,28 +82,14 @@ def test_hessian_batch_checks_shapes():
     assert torch.equal(one.hvp, torch.ones_like(one.directions))
 
 
-def _check_compiled(energy_fn, params, teacher, backend):
-    grad_step = make_hessian_grad_step(energy_fn, WEIGHTS, hvp_weight=2.0)
-    batches = [_hbatch(energy_fn, teacher, n, seed) for n, seed in [(3, 0), (2, 1), (4, 2)]]
-    compiled = petfunc.compile(grad_step, params, batches[0], backend=backend)
-    worst = 0.0
-    for hb in batches:
-        out, ref = compiled(params, hb), grad_step(params, hb)
-        for a, b in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref)):
-            worst = max(worst, float((a - b).abs().max() / b.abs().max().clamp_min(1e-300)))
-    assert worst < 1e-9, f"compiled Hessian-loss gradient: relative error {worst:.1e}"
-    assert compiled.num_graphs == 1
-    return worst
-
-
 def test_compiled_toy_hessian_loss_aot_eager():
-    _check_compiled(toy.energy, toy.init(seed=0), toy.init(seed=1), "aot_eager")
+    check_compiled(toy.energy, toy.init(seed=0), toy.init(seed=1), "aot_eager")
 
 
 @pytest.mark.slow
 def test_compiled_pet_hessian_loss_aot_eager():
     model = petfunc.PET(MINI)
-    worst = _check_compiled(
+    worst = check_compiled(
         model.raw_energy, model.init(seed=0, dtype=F64), model.init(seed=1, dtype=F64), "aot_eager"
     )
     print(f"PET Hessian loss aot_eager: max relative error {worst:.1e}")

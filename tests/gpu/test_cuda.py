@@ -11,13 +11,13 @@ import os
 import ase.build
 import numpy as np
 import pytest
-import test_train_step as cpu_tests
 import torch
-import torch.utils._pytree as pytree
-from test_train_step import _relative, dataset, fitted  # noqa: F401 (fixtures)
 
 import petfunc
 import petfunc.ensemble as ensemble
+
+from helpers import training
+from helpers.training import relative
 
 
 DEVICE = torch.device(os.environ.get("PETFUNC_TEST_DEVICE", "cuda"))
@@ -60,14 +60,14 @@ def test_energy_forces_stress_equal_cpu():
     for name, a, b in zip(("energy", "forces", "stress"), dev, cpu):
         finite = torch.isfinite(b)
         assert torch.equal(torch.isfinite(a).cpu(), finite), name
-        assert _relative(a[finite.to(a.device)], b[finite]) < 1e-10, name
+        assert relative(a[finite.to(a.device)], b[finite]) < 1e-10, name
     # the autograd path (the trainer's and the calculator's eager one) agrees too
     positions, cell, neighbors = petfunc.from_atoms(frames, ADAPTIVE, dtype=F64, device=DEVICE)
     params = model.init(seed=1, dtype=F64, device=DEVICE)
     autograd = petfunc.energy_forces_stress(model.energy, autodiff="autograd")(
         params, positions, cell, neighbors
     )
-    assert _relative(autograd[1], dev[1]) < 1e-10
+    assert relative(autograd[1], dev[1]) < 1e-10
 
 
 def test_forces_are_finite_differences_of_the_energy():
@@ -94,7 +94,7 @@ def test_forces_are_finite_differences_of_the_energy():
 def test_parameter_gradients_match_metatrain_on_device(dataset, fitted):
     """petfunc's torch.func parameter gradients of the training loss (energy, forces,
     stress) on the device equal metatrain's training-mode gradients on the device."""
-    cpu_tests._check_gradients_against_metatrain(dataset, fitted, DEVICE)
+    training.check_gradients_against_metatrain(dataset, fitted, DEVICE)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -103,10 +103,10 @@ def test_compiled_step_equals_eager_on_every_shape(dataset, fitted, backend):
     and optimizer moment equals eager's (float64, 1e-9) on five batch shapes (one of a
     single structure), one graph; then donated, step after step, as `petfunc train`
     runs it."""
-    step, compiled, state = cpu_tests._warmed_up_compiled_step(dataset, fitted, DEVICE, backend=backend)
-    cpu_tests._check_compiled_train_step(step, compiled, state, dataset, fitted, DEVICE)
+    step, compiled, state = training.warmed_up_compiled_step(dataset, fitted, DEVICE, backend=backend)
+    training.check_compiled_train_step(step, compiled, state, dataset, fitted, DEVICE)
     # donated: the compiled step trains its own state in place, following eager
-    cpu_tests._check_donated_step(step, state, dataset, fitted, backend, DEVICE)
+    training.check_donated_step(step, state, dataset, fitted, backend, DEVICE)
 
 
 def test_ensemble_equals_members():
@@ -121,9 +121,9 @@ def test_ensemble_equals_members():
     efs = petfunc.energy_forces_stress(model.energy)
     for k, member in enumerate(ensemble.unstack(stacked)):
         e, f, s = efs(member, positions, cell, neighbors)
-        assert _relative(energies[k], e) < 1e-10
-        assert _relative(forces[k], f) < 1e-10
-        assert _relative(stress[k][-1], s[-1]) < 1e-10
+        assert relative(energies[k], e) < 1e-10
+        assert relative(forces[k], f) < 1e-10
+        assert relative(stress[k][-1], s[-1]) < 1e-10
 
 
 def test_hessian_equals_cpu():
@@ -148,9 +148,9 @@ def test_hessian_equals_cpu():
         positions, cell, neighbors = petfunc.from_atoms(frames, config, dtype=F64, device=device)
         result[str(device)] = petfunc.hessian(model.energy)(params, positions, cell, neighbors)
     h = result[str(DEVICE)]
-    assert _relative(h, result["cpu"]) < 1e-9
+    assert relative(h, result["cpu"]) < 1e-9
     n = h.shape[0] * 3
-    assert _relative(h.reshape(n, n), h.reshape(n, n).T) < 1e-9
+    assert relative(h.reshape(n, n), h.reshape(n, n).T) < 1e-9
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
@@ -169,7 +169,7 @@ def test_calculator_equals_cpu(compile):
     for device, compiled in ((torch.device("cpu"), False), (DEVICE, compile)):  # the reference: CPU, eager
         calc = PETCalculator(
             config,
-            pytree.tree_map(lambda t: t.to(device), params),
+            petfunc.tree.tree_map(lambda t, device=device: t.to(device), params),
             device=device,
             dtype=F64,
             compile=compiled,
@@ -256,12 +256,12 @@ def test_train_cli_compiled(tmp_path):
     assert [r["epoch"] for r in csv.DictReader(open(more / "metrics.csv"))] == ["1", "2", "3"]
 
 
-# the AOTInductor build for a GPU crashed the process that loaded it (segmentation
-# fault in torch's AOTIModelPackageLoader; H200, torch 2.11):
-# run only when asked, in a process of its own (benchmarks/cuda_check.sh does)
+# the AOTInductor build for a GPU can crash the process that loads it (a segmentation
+# fault in torch's AOTIModelPackageLoader on an H200 with torch 2.11): run only when
+# asked, in a process of its own (benchmarks/cuda_check.sh does)
 CUDA_AOTI = pytest.mark.skipif(
     DEVICE.type == "cuda" and os.environ.get("PETFUNC_TRY_CUDA_AOTI") != "1",
-    reason="the CUDA AOTInductor build crashed its loading process (H200, torch 2.11); PETFUNC_TRY_CUDA_AOTI=1 runs it",
+    reason="the CUDA AOTInductor build can crash its loading process; PETFUNC_TRY_CUDA_AOTI=1 runs it",
 )
 
 
@@ -290,7 +290,7 @@ def test_export_equals_eager(tmp_path, aoti):
     model = pexport.load(path)
     assert model.aoti == aoti
     fn = petfunc.derivatives.energy_terms_forces_strain_derivative(petfunc.PET(config).energy_terms)
-    on_device = pytree.tree_map(lambda t: t.to(DEVICE), params)
+    on_device = petfunc.tree.tree_map(lambda t: t.to(DEVICE), params)
     for repeat in ((1, 1, 1), (2, 1, 1), (2, 2, 1)):
         atoms = ase.build.bulk("C", "diamond", a=3.57, cubic=True).repeat(repeat)
         atoms.rattle(0.05, seed=1)
@@ -299,7 +299,7 @@ def test_export_equals_eager(tmp_path, aoti):
         )
         for name, a, b in zip(pexport.OUTPUTS, model(*inputs), fn(on_device, *inputs)):
             assert a.device.type == DEVICE.type, name
-            assert _relative(a, b) < 1e-10, name
+            assert relative(a, b) < 1e-10, name
 
 
 @pytest.mark.parametrize(
@@ -326,7 +326,7 @@ def test_long_range_calculator_equals_cpu(backend):
     cpu = PETCalculator(config, params, dtype=F64)
     dev = PETCalculator(
         config,
-        pytree.tree_map(lambda t: t.to(DEVICE), params),
+        petfunc.tree.tree_map(lambda t: t.to(DEVICE), params),
         device=DEVICE,
         dtype=F64,
         compile=backend is not None,

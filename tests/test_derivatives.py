@@ -10,7 +10,6 @@ import torch
 from ase.calculators.emt import EMT
 
 import petfunc
-import petfunc.hessian
 from petfunc.data import make_batch, sample_from_atoms
 from petfunc.derivatives import (
     energy_and_forces,
@@ -19,6 +18,7 @@ from petfunc.derivatives import (
     energy_terms_forces_strain_derivative,
     forces,
 )
+from petfunc.hessian import hvp
 
 
 F64 = torch.float64
@@ -85,7 +85,7 @@ def test_autograd_path_under_no_grad_and_inference_mode():
     # inputs made in inference mode (inference tensors), both autodiff modes
     with torch.inference_mode():
         made_inside = petfunc.from_atoms(_frames(), CONFIG, dtype=F64)
-        params_inside = torch.utils._pytree.tree_map(torch.clone, params)
+        params_inside = petfunc.tree.tree_map(torch.clone, params)
         for autodiff in ("func", "autograd"):
             out = energy_forces_stress(model.energy, autodiff)(params_inside, *made_inside)
             for x, y in zip(expected, out):
@@ -102,7 +102,7 @@ def test_autograd_derivatives_are_differentiable_when_needed():
     x = positions.clone().requires_grad_(True)
     f = forces(model.energy, "autograd")(params, x, cell, neighbors)
     (hv,) = torch.autograd.grad(-(f * v).sum(), x)
-    expected = petfunc.hessian.hvp(model.energy)(params, positions, cell, neighbors, v)
+    expected = hvp(model.energy)(params, positions, cell, neighbors, v)
     _close(hv, expected, 1e-11)
 
 
