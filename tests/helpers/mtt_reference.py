@@ -6,6 +6,8 @@ Imported only by tests that ``pytest.importorskip("metatrain")``.
 from __future__ import annotations
 
 import copy
+import glob
+import os
 
 import metatensor.torch as mts
 import torch
@@ -143,3 +145,12 @@ def evaluate(model, frames, stress: bool = True):
         .values[:, 0]
     )
     return energies.detach(), per_atom.detach(), forces.detach(), de_deps.detach()
+
+
+def shipped_checkpoints(package: str) -> list[str]:
+    """The checkpoints (``*.ckpt.gz``) shipped with the tests of metatrain's ``package``
+    (``"pet"``, ``"llpr"``), sorted."""
+    module = __import__(f"metatrain.{package}", fromlist=["_"])
+    return sorted(
+        glob.glob(os.path.join(os.path.dirname(module.__file__), "tests", "checkpoints", "*.ckpt.gz"))
+    )

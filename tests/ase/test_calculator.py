@@ -1,109 +1,43 @@
 """The ASE calculator (petfunc.ase.PETCalculator).
 
 * parity with metatomic's ASE calculator running metatrain's exported PET on the same
-  weights (float64): energy, per-atom energies, forces, stress;
-* NVE molecular dynamics conserves the total energy, a geometry optimisation converges;
-* the compiled path (``backend="aot_eager"``) compiles once over 200 MD steps whose
-  neighbour counts change, and for other structures, sizes and committees;
-* unknown species, stress of a molecule, committee uncertainties, constructors.
-
-The model is a small random PET (seed 1, which has a stable, relaxed diamond-like
-8-atom minimum). The 1000-step NVE run is ``@pytest.mark.slow``.
+  weights (float64): energy, per-atom energies, forces, stress, charge and spin;
+* the stress conventions, the properties offered, one model call for every result;
+* float32 atoms far from the cell, unknown species, a molecule's stress;
+* committee uncertainties, the constructors, pickling.
 """
 
+import pickle
 import warnings
 
 import ase
 import ase.build
-import ase.io
 import numpy as np
 import pytest
 import torch
-from ase import units
 from ase.calculators.calculator import PropertyNotImplementedError
-from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
-from ase.md.verlet import VelocityVerlet
-from ase.optimize import BFGS
 
 import petfunc
-from petfunc.ase import PETCalculator
+from petfunc.ase import BatchEvaluator, PETCalculator
 from petfunc.structures import prepare_atoms
 
-
-SMALL = dict(d_pet=16, d_node=32, d_head=16, d_feedforward=32, num_heads=2)
-CONFIG = petfunc.PETConfig(atomic_types=(1, 6, 7, 8), **SMALL)
-COMPOSITION = [-13.6, -1029.8, -1485.3, -2042.6]  # roughly eV per H, C, N, O
-
-
-def make_params(config=CONFIG, seed=1):
-    params = petfunc.init(config, seed=seed, dtype=torch.float64)
-    params["composition_weights"] = torch.tensor(COMPOSITION, dtype=torch.float64)
-    return params
-
-
-@pytest.fixture(scope="module")
-def params():
-    return make_params()
-
-
-# ---------------------------------------------------------------------------------------
-# structures
-
-
-def ethanol():
-    atoms = ase.build.molecule("CH3CH2OH")
-    atoms.rattle(0.05, seed=1)
-    return atoms
-
-
-def carbon_cell():
-    """8-atom cubic diamond cell with two N, rattled."""
-    atoms = ase.build.bulk("C", "diamond", a=3.57, cubic=True)
-    atoms.symbols[[1, 6]] = "N"
-    atoms.rattle(0.08, seed=4)
-    return atoms
-
-
-def triclinic_cell():
-    """A small, skewed cell (lattice vectors shorter than the cutoff)."""
-    atoms = ase.Atoms(
-        "CCOH",
-        positions=[[0.1, 0.0, 0.2], [1.4, 0.9, 0.3], [0.6, 1.7, 1.2], [1.9, 0.3, 1.6]],
-        cell=[[2.9, 0.1, 0.0], [0.6, 2.8, 0.2], [0.3, -0.4, 3.1]],
-        pbc=True,
-    )
-    return atoms
-
-
-def slab():
-    """pbc (T, T, F) with 8 Å of vacuum in the (non-periodic) third cell row."""
-    atoms = ase.Atoms(
-        "CCOCH",
-        positions=[[0.0, 0.0, 0.0], [1.3, 1.2, 0.1], [0.1, 1.4, 1.3], [1.5, 0.2, 1.4], [0.8, 0.7, 2.5]],
-        cell=[[2.6, 0.0, 0.0], [0.4, 2.7, 0.0], [0.0, 0.0, 10.0]],
-        pbc=[True, True, False],
-    )
-    atoms.rattle(0.03, seed=5)
-    return atoms
-
-
-def relative(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
+from helpers.ase_setup import (
+    COMPOSITION,
+    CONFIG,
+    SMALL,
+    carbon_cell,
+    committee,
+    ethanol,
+    make_params,
+    metatomic_calculator,
+    relative,
+    slab,
+    triclinic_cell,
+)
 
 
 # ---------------------------------------------------------------------------------------
 # parity with metatomic's calculator
-
-
-def metatomic_calculator(config, params):
-    pytest.importorskip("metatrain")
-    metatomic_ase = pytest.importorskip("metatomic_ase")
-    from helpers import mtt_reference as ref
-
-    model = ref.make_model(config)
-    ref.load_params(model, params)
-    return metatomic_ase.MetatomicCalculator(model.export(), device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +114,10 @@ def test_matches_metatomic_calculator_default_architecture():
         assert max(errors.values()) < PARITY_RTOL, errors
 
 
+# ---------------------------------------------------------------------------------------
+# conventions and properties
+
+
 def test_stress_conventions(params):
     # Voigt order, sign and symmetrisation from the strain derivative, V = ASE volume
     atoms = carbon_cell()
@@ -234,8 +172,8 @@ def test_one_model_call_gives_every_result(params, monkeypatch):
 
 
 def test_implemented_properties_follow_the_model(params):
-    """A plain calculator does not offer uncertainties (asking for one computed
-    everything, then raised); a committee offers them all, LLPR without ensemble
+    """A plain calculator does not offer uncertainties (asking for one raises, before
+    anything is computed); a committee offers them all, LLPR without ensemble
     weights only the energy's."""
     plain = PETCalculator(CONFIG, params)
     assert (
@@ -265,7 +203,7 @@ def test_implemented_properties_follow_the_model(params):
 def test_float32_atoms_far_from_the_cell(params):
     """A float32 model sees the atoms wrapped into the cell (in float64): atoms that
     diffused 100 cells away give the forces of the wrapped structure. Unwrapped,
-    the float32 edge vectors lost ~1e-4 eV/Å at 700 Å from the origin."""
+    the float32 edge vectors would lose ~1e-4 eV/Å at 700 Å from the origin."""
     params32 = petfunc.tree.tree_map(lambda x: x.float(), params)
     atoms = carbon_cell()
     reference = atoms.copy()
@@ -277,8 +215,6 @@ def test_float32_atoms_far_from_the_cell(params):
     assert np.abs(far.get_forces() - f64).max() < 2e-5
     assert np.abs(far.get_stress() - s64).max() < 1e-6
     assert np.allclose(far.positions, atoms.positions + np.array([100.5, -70, 30]) @ atoms.cell.array)
-    from petfunc.ase import BatchEvaluator
-
     (batched,) = BatchEvaluator(CONFIG, params32, stress=True)([far])
     assert np.abs(batched["forces"] - f64).max() < 2e-5 and np.abs(batched["stress"] - s64).max() < 1e-6
     # a slab moves only along its periodic directions
@@ -300,134 +236,6 @@ def test_unknown_species(params):
     atoms.calc = PETCalculator(CONFIG, params)
     with pytest.raises(ValueError, match=r"Si \(Z=14\).*H, C, N, O"):
         atoms.get_potential_energy()
-
-
-# ---------------------------------------------------------------------------------------
-# geometry optimisation and molecular dynamics
-
-
-@pytest.fixture(scope="module")
-def relaxed(params):
-    """The 8-atom diamond cell relaxed (BFGS) with the random model."""
-    atoms = ase.build.bulk("C", "diamond", a=3.57, cubic=True)
-    atoms.rattle(0.02, seed=1)
-    atoms.calc = PETCalculator(CONFIG, params)
-    optimizer = BFGS(atoms, logfile=None)
-    converged = optimizer.run(fmax=1e-3, steps=200)
-    return atoms, converged, optimizer.nsteps
-
-
-def test_geometry_optimisation_converges(relaxed):
-    atoms, converged, steps = relaxed
-    assert converged, f"BFGS did not reach fmax=1e-3 in {steps} steps"
-    assert np.abs(atoms.get_forces()).max() < 1e-3
-    distances = atoms.get_all_distances(mic=True)[np.triu_indices(len(atoms), 1)]
-    assert distances.min() > 1.0, "the relaxed structure collapsed"
-
-
-def run_nve(atoms, calc, timestep_fs, steps, temperature_K=300.0, seed=0):
-    """Total energy per atom along a VelocityVerlet run, relative to the start."""
-    atoms = atoms.copy()
-    atoms.calc = calc
-    MaxwellBoltzmannDistribution(atoms, temperature_K=temperature_K, rng=np.random.default_rng(seed))
-    Stationary(atoms)
-    dynamics = VelocityVerlet(atoms, timestep_fs * units.fs)
-    totals = []
-    dynamics.attach(lambda: totals.append(atoms.get_total_energy()), interval=1)
-    dynamics.run(steps)
-    totals = np.array(totals)
-    return (totals - totals[0]) / len(atoms), atoms
-
-
-# Measured (seed-1 model, relaxed 8-atom cell, 300 K start, 0.5 fs, float64): the total
-# energy fluctuates within 1.29e-5 eV/atom of E(0) after 100 steps and still after 1000
-# steps (0.5 ps); the mean over the second half of the 1000 steps differs from the
-# first half's by 4e-8 eV/atom (no drift). With 1 fs the fluctuation is 5.2e-5 eV/atom.
-MD_BOUND = 2e-5  # eV/atom, max |E_tot(t) - E_tot(0)|
-DRIFT_BOUND = 1e-6  # eV/atom, mean(second half) - mean(first half)
-
-
-def test_nve_conserves_energy(relaxed, params):
-    deviation, atoms = run_nve(relaxed[0], PETCalculator(CONFIG, params), 0.5, 100)
-    assert np.abs(deviation).max() < MD_BOUND, np.abs(deviation).max()
-    assert 50 < atoms.get_temperature() < 1000
-
-
-@pytest.mark.slow
-def test_nve_conserves_energy_1000_steps(relaxed, params):
-    deviation, atoms = run_nve(relaxed[0], PETCalculator(CONFIG, params), 0.5, 1000)
-    assert np.abs(deviation).max() < MD_BOUND, np.abs(deviation).max()
-    drift = deviation[500:].mean() - deviation[:500].mean()
-    assert abs(drift) < DRIFT_BOUND, drift
-    assert 50 < atoms.get_temperature() < 1000
-
-
-# ---------------------------------------------------------------------------------------
-# compiled path
-
-
-@pytest.fixture(scope="module")
-def compiled(params):
-    return PETCalculator(CONFIG, params, compile=True, backend="aot_eager")
-
-
-def test_compiled_md_compiles_once(relaxed, params, compiled):
-    assert compiled.num_compilations == 0
-    atoms = relaxed[0].copy()
-    atoms.calc = compiled
-    MaxwellBoltzmannDistribution(atoms, temperature_K=1500.0, rng=np.random.default_rng(1))
-    Stationary(atoms)
-    dynamics = VelocityVerlet(atoms, 1.0 * units.fs)
-    edges = []
-    dynamics.attach(lambda: edges.append(len(prepare_atoms(atoms, CONFIG).centers)), interval=1)
-    dynamics.run(200)
-    assert compiled.num_compilations == 1
-    assert len(set(edges)) >= 5, f"neighbour counts did not change enough: {sorted(set(edges))}"
-
-    # compiled == eager on the last frame, on other sizes, a molecule and a slab
-    eager = PETCalculator(CONFIG, params)
-    for frame in (atoms, carbon_cell(), ethanol(), slab(), ase.Atoms("H", positions=[[0, 0, 0]])):
-        a, b = frame.copy(), frame.copy()
-        a.calc, b.calc = compiled, eager
-        assert relative(a.get_potential_energy(), b.get_potential_energy()) < 1e-12
-        np.testing.assert_allclose(a.get_forces(), b.get_forces(), rtol=0, atol=1e-10)
-        if frame.pbc.all():
-            np.testing.assert_allclose(a.get_stress(), b.get_stress(), rtol=0, atol=1e-10)
-    assert compiled.num_compilations == 1
-
-
-def test_compiled_calculator_reuses_its_trace(params, compiled):
-    """A second compiled calculator of the same config (as in a new process) loads
-    the trace of the first from the cache (the test run's folder, tests/conftest.py),
-    with the same numbers (other keys: tests/test_compile.py)."""
-    atoms = carbon_cell()
-    atoms.calc = compiled
-    first = atoms.get_potential_energy()
-    assert not compiled._compiled[None].from_cache  # one graph: no long-range mesh layout
-    atoms.calc = PETCalculator(CONFIG, params, compile=True, backend="aot_eager")
-    assert atoms.get_potential_energy() == first
-    assert atoms.calc._compiled[None].from_cache
-
-
-def committee(n=3):
-    return [make_params(seed=seed) for seed in range(2, 2 + n)]
-
-
-def test_compiled_committee_does_not_recompile(params, compiled):
-    members = committee()
-    compiled.ensemble_params = members
-    try:
-        atoms = carbon_cell()
-        atoms.calc = compiled
-        atoms.get_potential_energy()
-        got = compiled.results
-        expected = PETCalculator(CONFIG, params, ensemble_params=members)
-        expected.calculate(atoms.copy(), ["energy", "forces", "stress"])
-        for key in ("energy_ensemble", "forces_ensemble", "energy_uncertainty", "forces_uncertainty"):
-            np.testing.assert_allclose(got[key], expected.results[key], rtol=1e-10, atol=1e-10)
-    finally:
-        compiled.ensemble_params = None
-    assert compiled.num_compilations <= 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -474,7 +282,7 @@ def test_committee_uncertainty(params):
 
 
 # ---------------------------------------------------------------------------------------
-# constructors
+# constructors, pickling
 
 
 def test_from_checkpoint(tmp_path, params):
@@ -529,36 +337,10 @@ def test_from_metatrain_exported_model(tmp_path, params, metatomic):
     assert relative(atoms.get_forces(), reference.get_forces()) < 1e-12
 
 
-# ---------------------------------------------------------------------------------------
-# example
-
-
-@pytest.mark.slow
-def test_md_example_smoke(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "examples" / "md.py"
-    output = tmp_path / "md.extxyz"
-    result = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--output", str(output)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "RANDOM parameters" in result.stdout
-    frames = ase.io.read(output, index=":")
-    assert len(frames) == 5 and "forces" in frames[-1].calc.results
-
-
 def test_calculator_pickles_and_exports_properties(params):
-    """A calculator travels to other processes (a multiprocessing pool): pickling
-    failed on its derivative closures. The copy gives the same numbers, a committee
+    """A calculator travels to other processes (a multiprocessing pool): it pickles
+    without its derivative closures. The copy gives the same numbers, a committee
     included."""
-    import pickle
-
     atoms = ase.build.molecule("CH3CH2OH")
     for calc in (
         PETCalculator(CONFIG, params),
@@ -566,7 +348,7 @@ def test_calculator_pickles_and_exports_properties(params):
             CONFIG, params, ensemble_params=[params, petfunc.PET(CONFIG).init(seed=5, dtype=torch.float64)]
         ),
     ):
-        if calc.ensemble_params is not None:  # ASE's Properties refused energy_ensemble
+        if calc.ensemble_params is not None:  # ASE's Properties take energy_ensemble
             a = atoms.copy()
             a.calc = calc
             assert a.get_properties(["energy"])["energy"] == a.get_potential_energy()

@@ -4,12 +4,12 @@ import re
 from pathlib import Path
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_python_blocks_run():
     text = README.read_text()
-    blocks = re.findall(r"<!-- executed by tests/test_readme.py -->\n```python\n(.*?)```", text, re.S)
+    blocks = re.findall(r"<!-- executed by tests/docs/test_readme.py -->\n```python\n(.*?)```", text, re.S)
     assert blocks, "no executable block found in README.md"
     for block in blocks:
         exec(compile(block, "README.md", "exec"), {})
