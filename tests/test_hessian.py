@@ -75,8 +75,8 @@ ADAPTIVE = dataclasses.replace(TINY, cutoff=5.0, num_neighbors_adaptive=4.0)  # 
 @pytest.mark.parametrize("config", [TINY, ADAPTIVE], ids=["fixed", "adaptive"])
 @pytest.mark.parametrize("frames", [[_molecule("CH3OH")], [_cell()]], ids=["molecule", "periodic"])
 def test_hessian_matches_finite_differences_of_forces(frames, config):
-    # adaptive: the radii's second derivative enters (the solver's last step once
-    # had only the first right: 13 % off on CH3OH)
+    # adaptive: the radii's second derivative enters (the solver's last step must get
+    # it right, not only the first: 13 % off on CH3OH otherwise)
     energy_fn, params, (x, cell, nbrs) = _setup(frames, config)
     h = _matrix(hessian(energy_fn)(params, x, cell, nbrs))
     forces = petfunc.forces(energy_fn)
@@ -136,7 +136,7 @@ def test_batch_hessian_is_block_diagonal():
 
 
 def test_working_memory_is_quiet(capfd):
-    """Measuring memory on CPU (torch's profiler) printed Kineto's "USDT: ...
+    """Measuring memory on CPU (torch's profiler) has Kineto print "USDT: ...
     profiler_start" / "profiler_stop" lines to stderr at every call; they are held
     back, and anything else written to stderr meanwhile still shows."""
     import os
@@ -154,8 +154,8 @@ def test_working_memory_is_quiet(capfd):
 
 
 def test_working_memory_inside_a_profile_is_an_error():
-    """A nested profiler ended the caller's profile (its events were lost) and
-    measured 0 bytes; inside a running profile the measurement is refused."""
+    """A nested profiler would end the caller's profile (losing its events) and
+    measure 0 bytes: inside a running profile the measurement is refused."""
     from torch.profiler import ProfilerActivity, profile
 
     from petfunc.hessian import working_memory
@@ -299,7 +299,7 @@ def test_compiled_pet_hessian(backend):
 def test_parameter_gradient_of_hvp_and_hessian():
     """A hand-written Hessian-matching loss differentiates the HVP once more, in the
     parameters: a third derivative of the layers, layer norm included (PyTorch's own
-    third derivative of layer norm is wrong; this was 19 % off in reverse mode)."""
+    third derivative of layer norm is wrong: 19 % off in reverse mode)."""
     config = dataclasses.replace(TINY, featurizer_type="feedforward", normalization="LayerNorm")
     energy_fn, params, (x, cell, nbrs) = _setup([_molecule("H2O")], config)
     generator = torch.Generator().manual_seed(0)
@@ -316,8 +316,8 @@ def test_parameter_gradient_of_hvp_and_hessian():
         "hessian": lambda p: (hessian(energy_fn)(p, x, cell, nbrs) ** 2).sum(),
     }
 
-    # the same HVP written with plain torch.func, outside petfunc.hessian: 1-2 % off
-    # before layer norm decomposed itself under such transforms
+    # the same HVP written with plain torch.func, outside petfunc.hessian: right too,
+    # as layer norm decomposes itself under such transforms (PyTorch's own: 1-2 % off)
     def gradient(p):
         return torch.func.grad(lambda y: energy_fn(p, y, cell, nbrs).sum())
 
@@ -354,9 +354,9 @@ def test_top_level_spelling():
 
 
 def test_isolated_atom_is_quiet():
-    """A structure without edges normalises no tokens: the decomposed layer norm
-    warned "var_mean(): degrees of freedom is <= 0" at every Hessian; the result,
-    zero, was right."""
+    """A structure without edges normalises no tokens: the decomposed layer norm gives
+    the right result (zero) without warning "var_mean(): degrees of freedom is <= 0"
+    at every Hessian."""
     import warnings
 
     energy_fn, params, inputs = _setup([ase.Atoms("O")])
