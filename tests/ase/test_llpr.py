@@ -74,7 +74,7 @@ def test_calculator_reads_llpr_checkpoints():
             )
         assert values[0][0] == pytest.approx(values[1][0], rel=1e-10)
         np.testing.assert_allclose(values[0][1], values[1][1], rtol=1e-8, atol=1e-12)
-    assert {name: c.num_graphs for name, c in calc._llpr_compiled.items()} == {"features": 1, "offsets": 1}
+    assert {name: c.num_graphs for name, c in calc._llpr._compiled.items()} == {"features": 1, "offsets": 1}
 
 
 def test_llpr_errors(tmp_path):

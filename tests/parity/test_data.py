@@ -105,7 +105,7 @@ def test_validation_split_equals_mtt_train():
     """Regression values from ``mtt train`` (metatrain 2026.4.1, seed 7, 21 structures,
     ``validation_set: 0.3``, default ``test_set: 0``): its indices/training.txt and
     validation.txt, in their order."""
-    from petfunc.data.read import split_datasets, split_indices
+    from petfunc.data.splits import split_datasets, split_indices
 
     train, val = split_indices(21, 0.3, seed=7)
     assert train.tolist() == [20, 5, 11, 2, 0, 8, 1, 12, 19, 16, 6, 13, 9, 10, 18]
@@ -153,7 +153,7 @@ def test_several_training_files(tmp_path):
     from torch.utils.data import Subset
 
     from petfunc.cli.commands import make_default_dataset
-    from petfunc.data.read import split_datasets
+    from petfunc.data.splits import split_datasets
     from petfunc.trainer.training import fit
 
     first = make_default_dataset(tmp_path / "cells.xyz", n_structures=11, seed=1)
