@@ -127,7 +127,7 @@ def test_petfunc_train_under_torchrun_equals_one_process(tmp_path):
 
     import petfunc.cli.commands
 
-    if "petfunc.distributed" not in inspect.getsource(petfunc.cli):
+    if "petfunc.distributed" not in inspect.getsource(petfunc.cli.commands):
         pytest.skip("petfunc.cli is not wired to petfunc.distributed")
     torchrun = shutil.which("torchrun")
     if torchrun is None:
