@@ -119,7 +119,7 @@ def test_ensemble_equals_members():
         stacked, positions, cell, neighbors
     )
     efs = petfunc.energy_forces_stress(model.energy)
-    for k, member in enumerate(ensemble.unstack(stacked)):
+    for k, member in enumerate(petfunc.tree.unstack(stacked)):
         e, f, s = efs(member, positions, cell, neighbors)
         assert relative(energies[k], e) < 1e-10
         assert relative(forces[k], f) < 1e-10
@@ -272,8 +272,8 @@ def test_export_equals_eager(tmp_path, aoti):
     """`petfunc export` for the device (the exported program, and its AOTInductor
     build) gives the eager energies, forces and strain derivatives on three sizes,
     adaptive cutoff included (float64)."""
+    import petfunc.export as pexport
     from petfunc.data import padding_sample
-    from petfunc.export import package as pexport
     from petfunc.structures import collate, prepare_atoms
 
     config = petfunc.PETConfig(
