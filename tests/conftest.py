@@ -1,17 +1,22 @@
 """Shared test setup.
 
-Tests run with one torch thread: the tensors are small, and on a shared 2-core
-machine two threads fight the other process and make tests many times slower.
+Tests run with one torch thread: the tensors are small, and on a machine shared with
+other processes more threads fight them and make tests many times slower.
 
 Compiled traces are cached in a folder of this test run, not in the user's
 cache: a test run neither reads traces left by an earlier run (which would hide the
 cost and the failures of tracing) nor leaves its own behind.
+
+The fixtures ``dataset`` and ``fitted`` serve the training-step tests of several
+folders (tests/train/, tests/gpu/, tests/ops/).
 """
 
 import os
 
 import pytest
 import torch
+
+from tests.helpers import training
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -31,3 +36,15 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    """12 EMT-labelled Cu/Al cells (tests/helpers/training.py), for the training-step tests."""
+    return training.emt_dataset()
+
+
+@pytest.fixture(scope="module")
+def fitted(dataset):
+    """``(composition weights, energy scale)`` fitted to ``dataset``."""
+    return dataset.fit_composition_and_scale()

@@ -86,7 +86,7 @@ def test_bad_sizes_name_field_and_value(field, value):
 @pytest.mark.parametrize("field", ["num_attention_layers", "num_gnn_layers"])
 @pytest.mark.parametrize("value", [-1, 2.5, True, "8"])
 def test_bad_layer_counts_name_field_and_value(field, value):
-    """0 layers is a model metatrain builds (tests/test_metatrain_parity.py); a
+    """0 layers is a model metatrain builds (tests/parity/test_model.py); a
     residual featurizer without GNN layers is not (it fails there)."""
     with pytest.raises(ValueError, match=rf"^{field} must be an integer >= 0, got {re.escape(repr(value))}$"):
         PETConfig(**{field: value})

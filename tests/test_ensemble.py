@@ -12,13 +12,10 @@ import warnings
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
-import toy
-from torch.func import grad, vmap
 
 import petfunc
 import petfunc.ensemble as ensemble
-from petfunc._torch import vmap_rules as _vmap_rules
+from tests.helpers import toy
 
 
 F64 = torch.float64
@@ -61,8 +58,8 @@ def _rel(a, b):
 
 
 def _assert_trees_close(out, ref, rtol=RTOL, what=""):
-    out_leaves, out_spec = pytree.tree_flatten(out)
-    ref_leaves, ref_spec = pytree.tree_flatten(ref)
+    out_leaves, out_spec = petfunc.tree.tree_flatten(out)
+    ref_leaves, ref_spec = petfunc.tree.tree_flatten(ref)
     assert out_spec == ref_spec, f"{what}: tree structures differ"
     worst = 0.0
     for a, b in zip(out_leaves, ref_leaves):
@@ -76,7 +73,7 @@ def _assert_trees_close(out, ref, rtol=RTOL, what=""):
 
 
 def _stack(trees):
-    return pytree.tree_map(lambda *xs: torch.stack(xs), *trees)
+    return petfunc.tree.tree_map(lambda *xs: torch.stack(xs), *trees)
 
 
 def _members_efs(energy_fn, params, batch):
@@ -89,80 +86,6 @@ def _members_step(step, state, batch):
     k = ensemble.size(state.params)
     outs = [step(ensemble.member_state(state, i), batch) for i in range(k)]
     return _stack([o[0] for o in outs]), _stack([o[1] for o in outs])
-
-
-# ---------------------------------------------------------------------------------------
-# the batching rules
-
-
-def _vmapped(fn, *args, in_dims):
-    """(result with our rules, result with PyTorch's)."""
-    with _vmap_rules.symbolic_vmap_rules():
-        ours = vmap(fn, in_dims=in_dims)(*args)
-    return ours, vmap(fn, in_dims=in_dims)(*args)
-
-
-def test_rules_equal_pytorch_rules():
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(3, 4, 5, generator=g), torch.randn(4, 2, generator=g)
-    c = torch.randn(2, 5, generator=g)
-    index = torch.randint(0, 6, (4, 5), generator=g)
-    empty = torch.zeros(0)
-    cases = [
-        # cat: batched + unbatched, negative dim, legacy skip of 1-d empty tensors
-        (lambda x, y: torch.cat([x, y], dim=-1), (a, b), (0, None)),
-        (lambda x, y: torch.cat([y, x, y], dim=1), (a, b), (0, None)),
-        (lambda x: torch.cat([empty, x.reshape(-1)]), (a,), (0,)),
-        (lambda x, y: torch.cat([x, y], dim=0), (a.transpose(0, 1), c), (1, None)),
-        # scatter_add / gather: every combination of batched self, index, src
-        (lambda x: torch.zeros(4, 6).scatter_add(1, index, x), (a,), (0,)),
-        (lambda s, x: s.scatter_add(1, index, x), (torch.randn(3, 4, 6, generator=g), a), (0, 0)),
-        (
-            lambda s, i: s.scatter_add(1, i, a[0]),
-            (torch.randn(4, 6), index[None].expand(3, 4, 5) % 6),
-            (None, 0),
-        ),
-        (lambda x: x.gather(1, index), (torch.randn(3, 4, 6, generator=g),), (0,)),
-        (lambda i: a[0].gather(1, i), (index[None].expand(3, 4, 5) % 5,), (0,)),
-        # slice_backward and the layer-norm pair, through a gradient
-        (lambda x: grad(lambda y: (y[:, 1:3] ** 3).sum())(x), (a,), (0,)),
-        (
-            lambda w: torch.nn.functional.layer_norm(a[0], (5,), w, None),
-            (torch.randn(3, 5, generator=g),),
-            (0,),
-        ),
-        (lambda x: grad(lambda y: torch.nn.functional.layer_norm(y, (5,)).pow(3).sum())(x), (a,), (0,)),
-        # mm and bmm (torch 2.11's rules call matmul, which reads integer sizes):
-        # batched on either side, both, a batch dimension that is not first
-        (lambda x: x @ c.t(), (a,), (0,)),
-        (lambda w: a[0] @ w, (torch.randn(3, 5, 2, generator=g),), (0,)),
-        (lambda x, w: x @ w, (a, torch.randn(5, 2, 3, generator=g)), (0, 2)),
-        (lambda x, w: torch.addmm(c[0, :2], x, w), (a, torch.randn(3, 5, 2, generator=g)), (0, 0)),
-        (lambda x: torch.bmm(x, a.transpose(1, 2)), (torch.randn(2, 3, 7, 5, generator=g),), (0,)),
-        (lambda w: torch.bmm(a, w), (torch.randn(3, 2, 5, 6, generator=g),), (1,)),
-        (
-            lambda x, w: torch.bmm(x, w),
-            (torch.randn(2, 3, 7, 5, generator=g), a.transpose(1, 2)[None].expand(2, 3, 5, 4)),
-            (0, 0),
-        ),
-    ]
-    for i, (fn, args, dims) in enumerate(cases):
-        ours, theirs = _vmapped(fn, *args, in_dims=dims)
-        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6, msg=f"case {i}")
-
-
-def test_rules_are_scoped_and_reentrant():
-    with _vmap_rules.symbolic_vmap_rules():
-        with _vmap_rules.symbolic_vmap_rules(decompose_layer_norm=True):
-            assert _vmap_rules._batching.installed is not None
-            assert _vmap_rules._layer_norm.installed is not None
-        assert _vmap_rules._layer_norm.installed is None
-        assert _vmap_rules._batching.installed is not None
-    assert _vmap_rules._batching.installed is None
-    # PyTorch's own rules are back: nested vmaps of cat still work
-    x = torch.randn(2, 3, 4)
-    out = vmap(vmap(lambda r: torch.cat([r, r])))(x)
-    assert out.shape == (2, 3, 8)
 
 
 # ---------------------------------------------------------------------------------------
@@ -185,13 +108,6 @@ def test_init_stack_unstack():
     assert not torch.equal(w[0], w[1]), "members must be initialised differently"
     with pytest.raises(ValueError, match="at least 2 members"):
         ensemble.init(model, seeds=[0])
-    # tree_map keeps NamedTuples (it called TrainState(generator): a TypeError)
-    state = petfunc.TrainState(params, (torch.zeros(2),))
-    doubled = petfunc.tree.tree_map(lambda t: 2 * t, state)
-    assert type(doubled) is petfunc.TrainState and isinstance(doubled.opt_state, tuple)
-    assert torch.equal(
-        petfunc.tree.flatten(doubled.params)["energy_scale"], 2 * petfunc.tree.flatten(params)["energy_scale"]
-    )
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,10 +8,10 @@ import ase.build
 import numpy as np
 import pytest
 import torch
-import toy
 
 import petfunc
 from petfunc.hessian import chunked_hessian, hessian, hessian_rows, hvp, mass_weighted, structure_blocks
+from tests.helpers import toy
 
 
 F64 = torch.float64
@@ -74,8 +74,8 @@ ADAPTIVE = dataclasses.replace(TINY, cutoff=5.0, num_neighbors_adaptive=4.0)  # 
 @pytest.mark.parametrize("config", [TINY, ADAPTIVE], ids=["fixed", "adaptive"])
 @pytest.mark.parametrize("frames", [[_molecule("CH3OH")], [_cell()]], ids=["molecule", "periodic"])
 def test_hessian_matches_finite_differences_of_forces(frames, config):
-    # adaptive: the radii's second derivative enters (the solver's last step once
-    # had only the first right: 13 % off on CH3OH)
+    # adaptive: the radii's second derivative enters (the solver's last step must get
+    # it right, not only the first: 13 % off on CH3OH otherwise)
     energy_fn, params, (x, cell, nbrs) = _setup(frames, config)
     h = _matrix(hessian(energy_fn)(params, x, cell, nbrs))
     forces = petfunc.forces(energy_fn)
@@ -135,7 +135,7 @@ def test_batch_hessian_is_block_diagonal():
 
 
 def test_working_memory_is_quiet(capfd):
-    """Measuring memory on CPU (torch's profiler) printed Kineto's "USDT: ...
+    """Measuring memory on CPU (torch's profiler) has Kineto print "USDT: ...
     profiler_start" / "profiler_stop" lines to stderr at every call; they are held
     back, and anything else written to stderr meanwhile still shows."""
     import os
@@ -153,8 +153,8 @@ def test_working_memory_is_quiet(capfd):
 
 
 def test_working_memory_inside_a_profile_is_an_error():
-    """A nested profiler ended the caller's profile (its events were lost) and
-    measured 0 bytes; inside a running profile the measurement is refused."""
+    """A nested profiler would end the caller's profile (losing its events) and
+    measure 0 bytes: inside a running profile the measurement is refused."""
     from torch.profiler import ProfilerActivity, profile
 
     from petfunc.hessian import working_memory
@@ -172,7 +172,7 @@ def test_memory_budget_picks_the_chunk_size(monkeypatch):
     budget, its measured memory stays within it, the 4 measured rows are not
     computed again, and a budget too small for two rows is refused with the sizes in
     the message."""
-    import petfunc.hessian as hessian_module
+    hessian_module = importlib.import_module("petfunc.hessian")  # petfunc.hessian is the function
     from petfunc.hessian import chunk_size_for, working_memory
 
     energy_fn, params, (x, cell, nbrs) = _setup([_molecule()])
@@ -298,7 +298,7 @@ def test_compiled_pet_hessian(backend):
 def test_parameter_gradient_of_hvp_and_hessian():
     """A hand-written Hessian-matching loss differentiates the HVP once more, in the
     parameters: a third derivative of the layers, layer norm included (PyTorch's own
-    third derivative of layer norm is wrong; this was 19 % off in reverse mode)."""
+    third derivative of layer norm is wrong: 19 % off in reverse mode)."""
     config = dataclasses.replace(TINY, featurizer_type="feedforward", normalization="LayerNorm")
     energy_fn, params, (x, cell, nbrs) = _setup([_molecule("H2O")], config)
     generator = torch.Generator().manual_seed(0)
@@ -315,8 +315,8 @@ def test_parameter_gradient_of_hvp_and_hessian():
         "hessian": lambda p: (hessian(energy_fn)(p, x, cell, nbrs) ** 2).sum(),
     }
 
-    # the same HVP written with plain torch.func, outside petfunc.hessian: 1-2 % off
-    # before layer norm decomposed itself under such transforms
+    # the same HVP written with plain torch.func, outside petfunc.hessian: right too,
+    # as layer norm decomposes itself under such transforms (PyTorch's own: 1-2 % off)
     def gradient(p):
         return torch.func.grad(lambda y: energy_fn(p, y, cell, nbrs).sum())
 
@@ -353,9 +353,9 @@ def test_top_level_spelling():
 
 
 def test_isolated_atom_is_quiet():
-    """A structure without edges normalises no tokens: the decomposed layer norm
-    warned "var_mean(): degrees of freedom is <= 0" at every Hessian; the result,
-    zero, was right."""
+    """A structure without edges normalises no tokens: the decomposed layer norm gives
+    the right result (zero) without warning "var_mean(): degrees of freedom is <= 0"
+    at every Hessian."""
     import warnings
 
     energy_fn, params, inputs = _setup([ase.Atoms("O")])

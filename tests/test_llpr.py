@@ -1,12 +1,11 @@
 """LLPR uncertainties (petfunc.llpr) against metatrain's LLPRUncertaintyModel, float64:
-the shipped LLPR test checkpoints (every LLPR model version), and random covariances
-and ensemble weights on PETs with one and with three readout layers."""
+the shipped LLPR test checkpoints (every LLPR model version), random covariances
+and ensemble weights on PETs with one and with three readout layers, and a model in
+other units. The calculator's LLPR: tests/ase/test_llpr.py."""
 
-import glob
 import gzip
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,7 +13,6 @@ import torch
 pytest.importorskip("metatrain")
 
 import ase.build
-import mtt_reference as ref
 from metatomic.torch import ModelOutput, System, systems_to_torch
 from metatrain.llpr import LLPRUncertaintyModel
 from metatrain.utils.io import model_from_checkpoint
@@ -22,19 +20,10 @@ from metatrain.utils.neighbor_lists import get_requested_neighbor_lists, get_sys
 
 import petfunc
 from petfunc import llpr
-from petfunc.ase import PETCalculator
+from tests.helpers import mtt_reference as ref
 
 
-CHECKPOINTS = sorted(
-    glob.glob(
-        os.path.join(
-            os.path.dirname(__import__("metatrain.llpr", fromlist=["_"]).__file__),
-            "tests",
-            "checkpoints",
-            "*.ckpt.gz",
-        )
-    )
-)
+CHECKPOINTS = ref.shipped_checkpoints("llpr")
 SMALL = dict(d_pet=16, d_node=32, d_head=16, d_feedforward=32, num_heads=2)
 
 
@@ -129,7 +118,7 @@ def test_random_llpr(featurizer, layers):
     )
     params = petfunc.PET(config).init(seed=5, dtype=torch.float64)
     generator = torch.Generator().manual_seed(0)
-    for key, value in petfunc.tree.flatten(params).items():
+    for value in petfunc.tree.flatten(params).values():
         value.copy_(torch.randn(value.shape, generator=generator, dtype=value.dtype) * 0.3)
     params["composition_weights"].zero_()
     params["energy_scale"].fill_(1.3)
@@ -153,92 +142,6 @@ def test_random_llpr(featurizer, layers):
     state["llpr_ensemble_layers.energy.weight"] = uncertainty["ensemble_weights"]
     model.load_state_dict(state)
     _compare(config, params, uncertainty, model.eval(), _frames() + [ase.build.molecule("CH3CONH2")])
-
-
-def test_calculator_reads_llpr_checkpoints():
-    """PETCalculator.from_metatrain on an LLPR checkpoint: energy_uncertainty is the
-    calibrated LLPR value, the ensemble is centred on the model's prediction, and
-    the uncertainties are finite and positive; the compiled calculator agrees."""
-    path = CHECKPOINTS[-1]
-    config, params, uncertainty = llpr.from_metatrain(path, dtype=torch.float64)
-    atoms = _frames()[1]
-    positions, cell, neighbors = petfunc.from_atoms([atoms], config, dtype=torch.float64)
-    _, sigma = llpr.energy_and_uncertainty(config)(params, uncertainty, positions, cell, neighbors)
-    results = []
-    for compile in (False, True):
-        calc = PETCalculator.from_metatrain(path, dtype=torch.float64, compile=compile, backend="aot_eager")
-        assert calc.llpr is not None
-        atoms.calc = calc
-        atoms.get_potential_energy()
-        # uncertainty and member energies from the features alone; member forces on demand
-        assert "forces_ensemble" not in calc.results and calc.results["energy_ensemble"].shape == (8,)
-        cheap = dict(calc.results)
-        calc.get_property("forces_uncertainty", atoms)
-        r = dict(calc.results)
-        for key in ("energy", "energy_uncertainty", "energy_ensemble"):
-            np.testing.assert_allclose(r[key], cheap[key], rtol=1e-13)
-        assert r["energy_uncertainty"] == pytest.approx(float(sigma[0]), rel=1e-12)
-        assert r["energy_ensemble"].shape == (8,) and r["forces_ensemble"].shape == (8, len(atoms), 3)
-        assert r["energy_ensemble"].mean() == pytest.approx(r["energy"], rel=1e-12)
-        np.testing.assert_allclose(r["forces_ensemble"].mean(axis=0), r["forces"], atol=1e-12)
-        assert np.all(r["forces_uncertainty"] > 0) and np.all(np.isfinite(r["stress_uncertainty"]))
-        results.append(r)
-    for key in ("energy", "energy_uncertainty", "energy_ensemble", "forces_ensemble"):
-        np.testing.assert_allclose(results[1][key], results[0][key], rtol=1e-10, atol=1e-12)
-    # the compiled LLPR functions serve other sizes without recompiling
-    eager = PETCalculator.from_metatrain(path, dtype=torch.float64)
-    for other in (_frames()[0], atoms.repeat((2, 1, 1))):
-        values = []
-        for c in (calc, eager):
-            other = other.copy()
-            other.calc = c
-            values.append(
-                (c.get_property("energy_uncertainty", other), c.get_property("forces_uncertainty", other))
-            )
-        assert values[0][0] == pytest.approx(values[1][0], rel=1e-10)
-        np.testing.assert_allclose(values[0][1], values[1][1], rtol=1e-8, atol=1e-12)
-    assert {name: c.num_graphs for name, c in calc._llpr_compiled.items()} == {"features": 1, "offsets": 1}
-
-
-def test_llpr_errors(tmp_path):
-    pet = glob.glob(
-        os.path.join(
-            os.path.dirname(__import__("metatrain.pet", fromlist=["_"]).__file__),
-            "tests",
-            "checkpoints",
-            "model-v16*.ckpt.gz",
-        )
-    )[0]
-    with pytest.raises(ValueError, match="not an LLPR checkpoint.*architecture_name='pet'"):
-        llpr.from_metatrain(pet)
-    config, params, uncertainty = llpr.from_metatrain(CHECKPOINTS[-1])
-    with pytest.raises(ValueError, match="llpr needs params, and excludes ensemble_params"):
-        PETCalculator(config, ensemble_params=[params, params], llpr=uncertainty)
-    # petfunc export keeps the PET of an LLPR checkpoint, and says the uncertainty stays behind
-    from petfunc.io import is_llpr_checkpoint
-
-    assert is_llpr_checkpoint(CHECKPOINTS[-1]) and not is_llpr_checkpoint(pet)
-    assert not is_llpr_checkpoint(tmp_path / "missing.ckpt")
-
-
-def test_fresh_process_reads_llpr_checkpoints():
-    """In a new process (metatomic's TorchScript classes not yet registered) both
-    readers and the calculator load an LLPR checkpoint."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, petfunc\n"
-        "from petfunc.ase import PETCalculator\n"
-        "config, params, u = petfunc.llpr.from_metatrain(sys.argv[1])\n"
-        "calc = PETCalculator.from_metatrain(sys.argv[1])\n"
-        "print(sorted(u), calc.llpr is not None)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, CHECKPOINTS[-1]], capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "['cholesky', 'ensemble_weights', 'multiplier'] True" in out.stdout
 
 
 def test_llpr_of_a_model_in_other_units():

@@ -14,8 +14,8 @@ import torchopt
 from torch.utils import _pytree as pytree
 
 import petfunc
-from petfunc.train import optim as train_mod
 from petfunc import tree
+from petfunc.train import optim as train_mod
 
 
 def random_tree(seed=0, dtype=torch.float64):

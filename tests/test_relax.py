@@ -191,7 +191,7 @@ def test_fire_stops_at_steps_and_checks_arguments(params):
             fire(CONFIG, params, frames, **bad)
     with pytest.raises(ValueError, match=r"structure 0: atomic number\(s\) \[7\] are not among"):
         fire(CONFIG, params, [ase.build.molecule("NH3")])
-    # one Atoms instead of a list failed with "object of type 'Atom' has no len()"
+    # one Atoms instead of a list is named as such (not "object of type 'Atom' has no len()")
     from petfunc.ase import BatchEvaluator
     from petfunc.dynamics import run
 

@@ -5,12 +5,12 @@ step with ``fused_attention=True`` against the eager step."""
 import math
 
 import pytest
-import test_train_step as tts
 import torch
 
 import petfunc
 from petfunc.compile import PatchUnavailableError
 from petfunc.ops import fused_attention
+from tests.helpers import training as tts
 from tests.helpers.patches import patch
 
 
@@ -133,11 +133,11 @@ def test_errors_name_the_problem():
 def _check_fused_train_step(dataset, fitted, backend):
     """The compiled step with the fused kernels equals the eager step on every batch
     shape of test_train_step (float64, 1e-9), from one graph; returns the graph's ops."""
-    step, compiled, state = tts._warmed_up_compiled_step(
+    step, compiled, state = tts.warmed_up_compiled_step(
         dataset, fitted, backend=backend, fused_attention=True
     )
     assert compiled.fused_attention
-    tts._check_compiled_train_step(step, compiled, state, dataset, fitted)
+    tts.check_compiled_train_step(step, compiled, state, dataset, fitted)
     return {str(n.target) for n in compiled.graph.graph.nodes}
 
 
@@ -158,7 +158,7 @@ def test_compiled_train_step_with_fused_attention_equals_eager(dataset, fitted):
 def test_compiled_hessian_loss_with_fused_attention(monkeypatch):
     """A Hessian-matching loss's parameter gradient (third order, vmap inside grad)
     compiled with the fused kernels equals the eager one (1e-9, float64)."""
-    import test_hessian_loss as thl
+    from tests.helpers import hessian_training as thl
 
     monkeypatch.setenv("PETFUNC_FUSED_ATTENTION", "1")
     model = petfunc.PET(thl.MINI)
@@ -174,15 +174,15 @@ def test_compiled_hessian_loss_with_fused_attention(monkeypatch):
     monkeypatch.setattr(petfunc, "compile", compile_and_check)
     if not patch("layer_norm_decomposition").allowed():  # PETFUNC_STOCK_TORCH: refused, as documented
         with pytest.raises(PatchUnavailableError, match="layer_norm_decomposition"):
-            thl._check_compiled(model.raw_energy, params, teacher, "aot_eager")
+            thl.check_compiled(model.raw_energy, params, teacher, "aot_eager")
         return
-    thl._check_compiled(model.raw_energy, params, teacher, "aot_eager")
+    thl.check_compiled(model.raw_energy, params, teacher, "aot_eager")
     assert "petfunc.attention_backward2.default" in seen[0]
 
 
 def test_fused_attention_is_for_the_cpu(dataset, fitted):
-    params = tts._params(fitted, device="meta")
-    batch = tts._batch(dataset, fitted, [0, 1]).to("meta")
+    params = tts.fitted_params(fitted, device="meta")
+    batch = tts.batch_of(dataset, fitted, [0, 1]).to("meta")
     model = petfunc.PET(tts.CONFIG)
     with pytest.raises(ValueError, match="on the CPU"):
         petfunc.compile(

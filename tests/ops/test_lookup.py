@@ -2,11 +2,11 @@
 row gather, with a matrix product, not a scatter, as the table's adjoint."""
 
 import torch
-from derivative_checks import assert_same_autograd_derivatives
 from torch.func import grad, jacfwd, jacrev, jvp, vmap
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from petfunc.ops import dispatch, lookup
+from tests.helpers.derivative_checks import assert_same_autograd_derivatives
 
 
 DT = torch.float64

@@ -3,11 +3,11 @@ plain masked gather, with gathers only in its derivatives."""
 
 import pytest
 import torch
-from derivative_checks import assert_same_autograd_derivatives
 from torch.func import grad, jacfwd, jacrev, jvp, vmap
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from petfunc.ops import dispatch, permute
+from tests.helpers.derivative_checks import assert_same_autograd_derivatives
 
 
 def permute_rows(x, index, inverse, mask=None, inverse_mask=None):

@@ -24,7 +24,7 @@ from petfunc.trainer import fit
 
 
 try:  # the metatrain comparisons need the test extra
-    import mtt_reference as ref
+    from tests.helpers import mtt_reference as ref
 except ImportError:
     ref = None
 

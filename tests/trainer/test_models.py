@@ -19,7 +19,7 @@ from tests.helpers.trainer import TINY_MODEL, quiet, tiny_options
 
 
 try:  # the metatrain comparisons need the test extra
-    import mtt_reference as ref
+    from tests.helpers import mtt_reference as ref
 except ImportError:
     ref = None
 

@@ -41,7 +41,7 @@ _HYPERS = (
 )
 
 
-def _as_written(value) -> float:
+def as_written(value) -> float:
     """A hyperparameter an exported model keeps as a tensor: a float32 one reads back
     as the decimal it was written as (1.1, not 1.100000023841858), so that its config
     equals the checkpoint's."""
@@ -120,8 +120,8 @@ def _hypers(pet, backend, label: str) -> tuple[dict, list]:
             p3m = featurizer.p3m_calculator
             hypers["long_range"].update(
                 use_ewald=bool(featurizer.use_ewald),
-                smearing=_as_written(p3m.potential.smearing),
-                kspace_resolution=_as_written(p3m.mesh_spacing),
+                smearing=as_written(p3m.potential.smearing),
+                kspace_resolution=as_written(p3m.mesh_spacing),
                 interpolation_nodes=int(p3m.interpolation_nodes),
             )
         except AttributeError as error:
