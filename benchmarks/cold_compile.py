@@ -33,7 +33,7 @@ stress), then its first call. Variants, interleaved (A B A B ...):
   generated code (both tried and not kept: no faster);
 * ``stock``: every patch of torch internals off (``PETFUNC_STOCK_TORCH=1``);
 * ``off:NAME[,NAME...]``: grouped, with the named patches of
-  :func:`petfunc.compile.patches` off (``PETFUNC_PATCHES_OFF``), for any patch:
+  ``patches()`` of :mod:`petfunc.compile` off (``PETFUNC_PATCHES_OFF``), for any patch:
   ``off:unguarded_sum_helper``, ``off:addmm_split``, ...
 
 Also printed: the median step time of each variant over the other batches, so that

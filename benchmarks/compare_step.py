@@ -17,7 +17,7 @@ by default: what reproducible scatter-adds cost.
 
 ``--patches-off NAME[,NAME...]`` compares this checkout with itself compiled with
 those patches of torch internals off ("other"; names as in
-``petfunc.compile.patches()``, ``all`` for every one): what a speed patch gains a
+``from petfunc.compile import patches``, ``all`` for every one): what a speed patch gains a
 step, for example
 
     python benchmarks/compare_step.py --patches-off addmm_split --dataset carbon
@@ -111,7 +111,7 @@ def main(argv=None):
         "--patches-off",
         metavar="NAME[,NAME...]",
         help="compare with this checkout compiled with these patches of torch internals off "
-        "(petfunc.compile.patches() names; 'all': PETFUNC_STOCK_TORCH=1)",
+        "(names of petfunc.compile's patches(); 'all': PETFUNC_STOCK_TORCH=1)",
     )
     parser.add_argument("--dataset", choices=["qm9", "carbon"], default="qm9")
     parser.add_argument(

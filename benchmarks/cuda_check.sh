@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA device, in one run (for a GPU machine lent for minutes):
-#   1. tests/test_cuda.py, slow ones included (inductor on CUDA): CPU == CUDA, metatrain's
+#   1. tests/gpu/test_cuda.py, slow ones included (inductor on CUDA): CPU == CUDA, metatrain's
 #      gradients on CUDA, compiled == eager with one graph, ensembles, Hessians, the
 #      ASE calculator (long-range too), `petfunc train` and `petfunc export` on the
 #      device; at the same time benchmarks/ddp.py on NCCL (RUN_DDP=0 leaves it out;
@@ -50,7 +50,7 @@ fi
 
 ddp_pid=
 if [ "${RUN_DDP:-1}" = 1 ]; then
-    # data parallel on NCCL, 1..#GPUs processes (tests/test_distributed.py checks the
+    # data parallel on NCCL, 1..#GPUs processes (tests/distributed/ checks the
     # exactness on CPU/gloo in the default suite)
     stamp "benchmark ddp (in the background)"
     ( timeout "${DDP_TIMEOUT:-90}" $python benchmarks/ddp.py --device cuda --steps 10 --warmup 2 --batch 16 \
@@ -59,13 +59,13 @@ if [ "${RUN_DDP:-1}" = 1 ]; then
 fi
 
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-stamp "tests/test_cuda.py"
+stamp "tests/gpu/test_cuda.py"
 workers=()
 if $python -c "import xdist" 2>/dev/null && [ "${TEST_WORKERS:-6}" -gt 1 ]; then
     # a crashed worker is not replaced: its replacement would hold the GPU until the time limit
     workers=(-n "${TEST_WORKERS:-6}" --max-worker-restart 0)
 fi
-timeout "${TEST_TIMEOUT:-220}" $python -m pytest tests/test_cuda.py -m "" -v -p no:cacheprovider -W ignore::DeprecationWarning \
+timeout "${TEST_TIMEOUT:-220}" $python -m pytest tests/gpu/test_cuda.py -m "" -v -p no:cacheprovider -W ignore::DeprecationWarning \
     --durations=20 "${workers[@]}" 2>&1 | tee "$logs/tests.log"
 stamp "tests done (exit ${PIPESTATUS[0]})"
 fi
@@ -100,9 +100,9 @@ fi
 if [ "${RUN_TESTS:-1}" = 1 ]; then
 # the AOTInductor export for the GPU crashed its loading process on an H200 (torch
 # 2.11): last, alone, in a process of its own, so that a crash costs nothing else
-stamp "tests/test_cuda.py AOTInductor export"
+stamp "tests/gpu/test_cuda.py AOTInductor export"
 PETFUNC_TRY_CUDA_AOTI=1 timeout "${AOTI_TIMEOUT:-200}" $python -X faulthandler -m pytest \
-    "tests/test_cuda.py::test_export_equals_eager[aoti]" -m "" -v -p no:cacheprovider -W ignore::DeprecationWarning \
+    "tests/gpu/test_cuda.py::test_export_equals_eager[aoti]" -m "" -v -p no:cacheprovider -W ignore::DeprecationWarning \
     2>&1 | tee "$logs/tests_aoti.log"
 stamp "AOTInductor export test done (exit ${PIPESTATUS[0]})"
 fi

@@ -33,7 +33,7 @@ import torch
 from torch.func import vmap
 
 from petfunc import tree
-from petfunc._torch.vmap_rules import symbolic_vmap_rules
+from petfunc.compile import symbolic_vmap_rules
 from petfunc.data import Batch
 from petfunc.derivatives import energy_forces_stress as _single_energy_forces_stress
 from petfunc.train import LossWeights, TrainState
@@ -86,7 +86,7 @@ def vmap_members(fn: Callable, n_shared: int = 3) -> Callable:
     """``vmap`` of ``fn(params, *data)`` over the member axis of ``params`` only.
 
     The data arguments (``n_shared`` of them, any pytrees) are shared by all members.
-    Runs under :func:`~petfunc._torch.vmap_rules.symbolic_vmap_rules`, so the result
+    Runs under :func:`~petfunc.compile.symbolic_vmap_rules`, so the result
     traces shape-generically with :func:`petfunc.compile`.
     """
     batched = vmap(fn, in_dims=(0,) + (None,) * n_shared)

@@ -53,14 +53,14 @@ HVP-matching loss written by hand; :mod:`petfunc.train.hessian_loss` is the pack
 are third derivatives of the layers. PyTorch's own third derivative of layer
 norm is wrong (10-40 % off on the first layer's weights of a default PET), so
 both modes run with layer norm decomposed into elementary operations
-(``decompose_layer_norm`` of :func:`~petfunc._torch.vmap_rules.symbolic_vmap_rules`);
+(``decompose_layer_norm`` of :func:`~petfunc.compile.symbolic_vmap_rules`);
 the Hessians themselves are the same to round-off, and took the same time.
 (:func:`petfunc.model.nn.layer_norm` also decomposes itself under three nested
 ``torch.func`` derivatives, or two with forward mode inside, so hand-written
 third derivatives are right without this module.)
 
 The functions trace with :func:`petfunc.compile` into one graph for every system
-size (the vmaps run under :func:`petfunc._torch.vmap_rules.symbolic_vmap_rules`). The
+size (the vmaps run under :func:`petfunc.compile.symbolic_vmap_rules`). The
 chunked Hessian loops in Python over chunks: compile its row function
 (:func:`hessian_rows`) and pass it to :func:`chunked_hessian`.
 """
@@ -78,7 +78,7 @@ import torch
 from torch.func import grad, jvp, vjp, vmap
 from torch.profiler import ProfilerActivity, profile
 
-from petfunc._torch.vmap_rules import symbolic_vmap_rules
+from petfunc.compile import symbolic_vmap_rules
 
 
 _MODES = ("reverse", "forward")

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch.func import vjp, vmap
 
-from petfunc._torch.vmap_rules import symbolic_vmap_rules
+from petfunc.compile import symbolic_vmap_rules
 from petfunc.config import PETConfig
 from petfunc.derivatives import energy_forces_strain_derivative, identity_strain, strained
 from petfunc.io.metatrain import read_metatrain

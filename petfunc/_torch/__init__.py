@@ -1,7 +1,7 @@
 """petfunc's patches of torch's internals (private): each a :class:`Patch`, listed in
 :func:`patches`, gated on the torch version (:mod:`petfunc._torch.versions`) and
 switched by the ``PETFUNC_*`` settings (:mod:`petfunc._torch.settings`). The public
-way to them is :func:`petfunc.compile.patches`."""
+way to them is ``patches()`` of :mod:`petfunc.compile`."""
 
 from petfunc._torch.fft_meta import fft_meta as fft_meta
 from petfunc._torch.patch import Patch as Patch

@@ -18,7 +18,7 @@ the duration of a ``with`` block; they give the output the same sizes and stride
 directly. The c2c/c2r output is contiguous
 in the order (batch dimensions by decreasing input stride, then the transformed
 dimensions), which is what the CPU kernels return for contiguous inputs, the layout
-P3M passes them; the r2c one follows MKL's kernel (``tests/test_long_range.py``
+P3M passes them; the r2c one follows MKL's kernel (``tests/compile/test_fft_meta.py``
 compares them with the kernels).
 """
 

@@ -4,14 +4,14 @@
 Each is read when it is used (not at import), so a process may change it between
 two compilations, as the benchmarks and tests do.
 
-Patches of torch internals (:func:`petfunc.compile.patches`):
+Patches of torch internals (``from petfunc.compile import patches``):
 
 * ``PETFUNC_STOCK_TORCH=1``: no patch at all; petfunc runs torch as shipped.
 * ``PETFUNC_PATCHES_OFF=name,name``: these patches off (names as in
-  :func:`petfunc.compile.patches`), for side-by-side benchmarks.
-* older switches of single patches, still read: ``PETFUNC_GROUP_KERNELS=0``
-  (``kernel_groups``), ``PETFUNC_FAST_STRIDES=0`` (``fast_strides``),
-  ``PETFUNC_EARLY_ADDMM_SPLIT=0`` (``addmm_merge_hold``).
+  ``patches()``), for side-by-side benchmarks.
+* switches of single patches: ``PETFUNC_GROUP_KERNELS=0`` (``kernel_groups``),
+  ``PETFUNC_FAST_STRIDES=0`` (``fast_strides``), ``PETFUNC_EARLY_ADDMM_SPLIT=0``
+  (``addmm_merge_hold``).
 * ``PETFUNC_FUSION_PAIR_ATTEMPTS`` (default 16) and ``PETFUNC_KERNEL_OPT`` (default
   inductor's ``O3``): the values two patches set.
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 import os
 
 
-#: the switches of single patches that petfunc read before ``PETFUNC_PATCHES_OFF``
-#: (``=0`` turns the patch off)
+#: the switches of single patches (``=0`` turns the patch off, as
+#: ``PETFUNC_PATCHES_OFF`` does)
 PATCH_SWITCHES = {
     "kernel_groups": "PETFUNC_GROUP_KERNELS",
     "fast_strides": "PETFUNC_FAST_STRIDES",

@@ -2,7 +2,7 @@
 
 Some of PyTorch's C++ batching rules read a tensor's sizes as plain integers
 (``cat``, ``scatter_add``, ``gather``, ``slice_backward``, the layer-norm pair, and
-in torch 2.11 ``mm`` and ``bmm``, whose rules call ``matmul`` on the physical tensors).
+in torch 2.11-2.12 ``mm`` and ``bmm``, whose rules call ``matmul`` on the physical tensors).
 Under ``make_fx`` with symbolic sizes that read turns every size of the tensor into
 a constant of the trace: the traced ensemble then only works for the batch it was
 traced with (``expand: attempting to expand a dimension of length 148 -> 81``).

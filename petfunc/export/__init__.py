@@ -53,7 +53,7 @@ chosen at export (``long_range``, recorded in the metadata):
   the two mesh inputs, for batches of any number of periodic structures. Ewald sums
   differ from P3M by P3M's discretisation error (below 1e-2 relative in the
   long-range potentials at metatrain's default ``kspace_resolution``:
-  ``tests/test_long_range.py``), and cost O(atoms x k-vectors).
+  ``tests/model/test_long_range.py``), and cost O(atoms x k-vectors).
 
 :class:`ExportedPET` takes a :class:`petfunc.graph.neighbors.Neighbors` built either way
 and rebuilds the long-range inputs for its own method when they differ.

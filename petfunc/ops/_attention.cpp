@@ -1,7 +1,7 @@
 // PET's per-atom multi-head attention, its derivative and the derivative of that
 // derivative, each in one pass that keeps an atom's [t, t] score blocks in cache.
 //
-// Built and loaded by petfunc/fused_attention.py (plain C++, no torch headers, so
+// Built and loaded by petfunc/ops/attention_library.py (plain C++, no torch headers, so
 // that it builds in a second or two). All tensors are contiguous:
 //   qkv   [A, t, 3, H, e]  queries, keys, values of every grid slot (unscaled q)
 //   bias  [A, t]           additive attention bias of each key, shared by all heads

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch.func import grad, vjp, vmap
 
-from petfunc._torch.vmap_rules import symbolic_vmap_rules
+from petfunc.compile import symbolic_vmap_rules
 from petfunc.data import Batch
 from petfunc.derivatives import energy_forces_strain_derivative
 from petfunc.train.loss import LossTerm, LossWeights, atoms_per_structure, term_loss, training_energy

@@ -1,1 +1,1 @@
-"""Tests of petfunc.compile and of its patches of torch internals (petfunc.compile.patches())."""
+"""Tests of petfunc.compile and of its patches of torch internals (patches() of petfunc.compile)."""

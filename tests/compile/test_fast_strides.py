@@ -1,4 +1,4 @@
-"""The fast_strides patch (petfunc.compile.patches()): inductor's vectorization
+"""The fast_strides patch (patches() of petfunc.compile): inductor's vectorization
 strides without sympy.simplify.
 
 The fast path must give the stride inductor's own analysis gives: the same number

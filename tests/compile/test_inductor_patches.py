@@ -1,4 +1,4 @@
-"""petfunc's speed patches of inductor (petfunc.compile.patches()): the float32
+"""petfunc's speed patches of inductor (patches() of petfunc.compile): the float32
 summation choice without a guard, CPU addmm split (before inductor's passes, its
 merge held back), fewer fusion attempts, the kernels' optimisation level, and
 inductor's cache key naming petfunc's code generation."""

@@ -1,4 +1,4 @@
-"""The kernel_groups patch (petfunc.compile.patches()): inductor's C++ kernels built a
+"""The kernel_groups patch (patches() of petfunc.compile): inductor's C++ kernels built a
 few per library.
 
 The grouped library must call every kernel with its own arguments (pointers, sizes,

@@ -1,4 +1,4 @@
-"""petfunc's patches of torch internals (petfunc.compile.patches()): one registry,
+"""petfunc's patches of torch internals (patches() of petfunc.compile): one registry,
 each patch installed and undone exactly, a failing install warned about once and
 torch left as it ships, the settings that switch patches off, and for each
 correctness patch the torch defect it works around (these tests fail once torch
@@ -115,7 +115,7 @@ def test_settings_switch_patches_off(setting, clean_settings, monkeypatch):
                 assert p.state() == before
 
 
-def test_older_switches_of_single_patches(clean_settings, monkeypatch):
+def test_switches_of_single_patches(clean_settings, monkeypatch):
     for name, switch in [
         ("kernel_groups", "PETFUNC_GROUP_KERNELS"),
         ("fast_strides", "PETFUNC_FAST_STRIDES"),

@@ -1,5 +1,5 @@
 """petfunc's patches of torch internals, by name, for tests (through the public
-accessor petfunc.compile.patches())."""
+accessor patches() of petfunc.compile)."""
 
 import pytest
 
@@ -7,7 +7,7 @@ from petfunc.compile import patches
 
 
 def patch(name: str):
-    """The patch ``name`` of :func:`petfunc.compile.patches`."""
+    """The patch ``name`` of ``patches()`` of :mod:`petfunc.compile`."""
     return next(p for p in patches() if p.name == name)
 
 

@@ -234,7 +234,7 @@ def test_lora_on_a_lora_checkpoint_trains_its_adapters_on(tmp_path):
         assert torch.equal(
             flat["lora." + name if ".lora_" in key else name], model.state_dict()[key].double()
         ), key
-    # the same function as the merged weights (which equal metatrain's, tests/test_io.py)
+    # the same function as the merged weights (which equal metatrain's, tests/io/metatrain/test_checkpoint.py)
     _, merged = load_model(path, dtype=torch.float64)
     positions, cell, neighbors = batch.positions, batch.cell, batch.neighbors
     torch.testing.assert_close(
