@@ -52,8 +52,7 @@ def child(args):
     import petfunc
     from petfunc import distributed as pdist
     from petfunc.data import Dataset, sample_from_atoms
-    from petfunc.train import LossWeights
-    from petfunc.train import init_state, make_optimizer, warmup_cosine
+    from petfunc.train import LossWeights, init_state, make_optimizer, warmup_cosine
 
     torch.set_num_threads(args.threads)
     info = pdist.init_from_env(device=args.device)

@@ -79,7 +79,7 @@ def arguments():
 def labelled_batch(config, n, repeat, dtype, seed=0):
     rng = np.random.default_rng(seed)
     frames = []
-    for i in range(n):
+    for _ in range(n):
         atoms = ase.build.bulk("C", "diamond", a=3.567, cubic=True).repeat(repeat)
         atoms.set_cell(atoms.cell * rng.uniform(0.98, 1.02), scale_atoms=True)
         atoms.rattle(0.05, seed=int(rng.integers(1 << 20)))

@@ -252,7 +252,7 @@ def main(argv=None):
         print(f"  {label:<17} " + ", ".join(parts) + ("   (" + "; ".join(growth) + ")" if growth else ""))
 
     print("\nmax |difference| to metatomic over all steps: energy (eV), forces (eV/A), stress (eV/A^3)")
-    for name, n, _, diffs in rows:
+    for name, _, _, diffs in rows:
         print(
             f"  {name:<8} "
             + "; ".join(f"{label}: " + " ".join(f"{x:.1e}" for x in diffs[label]) for label in labels[1:])

@@ -336,7 +336,7 @@ def run(
             own, _ = fn(own, batches[0])
             if torch.device(device).type == "cuda":
                 torch.cuda.synchronize()
-        except Exception as error:  # an experimental setting: report it, time the others
+        except Exception as error:  # noqa: BLE001 - an experimental setting: report it, time the others
             print(f"# {v}: failed to compile or run, left out: {type(error).__name__}: {str(error)[:2000]}")
             continue
         extra[v] = [fn, own]
