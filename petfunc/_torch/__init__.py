@@ -3,7 +3,6 @@
 switched by the ``PETFUNC_*`` settings (:mod:`petfunc._torch.settings`). The public
 way to them is ``patches()`` of :mod:`petfunc.compile`."""
 
-from petfunc._torch.fft_meta import fft_meta as fft_meta
 from petfunc._torch.patch import Patch as Patch
 from petfunc._torch.patch import PatchWarning as PatchWarning
 from petfunc._torch.registry import patches as patches

@@ -79,5 +79,5 @@ from petfunc.export.package import READABLE_VERSIONS as READABLE_VERSIONS
 from petfunc.export.package import VERSION as VERSION
 from petfunc.export.package import default_aoti as default_aoti
 from petfunc.export.package import export as export
-from petfunc.export.trace import check_dynamic as check_dynamic
-from petfunc.export.trace import trace as trace
+from petfunc.export.program import check_dynamic as check_dynamic
+from petfunc.export.program import trace as trace

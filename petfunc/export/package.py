@@ -12,7 +12,7 @@ import torch
 
 from petfunc.config import PETConfig
 from petfunc.export.inputs import OUTPUTS, input_names, method_of
-from petfunc.export.trace import trace
+from petfunc.export.program import trace
 from petfunc.model.long_range import P3M_AOTI_CORRECT
 
 

@@ -12,7 +12,7 @@
   starting model, the composition weights and energy scale.
 - :mod:`petfunc.trainer.checkpoints`, :mod:`~petfunc.trainer.restart`: the output
   folder, and what a restart checks and restores.
-- :mod:`petfunc.trainer.metrics`, :mod:`~petfunc.trainer.evaluate`: the numbers a
+- :mod:`petfunc.trainer.metrics`, :mod:`~petfunc.trainer.evaluation`: the numbers a
   run reports; predictions and their errors (``petfunc eval``).
 - :mod:`petfunc.trainer.options`: the options (``docs/options.md``).
 """
@@ -22,12 +22,12 @@ from petfunc.io import read_checkpoint as load_checkpoint  # noqa: F401 - its na
 from petfunc.io.checkpoint import state_from_plain as state_from_plain
 from petfunc.io.checkpoint import state_to_plain as state_to_plain
 from petfunc.trainer.batches import iterate_batches as iterate_batches
-from petfunc.trainer.evaluate import error_metrics as error_metrics
-from petfunc.trainer.evaluate import evaluate as evaluate
-from petfunc.trainer.evaluate import parity_plot as parity_plot
-from petfunc.trainer.evaluate import predict as predict
-from petfunc.trainer.evaluate import training_label_options as training_label_options
-from petfunc.trainer.evaluate import write_predictions as write_predictions
+from petfunc.trainer.evaluation import error_metrics as error_metrics
+from petfunc.trainer.evaluation import evaluate as evaluate
+from petfunc.trainer.evaluation import parity_plot as parity_plot
+from petfunc.trainer.evaluation import predict as predict
+from petfunc.trainer.evaluation import training_label_options as training_label_options
+from petfunc.trainer.evaluation import write_predictions as write_predictions
 from petfunc.trainer.metrics import TERMS as TERMS
 from petfunc.trainer.metrics import TrainingError as TrainingError
 from petfunc.trainer.metrics import selected_metric as selected_metric

@@ -53,7 +53,7 @@ from petfunc.io import save_params
 from petfunc.train import TrainState
 from petfunc.trainer import loop, setup
 from petfunc.trainer.checkpoints import Folder
-from petfunc.trainer.evaluate import error_metrics, parity_plot, predict
+from petfunc.trainer.evaluation import error_metrics, parity_plot, predict
 from petfunc.trainer.metrics import errors_line
 from petfunc.trainer.processes import processes as processes_of
 

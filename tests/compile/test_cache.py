@@ -2,6 +2,7 @@
 the same key loads the traced graph instead of tracing; other keys, signatures or a
 damaged file trace again."""
 
+import os
 import warnings
 
 import pytest
@@ -127,14 +128,12 @@ def test_trace_cache_write_failure_leaves_no_file(tmp_path, monkeypatch):
     """A cache file that cannot be written completely (here: fsync fails after the
     bytes went out) costs a warning and a trace in the next process, and leaves
     neither a partial cache file nor its temporary file."""
-    import petfunc._files
-
     monkeypatch.setenv("PETFUNC_TRACE_CACHE_DIR", str(tmp_path))
 
     def failing_fsync(fd):
         raise OSError("disk full")
 
-    monkeypatch.setattr(petfunc._files.os, "fsync", failing_fsync)
+    monkeypatch.setattr(os, "fsync", failing_fsync)  # the atomic write fsyncs the file
     params = {"w": torch.randn(3, 5, dtype=torch.float64)}
     x = example(4, 7)
     with pytest.warns(UserWarning, match="could not write the trace cache file .*disk full"):

@@ -36,7 +36,7 @@ CONFIGS = {
 def test_evaluation_matches_metatrain(name):
     """P3M for cells and direct sums for molecules (metatrain's evaluation mode), alone
     and in one mixed batch: energies, per-atom energies, forces, dE/dstrain."""
-    ref = pytest.importorskip("helpers.mtt_reference")
+    ref = pytest.importorskip("tests.helpers.mtt_reference")
     pytest.importorskip("torchpme")  # metatrain's long-range featurizer needs it
     config = lr_config(**CONFIGS[name])
     params = perturbed_params(config)
@@ -80,7 +80,7 @@ def test_long_range_part_is_not_negligible():
 def test_training_mode_matches_metatrain():
     """Ewald (metatrain's training mode): raw energies, forces and the parameter
     gradient of an energy + force loss, against metatrain's training-mode autograd."""
-    ref = pytest.importorskip("helpers.mtt_reference")
+    ref = pytest.importorskip("tests.helpers.mtt_reference")
     pytest.importorskip("torchpme")  # metatrain's long-range featurizer needs it
     from metatomic.torch import ModelOutput, System, systems_to_torch
     from metatrain.utils.neighbor_lists import get_requested_neighbor_lists, get_system_with_neighbor_lists

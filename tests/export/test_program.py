@@ -1,4 +1,4 @@
-"""Tracing for export (petfunc.export.trace): the sizes it keeps symbolic must not be
+"""Tracing for export (petfunc.export.program): the sizes it keeps symbolic must not be
 bounded, and a program for another device is traced on the CPU and moved."""
 
 import pytest
@@ -39,7 +39,7 @@ def test_export_for_another_device_is_traced_on_the_cpu(monkeypatch):
     be on it, or the run fails."""
     own = trace_device
     monkeypatch.setattr(
-        "petfunc.export.trace.trace_device",
+        "petfunc.export.program.trace_device",
         lambda tensors: torch.device("cpu") if tensors[0].device.type == "meta" else own(tensors),
     )
     program, example = pexport.trace(CONFIG, make_params(), torch.float64, "meta")
