@@ -21,13 +21,6 @@ stress), then its first call. Variants, interleaved (A B A B ...):
   default expands polynomial indices instead);
 * ``late_split``: grouped, but CPU ``addmm`` is split after inductor's passes have
   merged ``mm + add``, not before them (the ``addmm_merge_hold`` patch off);
-* ``fusion64``: grouped, but inductor's scheduler tries 64 fusion partners per
-  node and buffer, as shipped, instead of petfunc's 16
-  (``PETFUNC_FUSION_PAIR_ATTEMPTS=64``, the ``fusion_pair_attempts`` patch);
-* ``late_split_fusion64``: both of the last two;
-* ``o2``: grouped, with the C++ kernels built at ``-O2`` instead of inductor's
-  ``-O3`` (``PETFUNC_KERNEL_OPT=O2``, the ``kernel_opt_level`` patch: a shorter
-  compile, a slower step; not the default);
 * ``no_lofa``, ``no_asserts``: grouped, with inductor's loop reordering after
   fusion off, or without the size, alignment and scalar assertions in its
   generated code (both tried and not kept: no faster);
@@ -45,7 +38,7 @@ before/after comparison of a change:
     git worktree add /tmp/before <commit>
     python benchmarks/cold_compile.py --variants grouped --compare-with /tmp/before
     python benchmarks/cold_compile.py --variants grouped aot --repeats 2
-    python benchmarks/cold_compile.py --dataset carbon --variants grouped late_split_fusion64 --repeats 4
+    python benchmarks/cold_compile.py --dataset carbon --variants grouped late_split --repeats 4
     python benchmarks/cold_compile.py --variants grouped stock off:fast_strides --repeats 2
 """
 
@@ -73,13 +66,6 @@ VARIANTS = {
     "simplify": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_FAST_STRIDES": "0"},
     "late_probe": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_EARLY_ISA_PROBE": "0"},
     "late_split": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_EARLY_ADDMM_SPLIT": "0"},
-    "fusion64": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_FUSION_PAIR_ATTEMPTS": "64"},
-    "late_split_fusion64": {
-        "PETFUNC_GROUP_KERNELS": "1",
-        "PETFUNC_EARLY_ADDMM_SPLIT": "0",
-        "PETFUNC_FUSION_PAIR_ATTEMPTS": "64",
-    },
-    "o2": {"PETFUNC_GROUP_KERNELS": "1", "PETFUNC_KERNEL_OPT": "O2"},
     "no_lofa": {"PETFUNC_GROUP_KERNELS": "1", "TORCHINDUCTOR_LOOP_ORDERING_AFTER_FUSION": "0"},
     "no_asserts": {
         "PETFUNC_GROUP_KERNELS": "1",

@@ -6,8 +6,7 @@ from __future__ import annotations
 from petfunc._torch.addmm import ADDMM_MERGE_HOLD, ADDMM_SPLIT
 from petfunc._torch.cpu_kernels import KERNEL_GROUPS
 from petfunc._torch.fft_meta import FFT_META
-from petfunc._torch.inductor_config import FUSION_PAIR_ATTEMPTS, TRITON_TILING
-from petfunc._torch.opt_level import KERNEL_OPT_LEVEL
+from petfunc._torch.inductor_config import TRITON_TILING
 from petfunc._torch.patch import Patch
 from petfunc._torch.sum_helper import UNGUARDED_SUM_HELPER
 from petfunc._torch.vec_strides import FAST_STRIDES
@@ -20,12 +19,10 @@ PATCHES: tuple[Patch, ...] = (
     FFT_META,
     TRITON_TILING,
     KERNEL_GROUPS,
-    KERNEL_OPT_LEVEL,
     FAST_STRIDES,
     UNGUARDED_SUM_HELPER,
     ADDMM_SPLIT,
     ADDMM_MERGE_HOLD,
-    FUSION_PAIR_ATTEMPTS,
 )
 
 
@@ -42,9 +39,8 @@ def trace_patches() -> list[Patch]:
 
 def backend_patches(on_cpu: bool) -> list[Patch]:
     """The patches :func:`petfunc.compile` holds while a backend compiles a graph:
-    every inductor patch, with fewer fusion attempts for CPU graphs and the Triton
-    tiling analysis off for the others."""
-    device = [FUSION_PAIR_ATTEMPTS] if on_cpu else [TRITON_TILING]
+    every inductor patch, with the Triton tiling analysis off for GPU graphs."""
+    device = [] if on_cpu else [TRITON_TILING]
     return [
         ADDMM_SPLIT,
         *device,
@@ -53,5 +49,4 @@ def backend_patches(on_cpu: bool) -> list[Patch]:
         FFT_META,
         FAST_STRIDES,
         ADDMM_MERGE_HOLD,
-        KERNEL_OPT_LEVEL,
     ]

@@ -12,8 +12,6 @@ Patches of torch internals (``from petfunc.compile import patches``):
 * switches of single patches: ``PETFUNC_GROUP_KERNELS=0`` (``kernel_groups``),
   ``PETFUNC_FAST_STRIDES=0`` (``fast_strides``), ``PETFUNC_EARLY_ADDMM_SPLIT=0``
   (``addmm_merge_hold``).
-* ``PETFUNC_FUSION_PAIR_ATTEMPTS`` (default 16) and ``PETFUNC_KERNEL_OPT`` (default
-  inductor's ``O3``): the values two patches set.
 
 The compile path: ``PETFUNC_DIRECT_INDUCTOR=0`` (inductor through AOTAutograd),
 ``PETFUNC_EARLY_ISA_PROBE=0``, ``PETFUNC_FUSED_ATTENTION=1``,
@@ -33,11 +31,6 @@ PATCH_SWITCHES = {
     "addmm_merge_hold": "PETFUNC_EARLY_ADDMM_SPLIT",
 }
 
-#: the optimisation levels ``PETFUNC_KERNEL_OPT`` may name
-KERNEL_OPT_LEVELS = ("O0", "O1", "O2", "O3", "Os", "Og")
-#: inductor's own optimisation level for its C++ kernels
-INDUCTOR_OPT_LEVEL = "O3"
-
 
 def stock_torch() -> bool:
     """``PETFUNC_STOCK_TORCH=1``: every patch of torch internals off."""
@@ -55,22 +48,6 @@ def patch_on(name: str) -> bool:
         return False
     switch = PATCH_SWITCHES.get(name)
     return switch is None or os.environ.get(switch, "1") != "0"
-
-
-def fusion_pair_attempts() -> int:
-    """How many later nodes of one buffer's readers inductor's scheduler tries to fuse
-    each node with on the CPU: ``PETFUNC_FUSION_PAIR_ATTEMPTS``, by default 16
-    (inductor ships 64; see :mod:`petfunc._torch.inductor_config`)."""
-    return int(os.environ.get("PETFUNC_FUSION_PAIR_ATTEMPTS", "16"))
-
-
-def kernel_opt_level() -> str:
-    """The ``g++`` optimisation level of inductor's C++ kernels: ``PETFUNC_KERNEL_OPT``,
-    by default inductor's own ``O3`` (see :mod:`petfunc._torch.opt_level`)."""
-    level = os.environ.get("PETFUNC_KERNEL_OPT", INDUCTOR_OPT_LEVEL).strip().lstrip("-")
-    if level not in KERNEL_OPT_LEVELS:
-        raise ValueError(f"PETFUNC_KERNEL_OPT must be one of {', '.join(KERNEL_OPT_LEVELS)}, not {level!r}")
-    return level
 
 
 def early_isa_probe() -> bool:

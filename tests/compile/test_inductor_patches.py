@@ -1,7 +1,6 @@
 """petfunc's speed patches of inductor (patches() of petfunc.compile): the float32
 summation choice without a guard, CPU addmm split (before inductor's passes, its
-merge held back), fewer fusion attempts, the kernels' optimisation level, and
-inductor's cache key naming petfunc's code generation."""
+merge held back), and inductor's cache key naming petfunc's code generation."""
 
 import pytest
 import torch
@@ -112,81 +111,6 @@ def test_cpu_addmm_split_before_inductor(monkeypatch):
         # sees none; late: inductor has merged the residual sum too, and the
         # post-grad pass splits both
         assert seen == expected, (early, seen)
-
-
-def test_fusion_pair_attempts_reach_the_backend(monkeypatch):
-    """On CPU the backend compiles with petfunc's 16 fusion partners per buffer
-    (inductor ships 64), the environment's number, or the caller's option."""
-    skip_unless_enabled("fusion_pair_attempts")
-    seen = []
-
-    def backend(graph, example_inputs):
-        seen.append(torch._inductor.config.max_fusion_buffer_group_pairwise_attempts)
-        return graph
-
-    def fn(x):
-        return torch.tanh(x).sum(-1)
-
-    x = torch.randn(5, 3)
-    own = {"max_fusion_buffer_group_pairwise_attempts": 4}
-    for env, options, expected in ((None, None, 16), ("64", None, 64), ("64", own, 4)):
-        if env is None:
-            monkeypatch.delenv("PETFUNC_FUSION_PAIR_ATTEMPTS", raising=False)
-        else:
-            monkeypatch.setenv("PETFUNC_FUSION_PAIR_ATTEMPTS", env)
-        compiled = petfunc.compile(fn, x, static_argnums=(), backend=backend, options=options)
-        torch.testing.assert_close(compiled(x), fn(x))
-        assert seen[-1] == expected
-    assert torch._inductor.config.max_fusion_buffer_group_pairwise_attempts == 64  # restored
-
-
-def test_kernel_opt_level_reaches_gxx(tmp_path, monkeypatch):
-    """Inductor's C++ kernels are built at inductor's own -O3, or at the level
-    PETFUNC_KERNEL_OPT names while petfunc compiles; torch's flags are restored
-    after, and a bad setting is refused by name."""
-    skip_unless_enabled("kernel_opt_level")
-    from torch._inductor import cpp_builder
-
-    def level():
-        cflags, _ = cpp_builder._get_optimization_cflags(cpp_builder.get_cpp_compiler(), False)
-        return [flag for flag in cflags if flag in ("O1", "O2", "O3")]
-
-    seen = []
-
-    def backend(graph, example_inputs):
-        seen.append(level())
-        return graph
-
-    def fn(x):
-        return torch.tanh(x).sum(-1)
-
-    x = torch.randn(5, 3)
-    for env, expected in ((None, ["O3"]), ("O2", ["O2"]), ("-O1", ["O1"])):
-        if env is None:
-            monkeypatch.delenv("PETFUNC_KERNEL_OPT", raising=False)
-        else:
-            monkeypatch.setenv("PETFUNC_KERNEL_OPT", env)
-        petfunc.compile(fn, x, static_argnums=(), backend=backend)(x)
-        assert seen[-1] == expected
-    assert level() == ["O3"]  # restored
-    monkeypatch.setenv("PETFUNC_KERNEL_OPT", "fast")
-    with pytest.raises(ValueError, match="PETFUNC_KERNEL_OPT"):
-        petfunc.compile(fn, x, static_argnums=(), backend=backend)(x)
-
-    # the g++ command lines of a real inductor compile
-    monkeypatch.setenv("PETFUNC_KERNEL_OPT", "O2")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    commands = []
-    run = cpp_builder.run_compile_cmd
-
-    def spy(cmd_line, cwd):
-        commands.append(cmd_line)
-        return run(cmd_line, cwd)
-
-    monkeypatch.setattr(cpp_builder, "run_compile_cmd", spy)
-    torch.testing.assert_close(petfunc.compile(fn, x, static_argnums=())(x), fn(x))
-    kernels = [c for c in commands if ".main.cpp" in c or "main.cpp" in c]
-    assert kernels and all(" -O2 " in c and " -O3 " not in c for c in kernels), commands
 
 
 def test_inductor_cache_key_names_petfunc_codegen(tmp_path, monkeypatch):

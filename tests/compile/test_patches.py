@@ -25,10 +25,9 @@ SETTINGS = ("PETFUNC_STOCK_TORCH", "PETFUNC_PATCHES_OFF", "PETFUNC_GROUP_KERNELS
 
 @pytest.fixture
 def clean_settings(monkeypatch):
-    """No setting switches a patch off; kernel_opt_level asked for another level."""
+    """No setting switches a patch off."""
     for name in (*SETTINGS, "PETFUNC_EARLY_ADDMM_SPLIT"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("PETFUNC_KERNEL_OPT", "O2")
 
 
 def test_the_registry_lists_every_patch_once():
@@ -39,12 +38,10 @@ def test_the_registry_lists_every_patch_once():
         "fft_meta",
         "triton_tiling",
         "kernel_groups",
-        "kernel_opt_level",
         "fast_strides",
         "unguarded_sum_helper",
         "addmm_split",
         "addmm_merge_hold",
-        "fusion_pair_attempts",
     }
     for p in patches():
         assert p.purpose in ("speed", "correctness") and p.summary and p.module is not None
