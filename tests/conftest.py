@@ -5,7 +5,8 @@ other processes more threads fight them and make tests many times slower.
 
 Compiled traces are cached in a folder of this test run, not in the user's
 cache: a test run neither reads traces left by an earlier run (which would hide the
-cost and the failures of tracing) nor leaves its own behind.
+cost and the failures of tracing) nor leaves its own behind. (The fixtures of the
+whole run are scoped to the package ``tests``, which holds every test.)
 
 The fixtures ``dataset`` and ``fitted`` serve the training-step tests of several
 folders (tests/train/, tests/gpu/, tests/ops/).
@@ -19,8 +20,8 @@ import torch
 from tests.helpers import training
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _session_trace_cache(tmp_path_factory):
+@pytest.fixture(autouse=True, scope="package")
+def _trace_cache_of_the_run(tmp_path_factory):
     before = os.environ.get("PETFUNC_TRACE_CACHE_DIR")
     os.environ["PETFUNC_TRACE_CACHE_DIR"] = str(tmp_path_factory.mktemp("petfunc_traces"))
     yield
@@ -30,7 +31,7 @@ def _session_trace_cache(tmp_path_factory):
         os.environ["PETFUNC_TRACE_CACHE_DIR"] = before
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True, scope="package")
 def _one_thread():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

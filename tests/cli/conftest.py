@@ -6,7 +6,7 @@ from petfunc.cli import main
 from tests.helpers.cli import TINY
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def demo_run(tmp_path_factory):
     """``petfunc train`` without an options file (built-in dataset), tiny model, 1 epoch."""
     out = tmp_path_factory.mktemp("demo")
