@@ -3,8 +3,6 @@ choose one for each call (see :mod:`petfunc.compile` for the whole design)."""
 
 from __future__ import annotations
 
-import builtins
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -25,25 +23,9 @@ from petfunc.compile.donation import (
     run_buffer,
     with_donated,
 )
+from petfunc.compile.guards import GraphGuards, TraceGuards
 from petfunc.compile.trace import fake_inputs, merge_args, split_args, trace, trace_device
 from petfunc.ops import fused_attention as fused
-
-
-def _sympy_names() -> dict:
-    """The names a guard's code is evaluated with. Imported on first use: the module
-    imports sympy, too slow to load with every ``import petfunc``."""
-    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
-
-    return SYMPY_INTERP
-
-
-def _specialised_size(size, shape_env) -> int | None:
-    """The number a fake input's size stands for, if it is one after compiling: a
-    plain int, or a symbol the shape environment replaced by a number; else None."""
-    if not isinstance(size, torch.SymInt):
-        return int(size)
-    expr = shape_env.replace(size.node.expr)
-    return int(expr) if expr.is_number else None
 
 
 class Compiled:
@@ -99,7 +81,7 @@ class Compiled:
         self._fast_out = fast_tree(self._out_spec)
         self.num_graphs = 0
         self.options = dict(options or {})
-        self._entries = []  # (guard code or None, fixed data sizes, compiled callable)
+        self._entries = []  # (GraphGuards, compiled callable)
 
     def _set_layout(self, example_args, static_argnums, donate_argnums) -> list:
         """Which tensor leaves are static and donated, and how they map to graph
@@ -199,52 +181,20 @@ class Compiled:
         return tuple(t for k, t in enumerate(packed) if k not in self._out_layout.donated)
 
     def _set_trace_guards(self, guards, example_args):
-        """Keep the size relations the trace assumed, checked at every call.
-
-        They are equalities between data sizes, or of a data size and a number.
-        For a well-formed batch they hold by construction (an edge array is as long
-        as its partner array, positions have 3 columns). Any other constant means
-        that some op read a size as a plain integer and the graph is valid for
-        that size only (torch 2.11's batching rule of ``mm``, for one, did so).
-        Without this check such a graph would silently compute garbage for any
-        other size; with it, the call fails and says which assumption broke.
-        """
-        self._trace_guards = list(guards)
-        joined = " and ".join(f"({g})" for g in guards)
-        self._trace_guard_code = (
-            builtins.compile(joined, "<petfunc trace guards>", "eval") if guards else None
-        )
-        # readable names of the graph inputs, for the error message
+        """Keep the size relations the trace assumed (:class:`TraceGuards`), with
+        readable names of the graph inputs for their error message."""
         paths = [
             pytree.keystr(path)
             for path, leaf in pytree.tree_flatten_with_path(tuple(example_args))[0]
             if isinstance(leaf, torch.Tensor)
         ]
-        self._input_names = [
+        names = [
             f"args{paths[i]}"
             if stop is None
             else f"the packed buffer of args{paths[i]} ... args{paths[stop - 1]}"
             for i, stop in self._in_layout.items
         ]
-
-    def _check_trace_guards(self, inputs):
-        if self._trace_guard_code is None:
-            return
-        scope = {"L": {f"t{i}": t for i, t in enumerate(inputs)}}
-        if eval(self._trace_guard_code, _sympy_names(), scope):
-            return
-        broken = [g for g in self._trace_guards if not eval(g, _sympy_names(), scope)]
-
-        def readable(text):
-            return re.sub(r"L\['t(\d+)'\]", lambda m: self._input_names[int(m.group(1))], text)
-
-        raise ValueError(
-            "compiled function: the input sizes break what the traced graph assumed: "
-            + "; ".join(readable(g) for g in broken)
-            + ". A batch from petfunc.make_batch satisfies these relations; if yours "
-            "does and a size was fixed to a number here, the trace specialised on the "
-            "example's size (a torch op read it as an integer)"
-        )
+        self._trace_guards = TraceGuards(guards, names)
 
     def call_inputs(self, tensors):
         """The graph's inputs for the tensor leaves ``tensors``, checked.
@@ -303,38 +253,20 @@ class Compiled:
         mode, fakes = fake_inputs(inputs, self._static)
         direct = self.backend == "inductor" and not self.aot_autograd
         compiled = inductor.compile_graph(self.graph, mode, fakes, self.backend, dict(self.options), direct)
-        # symbolic sizes: the relations the backend assumed; data sizes torch
-        # specialised are fixed numbers, checked one by one (parameter shapes are
-        # checked by _check_inputs). Those are the sizes made plain numbers (0 or 1)
-        # and the symbols the backend set equal to a number while compiling: the
-        # guard expression leaves both out (it takes static sizes as checked), and
-        # a graph specialised to a size of 2 then ran for every size, wrongly
-        guards = mode.shape_env.produce_guards_expression(fakes)
-        code = None if guards is None else builtins.compile(guards, "<petfunc guards>", "eval")
-        fixed = [
-            (index, dim, value)
-            for index, (fake, static) in enumerate(zip(fakes, self._static))
-            if not static
-            for dim, size in enumerate(fake.shape)
-            if (value := _specialised_size(size, mode.shape_env)) is not None
-        ]
-        self._entries.append((code, fixed, compiled))
+        self._entries.append((GraphGuards(mode.shape_env, fakes, self._static), compiled))
         self.num_graphs += 1
         return compiled
 
     def _select(self, inputs):
-        names = {f"t{i}": t for i, t in enumerate(inputs)}
-        for code, fixed, compiled in reversed(self._entries):
-            if all(inputs[i].shape[d] == size for i, d, size in fixed) and (
-                code is None or eval(code, _sympy_names(), {"L": names})
-            ):
+        for guards, compiled in reversed(self._entries):
+            if guards.hold(inputs):
                 return compiled
         return self._compile_for(inputs)
 
     def __call__(self, *args):
         tensors = self.checked_tensors(args)
         inputs, views = self.call_inputs(tensors)
-        self._check_trace_guards(inputs)
+        self._trace_guards.check(inputs)
         donated = self._out_layout.donated
         if donated:
             given = inputs
@@ -385,7 +317,7 @@ class Compiled:
         """Run the traced (uncompiled) graph: the reference for compiled == traced."""
         tensors, *_ = split_args(args)
         inputs = self._graph_inputs(tensors)
-        self._check_trace_guards(inputs)
+        self._trace_guards.check(inputs)
         donated = self._out_layout.donated
         if donated:
             inputs = self._distinct_donations(inputs)
