@@ -35,6 +35,12 @@ MOVED = {
     "petfunc.zbl": "petfunc.model.zbl",
 }
 
+#: old module path -> the module it is now, without a warning: the new module is
+#: also the package's attribute of the old name (``petfunc.hessian_loss``)
+ALIASES = {
+    "petfunc.hessian_loss": "petfunc.train.hessian_loss",
+}
+
 
 def _moved(old: str):
     new = MOVED[old]
@@ -45,14 +51,17 @@ def _moved(old: str):
 
 
 class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds the old paths of :data:`MOVED`; loading one returns the new module."""
+    """Finds the old paths of :data:`MOVED` and :data:`ALIASES`; loading one returns
+    the new module."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname in MOVED:
+        if fullname in MOVED or fullname in ALIASES:
             return importlib.util.spec_from_loader(fullname, self)
         return None
 
     def create_module(self, spec):
+        if spec.name in ALIASES:
+            return importlib.import_module(ALIASES[spec.name])
         return _moved(spec.name)
 
     def exec_module(self, module):
