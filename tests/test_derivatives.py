@@ -19,6 +19,7 @@ from petfunc.derivatives import (
     forces,
 )
 from petfunc.hessian import hvp
+from tests.helpers.patches import needs_patches
 
 
 F64 = torch.float64
@@ -92,6 +93,7 @@ def test_autograd_path_under_no_grad_and_inference_mode():
                 torch.testing.assert_close(y, x, rtol=1e-12, atol=1e-14, equal_nan=True)
 
 
+@needs_patches("layer_norm_decomposition")
 def test_autograd_derivatives_are_differentiable_when_needed():
     """With positions requiring grad the autograd forces carry a graph: their
     derivative is the Hessian-vector product of the torch.func path."""

@@ -16,6 +16,7 @@ import torch
 import petfunc
 import petfunc.ensemble as ensemble
 from tests.helpers import toy
+from tests.helpers.patches import needs_patches
 
 
 F64 = torch.float64
@@ -245,6 +246,7 @@ def _check_compiled_ensemble(config_or_toy, backend, traced_only=False, train=Tr
     return worst
 
 
+@needs_patches("vmap_rules")
 def test_traced_pet_ensemble_is_shape_generic():
     """The make_fx graph of a vmapped PET E/F/S replays every batch shape."""
     _check_compiled_ensemble(MINI, "aot_eager", traced_only=True, train=False)
@@ -256,6 +258,7 @@ def test_traced_pet_train_step_is_shape_generic():
     _check_compiled_ensemble(MINI, "aot_eager", traced_only=True, efs=False)
 
 
+@needs_patches("vmap_rules")
 def test_compiled_toy_ensemble_aot_eager():
     _check_compiled_ensemble("toy", "aot_eager")
 

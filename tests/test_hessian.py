@@ -12,6 +12,7 @@ import torch
 import petfunc
 from petfunc.hessian import chunked_hessian, hessian, hessian_rows, hvp, mass_weighted, structure_blocks
 from tests.helpers import toy
+from tests.helpers.patches import needs_patches
 
 
 F64 = torch.float64
@@ -71,6 +72,7 @@ def _rel(a, b):
 ADAPTIVE = dataclasses.replace(TINY, cutoff=5.0, num_neighbors_adaptive=4.0)  # the solver method
 
 
+@needs_patches("layer_norm_decomposition")
 @pytest.mark.parametrize("config", [TINY, ADAPTIVE], ids=["fixed", "adaptive"])
 @pytest.mark.parametrize("frames", [[_molecule("CH3OH")], [_cell()]], ids=["molecule", "periodic"])
 def test_hessian_matches_finite_differences_of_forces(frames, config):
@@ -91,6 +93,7 @@ def test_hessian_matches_finite_differences_of_forces(frames, config):
     assert err < 1e-6, f"Hessian vs central differences of forces: relative error {err:.1e}"
 
 
+@needs_patches("layer_norm_decomposition")
 @pytest.mark.parametrize("mode", ["reverse", "forward"])
 def test_symmetry_sum_rule_hvp_and_chunks(mode):
     energy_fn, params, (x, cell, nbrs) = _setup([_molecule()])
@@ -116,6 +119,7 @@ def test_symmetry_sum_rule_hvp_and_chunks(mode):
     assert float((other - full).abs().max()) < 1e-12 * scale
 
 
+@needs_patches("layer_norm_decomposition")
 def test_batch_hessian_is_block_diagonal():
     frames = [_molecule("CH3CH2OH", 1), _molecule("H2O", 3), _cell()]
     energy_fn, params, (x, cell, nbrs) = _setup(frames)
@@ -167,6 +171,7 @@ def test_working_memory_inside_a_profile_is_an_error():
     assert sum(e.name == "aten::cumsum" for e in prof.events()) == 2
 
 
+@needs_patches("layer_norm_decomposition")
 def test_memory_budget_picks_the_chunk_size(monkeypatch):
     """The budgeted Hessian equals the full one; the chosen chunk grows with the
     budget, its measured memory stays within it, the 4 measured rows are not
@@ -274,6 +279,7 @@ def _check_compiled_hessian(energy_fn, params, config, backend, chunk_size=4, wi
     return worst
 
 
+@needs_patches("layer_norm_decomposition")
 def test_compiled_toy_hessian_aot_eager():
     _check_compiled_hessian(toy.energy, toy.init(), MINI, "aot_eager", with_hvp=False)
 
@@ -295,6 +301,7 @@ def test_compiled_pet_hessian(backend):
     print(f"PET Hessian {backend}: max relative error {worst:.1e}")
 
 
+@needs_patches("layer_norm_decomposition")
 def test_parameter_gradient_of_hvp_and_hessian():
     """A hand-written Hessian-matching loss differentiates the HVP once more, in the
     parameters: a third derivative of the layers, layer norm included (PyTorch's own
@@ -334,6 +341,7 @@ def test_parameter_gradient_of_hvp_and_hessian():
         assert err < 1e-6, f"{name}: parameter gradient vs central difference {err:.1e}"
 
 
+@needs_patches("layer_norm_decomposition")
 def test_top_level_spelling():
     """``petfunc.hessian(energy_fn)`` (the module is callable) and ``petfunc.hvp``."""
     energy_fn, params, inputs = _setup([_molecule("H2O")])
@@ -352,6 +360,7 @@ def test_top_level_spelling():
         assert hasattr(petfunc, name), name
 
 
+@needs_patches("layer_norm_decomposition")
 def test_isolated_atom_is_quiet():
     """A structure without edges normalises no tokens: the decomposed layer norm gives
     the right result (zero) without warning "var_mean(): degrees of freedom is <= 0"

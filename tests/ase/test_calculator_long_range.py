@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.long_range import diamond, lr_config, molecule, perturbed_params, triclinic
+from tests.helpers.patches import needs_patches
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -38,6 +39,7 @@ def test_compiled_calculator_follows_md_without_recompiling(backend):
     assert compiled.num_compilations == 1
 
 
+@needs_patches("fft_meta")
 def test_compiled_calculator_takes_any_mesh_and_molecules():
     """Cells whose P3M meshes differ (8 x 8 x 8, 16 x 8 x 8, 8 x 16 x 4) share one
     compiled graph: the traced FFTs keep the mesh sizes symbolic (petfunc.compile's

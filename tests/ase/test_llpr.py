@@ -18,6 +18,7 @@ import petfunc
 from petfunc import llpr
 from petfunc.ase import PETCalculator
 from tests.helpers.mtt_reference import shipped_checkpoints
+from tests.helpers.patches import needs_patches
 
 
 CHECKPOINTS = shipped_checkpoints("llpr")
@@ -31,6 +32,7 @@ def _frames():
     return [ethanol, cell]
 
 
+@needs_patches("vmap_rules")
 def test_calculator_reads_llpr_checkpoints():
     """PETCalculator.from_metatrain on an LLPR checkpoint: energy_uncertainty is the
     calibrated LLPR value, the ensemble is centred on the model's prediction, and

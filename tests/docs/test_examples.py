@@ -10,12 +10,14 @@ from pathlib import Path
 import ase.io
 import pytest
 
+from tests.helpers.patches import needs_patches
+
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = [
     "train_functional.py",
     "ensemble_uncertainty.py",
-    "vibrations.py",
+    pytest.param("vibrations.py", marks=needs_patches("layer_norm_decomposition")),
     "md.py",
 ]
 

@@ -15,6 +15,7 @@ from petfunc.data import padding_sample
 from petfunc.structures import collate, prepare_atoms
 from tests.helpers.exported import SMALL
 from tests.helpers.long_range import perturbed_params
+from tests.helpers.patches import needs_patches
 
 
 LR_CONFIG = petfunc.PETConfig(atomic_types=(1, 6, 8), long_range=dict(enable=True), **SMALL)
@@ -45,7 +46,7 @@ def lr_structures():
     return {"crystals": [diamond, longer, chain], "molecules": [methanol, water]}
 
 
-@pytest.fixture(scope="module", params=["p3m", "ewald"])
+@pytest.fixture(scope="module", params=[pytest.param("p3m", marks=needs_patches("fft_meta")), "ewald"])
 def lr_exported(request, tmp_path_factory):
     params = lr_params()
     path = tmp_path_factory.mktemp("lr") / "model.pt2"

@@ -15,6 +15,7 @@ import petfunc
 from petfunc.graph import long_range as graph_long_range
 from petfunc.model import long_range
 from tests.helpers.long_range import diamond, lr_config, molecule, perturbed_params, relative, triclinic
+from tests.helpers.patches import needs_patches
 
 
 # ---------------------------------------------------------------------------------------
@@ -178,6 +179,7 @@ def test_forces_and_stress_are_finite_differences(method):
                 assert abs(float(fd[0] - strain[0, a, b])) < 1e-6 * max(1.0, float(strain.abs().max()))
 
 
+@needs_patches("layer_norm_decomposition")
 @pytest.mark.parametrize("method", graph_long_range.METHODS)
 def test_hessian_and_committee(method):
     """Second derivatives and vmap go through the FFTs and Ewald sums: the Hessian of

@@ -13,8 +13,10 @@ from petfunc.train.hessian_loss import (
 )
 from tests.helpers import toy
 from tests.helpers.hessian_training import F64, MINI, WEIGHTS, check_compiled, hessian_batch_of
+from tests.helpers.patches import needs_patches
 
 
+@needs_patches("layer_norm_decomposition")
 def test_hvp_term_is_the_model_hessian():
     model = petfunc.PET(MINI)
     params = model.init(seed=0, dtype=F64)
@@ -30,6 +32,7 @@ def test_hvp_term_is_the_model_hessian():
     assert int(metrics["hvp_count"]) == hb.hvp.numel()
 
 
+@needs_patches("layer_norm_decomposition")
 def test_parameter_gradient_matches_finite_differences():
     model = petfunc.PET(MINI)
     teacher = model.init(seed=1, dtype=F64)
@@ -55,6 +58,7 @@ def test_parameter_gradient_matches_finite_differences():
     assert abs(numeric - analytic) < 1e-7 * abs(analytic), f"numeric: {numeric}, analytical: {analytic}"
 
 
+@needs_patches("layer_norm_decomposition")
 def test_training_on_hessians_reduces_the_hvp_error():
     model = petfunc.PET(MINI)
     teacher = model.init(seed=1, dtype=F64)
@@ -81,6 +85,7 @@ def test_hessian_batch_checks_shapes():
     assert torch.equal(one.hvp, torch.ones_like(one.directions))
 
 
+@needs_patches("layer_norm_decomposition")
 def test_compiled_toy_hessian_loss_aot_eager():
     check_compiled(toy.energy, toy.init(seed=0), toy.init(seed=1), "aot_eager")
 
