@@ -252,6 +252,7 @@ def test_traced_pet_ensemble_is_shape_generic():
     _check_compiled_ensemble(MINI, "aot_eager", traced_only=True, train=False)
 
 
+@needs_patches("vmap_rules")
 @pytest.mark.slow
 def test_traced_pet_train_step_is_shape_generic():
     """The make_fx graph of a vmapped PET training step replays every batch shape."""
@@ -263,6 +264,7 @@ def test_compiled_toy_ensemble_aot_eager():
     _check_compiled_ensemble("toy", "aot_eager")
 
 
+@needs_patches("vmap_rules")
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_pet_ensemble(backend):
@@ -272,6 +274,7 @@ def test_compiled_pet_ensemble(backend):
     print(f"PET ensemble {backend}: max relative errors {worst}")
 
 
+@needs_patches("vmap_rules")
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_long_range_ensemble(backend):
@@ -285,6 +288,7 @@ def test_compiled_long_range_ensemble(backend):
     print(f"long-range PET ensemble {backend}: max relative errors {worst}")
 
 
+@needs_patches("vmap_rules")
 @pytest.mark.slow
 def test_compiled_toy_ensemble_inductor():
     _check_compiled_ensemble("toy", "inductor")

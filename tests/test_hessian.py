@@ -284,11 +284,13 @@ def test_compiled_toy_hessian_aot_eager():
     _check_compiled_hessian(toy.energy, toy.init(), MINI, "aot_eager", with_hvp=False)
 
 
+@needs_patches("layer_norm_decomposition")
 @pytest.mark.slow
 def test_compiled_toy_hvp_aot_eager():
     _check_compiled_hessian(toy.energy, toy.init(), MINI, "aot_eager")
 
 
+@needs_patches("layer_norm_decomposition")
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_pet_hessian(backend):

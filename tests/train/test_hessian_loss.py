@@ -90,6 +90,7 @@ def test_compiled_toy_hessian_loss_aot_eager():
     check_compiled(toy.energy, toy.init(seed=0), toy.init(seed=1), "aot_eager")
 
 
+@needs_patches("layer_norm_decomposition")
 @pytest.mark.slow
 def test_compiled_pet_hessian_loss_aot_eager():
     model = petfunc.PET(MINI)
