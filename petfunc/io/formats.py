@@ -21,16 +21,28 @@ def is_petfunc_export(path: PathLike) -> bool:
 
 
 def is_torchscript(source) -> bool:
-    """Whether ``source`` (the bytes or the path of a file) is a TorchScript archive,
-    such as an exported metatomic model."""
+    """Whether ``source`` (the bytes or the path of a file) has the layout of a
+    TorchScript archive (``torch.jit.save``, e.g. an exported metatomic model): a
+    ``data.pkl``, a ``constants.pkl`` and compiled ``code/`` under one root folder.
+
+    A ``torch.save`` pickle with a stray ``code/`` member is not one: telling the two
+    apart by the layout keeps such a file away from loaders that fall back to
+    unpickling it."""
     if isinstance(source, (bytes, bytearray)):
         source = io.BytesIO(source)
     if not zipfile.is_zipfile(source):
         return False
     try:
         with zipfile.ZipFile(source) as archive:
-            return any("/code/" in name for name in archive.namelist())
+            names = archive.namelist()
     except (zipfile.BadZipFile, OSError):
         # found an end record, but a damaged directory: the loader that reads it
         # next says which file is unreadable
         return False
+    roots = {name.split("/", 1)[0] for name in names if "/" in name}
+    return any(
+        f"{root}/data.pkl" in names
+        and f"{root}/constants.pkl" in names
+        and any(name.startswith(f"{root}/code/") for name in names)
+        for root in roots
+    )

@@ -53,24 +53,25 @@ def read_metatrain_baseline(
 
 
 def _baseline_model(path, kind: str, label: str):
-    """The metatrain model of a composition or scaler checkpoint (or export), read
-    without running a pickle."""
+    """The metatrain model of a composition or scaler checkpoint, read without running
+    a pickle: the file is unpickled by :func:`unpickle_checkpoint` (metatrain's own
+    ``load_model`` would fall back to a full unpickling) and the model is built from
+    the checkpoint's data by metatrain."""
     require_metatrain()
     from metatrain.composition import CompositionModel
     from metatrain.scaler import Scaler
-    from metatrain.utils.io import load_model as metatrain_load_model
     from metatrain.utils.io import model_from_checkpoint
 
     classes = {"composition": CompositionModel, "scaler": Scaler}
     data = read_bytes(Path(path))
-    # a checkpoint is unpickled safely here (metatrain's load_model would run its pickle)
-    checkpoint = None if is_torchscript(data) else unpickle_checkpoint(data, label)
-    try:
-        model = (
-            metatrain_load_model(str(path))
-            if checkpoint is None
-            else model_from_checkpoint(checkpoint, context="export")
+    if is_torchscript(data):  # metatrain itself refuses an export here: it is no CompositionModel
+        raise ValueError(
+            f"{label} is an exported model; {kind} options take the checkpoint (.ckpt) of "
+            f"`mtt train` with architecture.name: {kind}"
         )
+    checkpoint = unpickle_checkpoint(data, label)
+    try:
+        model = model_from_checkpoint(checkpoint, context="export")
     except Exception as error:  # metatrain's own message names what it could not read
         raise ValueError(f"{label} could not be read by metatrain: {error}") from error
     if not isinstance(model, classes[kind]):
