@@ -3,9 +3,10 @@
 Tests run with one torch thread: the tensors are small, and on a machine shared with
 other processes more threads fight them and make tests many times slower.
 
-Compiled traces are cached in a folder of this test run, not in the user's
-cache: a test run neither reads traces left by an earlier run (which would hide the
-cost and the failures of tracing) nor leaves its own behind. (The fixtures of the
+Compiled traces and the record of exported artifacts are kept in folders of this
+test run, not in the user's cache: a test run neither reads what an earlier run left
+(which would hide the cost and the failures of tracing, or trust an artifact the run
+did not export) nor leaves its own behind. (The fixtures of the
 whole run are scoped to the package ``tests``, which holds every test.)
 
 The fixtures ``dataset`` and ``fitted`` serve the training-step tests of several
@@ -21,14 +22,17 @@ from tests.helpers import training
 
 
 @pytest.fixture(autouse=True, scope="package")
-def _trace_cache_of_the_run(tmp_path_factory):
-    before = os.environ.get("PETFUNC_TRACE_CACHE_DIR")
-    os.environ["PETFUNC_TRACE_CACHE_DIR"] = str(tmp_path_factory.mktemp("petfunc_traces"))
+def _caches_of_the_run(tmp_path_factory):
+    names = ("PETFUNC_TRACE_CACHE_DIR", "PETFUNC_CACHE_DIR")
+    before = {name: os.environ.get(name) for name in names}
+    for name in names:
+        os.environ[name] = str(tmp_path_factory.mktemp(name.lower()))
     yield
-    if before is None:
-        os.environ.pop("PETFUNC_TRACE_CACHE_DIR", None)
-    else:
-        os.environ["PETFUNC_TRACE_CACHE_DIR"] = before
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True, scope="package")

@@ -235,9 +235,11 @@ class PETCalculator(Calculator):
     def from_exported(cls, path, aoti: bool | None = None, **kwargs) -> PETCalculator:
         """Calculator running a ``petfunc export`` artifact (``.pt2``).
 
-        The model, its weights and its derivatives come from the file (the
-        AOTInductor library when it has one, or with ``aoti=False`` the exported
-        program); petfunc only builds the neighbour lists. See :mod:`petfunc.export`.
+        The model, its weights and its derivatives come from the file; petfunc only
+        builds the neighbour lists. ``aoti`` as in :func:`petfunc.export.load`: an
+        AOTInductor library is native code, loaded by default only from a file this
+        machine exported (``aoti=True`` trusts any file; ``False`` runs the exported
+        program). See :mod:`petfunc.export`.
         """
         exported = load_exported(path, aoti=aoti)
         return cls(exported.config, exported=exported, **kwargs)

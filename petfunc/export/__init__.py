@@ -62,7 +62,10 @@ Outputs: ``energy`` [S] (eV), ``energies`` [N] (eV per atom), ``forces`` [N, 3]
 (eV/Å), ``strain_derivative`` [S, 3, 3] (dE/d eps in eV; stress = this / volume).
 
 :func:`load` returns an :class:`ExportedPET`, and
-:meth:`petfunc.ase.PETCalculator.from_exported` an ASE calculator on top of it.
+:meth:`petfunc.ase.PETCalculator.from_exported` an ASE calculator on top of it. A
+library is native code that runs when it is loaded: both load it by default only
+from an artifact this machine exported (:mod:`petfunc.export.trust`), any other only
+with ``aoti=True``.
 """
 
 from petfunc.export.artifact import ExportedPET as ExportedPET

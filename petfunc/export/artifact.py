@@ -1,7 +1,9 @@
 """Loading a deployment artifact: :func:`load` gives an :class:`ExportedPET`.
 
-Loading an artifact with an AOTInductor library loads that library: native code
-from the file, which runs in this process.
+An artifact with an AOTInductor library holds native code, which runs in this
+process when the library is loaded. :func:`load` loads it by default only for files
+this machine exported (:mod:`petfunc.export.trust`); any other file runs as its
+exported program, unless ``aoti=True`` says that its library is trusted.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import tempfile
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -18,6 +22,7 @@ from petfunc._files import not_a_file
 from petfunc.config import PETConfig
 from petfunc.export.inputs import N_GRAPH_FIELDS, input_names, is_fixed, long_range_inputs
 from petfunc.export.package import FORMAT, METADATA, READABLE_VERSIONS
+from petfunc.export.trust import recorded
 from petfunc.graph import Neighbors
 
 
@@ -72,9 +77,11 @@ def load(path, aoti: bool | None = None) -> ExportedPET:
 
     Args:
         path: the ``.pt2`` file.
-        aoti: run the AOTInductor library (``True``), the exported program
-            (``False``, needs no compiler and runs on any device), or the library
-            when the file has one (``None``, default).
+        aoti: load and run the AOTInductor library (``True``: the file is trusted,
+            since the library is native code that runs when it is loaded), run the
+            exported program (``False``, needs no compiler and runs on any device),
+            or (``None``, default) the library when the file has one and this
+            machine exported it, else the program, with a warning.
     """
     path = Path(path)
     if not path.is_file():
@@ -108,7 +115,7 @@ def load(path, aoti: bool | None = None) -> ExportedPET:
     has_aoti = bool(metadata.get("aoti")) and "model" in models
     if aoti and not has_aoti:
         raise ValueError(f"{str(path)!r} has no AOTInductor library (exported with aoti=False)")
-    use_aoti = has_aoti if aoti is None else aoti
+    use_aoti = _trusted_library(path) if aoti is None and has_aoti else bool(aoti)
     # the weights are constants on the device the model was exported for
     device = torch.device(metadata["device"])
     with _quiet_deserializer():
@@ -129,10 +136,36 @@ def _quiet_deserializer():
         logger.setLevel(level)
 
 
+def _trusted_library(path: Path) -> bool:
+    """Whether :func:`load` with ``aoti=None`` loads the library of ``path``: when this
+    machine exported the file, byte for byte."""
+    if recorded(path):
+        return True
+    warnings.warn(
+        f"{str(path)!r} holds an AOTInductor library, native code that runs when it is loaded, "
+        "and was not exported on this machine: running its exported program instead. Load it "
+        "with aoti=True (petfunc.export.load, PETCalculator.from_exported) if you trust the file",
+        UserWarning,
+        stacklevel=3,
+    )
+    return False
+
+
 def _runner(path: Path, use_aoti: bool):
     if use_aoti:
         from torch._inductor.package import load_package
 
         return load_package(str(path), model_name="model")
-    # the program only (torch.export.load reads the archive's "model" program)
-    return torch.export.load(str(path)).module()
+    return _program(path)
+
+
+def _program(path: Path):
+    """The archive's exported program, read from a copy without its AOTInductor
+    members: ``torch.export.load`` loads every library an archive holds."""
+    with zipfile.ZipFile(path) as source, tempfile.TemporaryDirectory(prefix="petfunc-program-") as scratch:
+        copy = Path(scratch) / path.name
+        with zipfile.ZipFile(copy, "w") as target:
+            for info in source.infolist():
+                if "/data/aotinductor/" not in info.filename:
+                    target.writestr(info, source.read(info))
+        return torch.export.load(str(copy)).module()

@@ -13,6 +13,7 @@ import torch
 from petfunc.config import PETConfig
 from petfunc.export.inputs import OUTPUTS, input_names, method_of
 from petfunc.export.program import trace
+from petfunc.export.trust import record
 from petfunc.model.long_range import P3M_AOTI_CORRECT
 
 
@@ -71,19 +72,7 @@ def export(
         )
     aoti = default_aoti(device, config, long_range) if aoti is None else bool(aoti)
     program, example = trace(config, params, dtype, device, method)
-    metadata = {
-        "format": FORMAT,
-        "version": VERSION if method else 2,
-        "hypers": config.to_hypers(),
-        "dtype": str(dtype).replace("torch.", ""),
-        "device": device.type,
-        "aoti": bool(aoti),
-        "inputs": list(input_names(method)),
-        "outputs": list(OUTPUTS),
-        "torch": torch.__version__,
-    }
-    if method:
-        metadata["long_range"] = method
+    metadata = _metadata(config, dtype, device, aoti, method)
     path.parent.mkdir(parents=True, exist_ok=True)
     # built next to the target and renamed into place: a failed export leaves no file
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".petfunc-export-") as scratch:
@@ -102,7 +91,27 @@ def export(
             extra_files={METADATA: json.dumps(metadata)},
         )
         os.replace(partial, path)
+    if aoti:  # its library is native code: loaded by default only where it was built
+        record(path)
     return path
+
+
+def _metadata(config: PETConfig, dtype: torch.dtype, device: torch.device, aoti: bool, method) -> dict:
+    """The artifact's ``petfunc.json``: what :func:`petfunc.export.load` needs to run it."""
+    metadata = {
+        "format": FORMAT,
+        "version": VERSION if method else 2,
+        "hypers": config.to_hypers(),
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": device.type,
+        "aoti": bool(aoti),
+        "inputs": list(input_names(method)),
+        "outputs": list(OUTPUTS),
+        "torch": torch.__version__,
+    }
+    if method:
+        metadata["long_range"] = method
+    return metadata
 
 
 def default_aoti(device, config: PETConfig | None = None, long_range: str | None = None) -> bool:

@@ -6,6 +6,7 @@ appears. They are built from scratch (a pickle, a tiny C library), never shipped
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -57,4 +58,22 @@ def library_touching(path: Path, marker: Path) -> Path:
         "}\n"
     )
     subprocess.run([compiler(), "-shared", "-fPIC", "-o", str(path), str(source)], check=True)
+    return path
+
+
+def library_in_archive(source: Path, path: Path, marker: Path) -> Path:
+    """A copy of the ``petfunc export`` artifact ``source`` (exported without a
+    library) that claims an AOTInductor library: one whose constructor creates
+    ``marker`` when it is loaded."""
+    library = library_touching(path.with_name(path.stem + "_library.so"), marker)
+    with zipfile.ZipFile(source) as original, zipfile.ZipFile(path, "w") as archive:
+        root = original.namelist()[0].split("/")[0]
+        for info in original.infolist():
+            data = original.read(info)
+            if info.filename.endswith("extra/petfunc.json"):
+                data = json.dumps({**json.loads(data), "aoti": True})
+            archive.writestr(info.filename, data)
+        folder = f"{root}/data/aotinductor/model"
+        archive.write(library, f"{folder}/model.so")
+        archive.writestr(f"{folder}/model_metadata.json", json.dumps({"AOTI_DEVICE_KEY": "cpu"}))
     return path

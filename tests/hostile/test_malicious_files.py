@@ -3,6 +3,7 @@ loaded is refused, and the code never runs (its marker file never appears)."""
 
 from __future__ import annotations
 
+import ase.build
 import pytest
 import torch
 import yaml
@@ -10,15 +11,19 @@ import yaml
 import petfunc
 from petfunc.ase import PETCalculator
 from petfunc.cli import main
+from petfunc.export import export
+from petfunc.export import load as export_load
 from petfunc.io import read_metatrain_baseline
 from petfunc.io.formats import is_torchscript
 from petfunc.trainer import fit
 from tests.helpers.cli import TINY
-from tests.helpers.hostile import disguised_pickle
+from tests.helpers.hostile import compiler, disguised_pickle, library_in_archive
 from tests.helpers.trainer import quiet, tiny_options
 
 
 pytest.importorskip("metatrain")
+
+TINY_PET = dict(d_pet=8, d_node=8, d_head=8, d_feedforward=8, num_heads=2, num_gnn_layers=1)
 
 
 @pytest.fixture
@@ -93,3 +98,36 @@ def test_petfunc_eval_runs_no_code(dataset, exploit, capsys):
     path, marker = exploit
     assert main(["eval", str(path), str(dataset)]) != 0
     assert not marker.exists()
+
+
+@pytest.fixture(scope="module")
+def foreign_library(tmp_path_factory):
+    """``(artifact, marker, clean)``: a tiny model's exported program, and a copy of it
+    with a library that creates ``marker`` when loaded, as if exported elsewhere."""
+    if compiler() is None:
+        pytest.skip("no C compiler to build the library")
+    folder = tmp_path_factory.mktemp("foreign")
+    config = petfunc.PETConfig(atomic_types=(1, 6), **TINY_PET)
+    params = petfunc.init(config, seed=0, dtype=torch.float64)
+    clean = export(config, params, folder / "clean.pt2", dtype=torch.float64, aoti=False)
+    marker = folder / "library_loaded"
+    return library_in_archive(clean, folder / "foreign.pt2", marker), marker, clean
+
+
+def test_a_foreign_library_is_not_loaded_unless_asked(foreign_library):
+    path, marker, clean = foreign_library
+    for load in (export_load, PETCalculator.from_exported):
+        with pytest.warns(UserWarning, match="native code that runs when it is loaded"):
+            loaded = load(path)
+        assert not marker.exists()
+    assert not loaded.exported.aoti
+    # the program runs, and gives what the clean file gives
+    atoms = ase.build.molecule("CH4")
+    atoms.calc = loaded
+    expected = atoms.copy()
+    expected.calc = PETCalculator.from_exported(clean)
+    assert atoms.get_potential_energy() == pytest.approx(expected.get_potential_energy(), rel=1e-12)
+    # asked for, the library is loaded: the file is live, so the checks above can fail
+    with pytest.raises(Exception):  # noqa: B017 - it is no real AOTInductor library
+        export_load(path, aoti=True)
+    assert marker.exists()
