@@ -29,12 +29,12 @@ def test_positions_and_cell_on_two_devices_or_of_two_dtypes():
     params = model.init()
     positions, cell, neighbors = _inputs()
     stress = petfunc.energy_forces_stress(model.energy)
-    # torch's own error was "BmmBackward0 returned an invalid gradient at index 0"
+    # without the check, torch says "BmmBackward0 returned an invalid gradient at index 0"
     with pytest.raises(
         TypeError, match=r"positions are torch.float32 on meta, but the cell is torch.float32 on cpu"
     ):
         stress(params, positions.to("meta"), cell, neighbors)
-    # and "expected scalar type Double but found Float"
+    # and here "expected scalar type Double but found Float"
     with pytest.raises(
         TypeError, match=r"positions are torch.float64 on cpu, but the cell is torch.float32 on cpu"
     ):
