@@ -3,7 +3,8 @@
 The model
     ``PETConfig`` (metatrain's hypers), ``PET(config)`` with ``init(seed=...)`` (a
     nested dict of tensors whose flattened keys are metatrain's) and
-    ``energy(params, positions, cell, neighbors)``; ``from_atoms`` / ``prepare`` +
+    ``energy(params, positions, cell, neighbors)``; ``check_params(config, params)``
+    names what in a parameter tree does not fit its config; ``from_atoms`` / ``prepare`` +
     ``collate`` build the inputs from ASE structures.
 Derivatives (``torch.func``, every position dependence inside)
     ``forces``, ``energy_and_forces``, ``energy_forces_stress``,
@@ -58,6 +59,7 @@ from petfunc.io import load_model as load_model
 from petfunc.io import load_params as load_params
 from petfunc.io import save_params as save_params
 from petfunc.model import PET as PET
+from petfunc.model import check_params as check_params
 from petfunc.model import init as init
 from petfunc.structures import Structure as Structure
 from petfunc.structures import collate as collate

@@ -8,9 +8,13 @@ The config is frozen and hashable: it is a static argument of every pure functio
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import operator
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+from ase.data import atomic_numbers
 
 
 _CHOICES = {
@@ -32,6 +36,58 @@ _POSITIVE_INT = (
 # metatrain builds these with 0 (no transformer layer; for the feedforward
 # featurizer, no message passing: the embeddings are read out)
 _NON_NEGATIVE_INT = ("num_attention_layers", "num_gnn_layers")
+
+#: the largest atomic number (oganesson)
+MAX_ATOMIC_NUMBER = 118
+
+
+def atomic_number(entry, index: int, types) -> int:
+    """The atomic number of ``entry``, the ``index``-th of ``types``: an integer (Python's
+    or numpy's, not a bool, not a float) or a chemical symbol (``"H"``, ``"Cu"``)."""
+    if isinstance(entry, str):
+        if atomic_numbers.get(entry, 0) == 0:  # "X", the dummy atom, is 0
+            raise ValueError(
+                f"atomic_types entry {index} is {entry!r}, not a chemical symbol (such as 'H' or 'Cu'); "
+                f"give atomic numbers or symbols, got {types!r}"
+            )
+        return atomic_numbers[entry]
+    try:
+        if isinstance(entry, (bool, np.bool_)):
+            raise TypeError("a bool")
+        # integers of every kind (numpy's, integer tensors) have __index__; floats do not,
+        # so 1.7 is never rounded to 1
+        return operator.index(entry)
+    except TypeError:
+        hint = f" (write {int(entry)})" if isinstance(entry, float) and float(entry).is_integer() else ""
+        raise ValueError(
+            f"atomic_types entry {index} is {entry!r}, not an atomic number: give integers such as 6, "
+            f"or chemical symbols such as 'C'{hint}; got {types!r}"
+        ) from None
+
+
+def checked_atomic_types(types) -> tuple[int, ...]:
+    """``types`` as sorted unique atomic numbers 1..118 (metatrain's order), or
+    ``ValueError`` naming the offending entry. Entries are integers or chemical symbols."""
+    if isinstance(types, (str, bytes, Mapping)) or not isinstance(types, Iterable):
+        raise ValueError(f"atomic_types must be a sequence of atomic numbers, got {types!r}")
+    given = tuple(types)
+    numbers = tuple(atomic_number(entry, index, given) for index, entry in enumerate(given))
+    if len(numbers) == 0:
+        raise ValueError("atomic_types must not be empty")
+    for index, number in enumerate(numbers):
+        if number < 0:
+            raise ValueError(
+                f"atomic_types must be non-negative, got {numbers}: entry {index} is {number}, "
+                f"and atomic numbers run from 1 (H) to {MAX_ATOMIC_NUMBER} (Og)"
+            )
+        if not 1 <= number <= MAX_ATOMIC_NUMBER:
+            raise ValueError(
+                f"atomic_types entry {index} is {number}, not an atomic number from 1 (H) to "
+                f"{MAX_ATOMIC_NUMBER} (Og); got {numbers}"
+            )
+    if len(set(numbers)) != len(numbers):
+        raise ValueError(f"atomic_types has duplicates: {numbers}")
+    return tuple(sorted(numbers))
 
 
 @dataclass(frozen=True)
@@ -74,8 +130,10 @@ class PETConfig:
     """Hyperparameters of a PET model (lengths in Å).
 
     Attributes:
-        atomic_types: atomic numbers the model knows, e.g. ``(1, 6, 7, 8)``. Stored
-            sorted; the species index of a type is its position in this tuple.
+        atomic_types: atomic numbers the model knows, e.g. ``(1, 6, 7, 8)`` (or their
+            chemical symbols, ``("H", "C", "N", "O")``), each from 1 to 118, no
+            duplicates. Stored sorted, as integers; the species index of a type is its
+            position in this tuple.
         cutoff: neighbour-list radius r_c, also the largest adaptive cutoff.
         cutoff_width: width w of the switching function f(r) used by the network.
         cutoff_function: ``"Bump"`` (C-infinity tanh-cot) or ``"Cosine"``.
@@ -139,17 +197,7 @@ class PETConfig:
 
     def _check_values(self) -> None:
         """Check and normalise every hyper on its own."""
-        types = self.atomic_types
-        if isinstance(types, int) or not hasattr(types, "__iter__"):
-            raise ValueError(f"atomic_types must be a sequence of atomic numbers, got {types!r}")
-        types = tuple(int(t) for t in types)
-        if len(types) == 0:
-            raise ValueError("atomic_types must not be empty")
-        if len(set(types)) != len(types):
-            raise ValueError(f"atomic_types has duplicates: {types}")
-        if min(types) < 0:
-            raise ValueError(f"atomic_types must be non-negative, got {types}")
-        object.__setattr__(self, "atomic_types", tuple(sorted(types)))
+        object.__setattr__(self, "atomic_types", checked_atomic_types(self.atomic_types))
 
         if isinstance(self.long_range, Mapping):
             known = {f.name for f in dataclasses.fields(LongRangeConfig)}

@@ -66,6 +66,40 @@ def assert_eager(what: str) -> None:
         )
 
 
+def _parameter_device(params) -> str:
+    """Where the parameters are, for an error message (the first tensor of any size)."""
+    for leaf in torch.utils._pytree.tree_leaves(params):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return f"; the parameters are {leaf.dtype} on {leaf.device}"
+    return ""
+
+
+def check_inputs(params, positions, cell) -> None:
+    """Raise ``TypeError`` when ``positions`` or ``cell`` is not a tensor, or when the two
+    differ in dtype or device.
+
+    The strain derivative multiplies them before the energy function sees them, and
+    torch's error there (``BmmBackward0 returned an invalid gradient``, ``expected
+    scalar type Double``) names neither. Dtypes and devices are static properties of
+    a tensor, also of a traced or batched one, so the check is the same under
+    ``make_fx``, ``torch.compile`` and ``vmap``. The parameters are named in the
+    message only: their dtypes may differ from the inputs' (float64 composition
+    weights), and the energy function checks them against its inputs.
+    """
+    for name, tensor in (("positions", positions), ("cell", cell)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a torch.Tensor, got {type(tensor).__name__} (from_atoms, collate or "
+                "make_batch build the inputs)"
+            )
+    if positions.dtype != cell.dtype or positions.device != cell.device:
+        raise TypeError(
+            f"positions are {positions.dtype} on {positions.device}, but the cell is {cell.dtype} on "
+            f"{cell.device}{_parameter_device(params)}: give the positions, the cell and the network "
+            "weights the same dtype and device (from_atoms(..., dtype=, device=) builds both inputs)"
+        )
+
+
 def _requires_graph(params, *tensors) -> bool:
     """Whether an autograd derivative must itself be differentiable."""
     if not torch.is_grad_enabled():
@@ -139,6 +173,7 @@ def energy_and_forces(energy_fn, autodiff: str = "func"):
     check_autodiff(autodiff)
 
     def fn(params, positions, cell, neighbors):
+        check_inputs(params, positions, cell)
         if torch.is_inference_mode_enabled():
             return _outside_inference_mode(fn, params, positions, cell, neighbors)
         if autodiff == "autograd":
@@ -158,6 +193,7 @@ def energy_and_forces(energy_fn, autodiff: str = "func"):
 def _position_and_strain_grad(terms_fn, params, positions, cell, neighbors, autodiff: str = "func"):
     """``(terms, dE/dx, dE/d eps)`` at the identity strain, where ``terms = terms_fn(params,
     x, cell, neighbors)`` is a tuple whose first item is the energy [n_structures]."""
+    check_inputs(params, positions, cell)  # the strain below would fail first, less clearly
     if torch.is_inference_mode_enabled():
         return _outside_inference_mode(
             _position_and_strain_grad, terms_fn, params, positions, cell, neighbors, autodiff

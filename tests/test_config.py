@@ -174,3 +174,38 @@ def test_check_partial():
     ):
         with pytest.raises(ValueError, match=message):
             PETConfig.check_partial(bad)
+
+
+def test_atomic_types_are_atomic_numbers_or_symbols():
+    import numpy as np
+
+    # chemical symbols become atomic numbers; numpy integers are integers
+    assert PETConfig(atomic_types=("H", "C")).atomic_types == (1, 6)
+    assert PETConfig(atomic_types=("O", 1, np.int64(6))).atomic_types == (1, 6, 8)
+    assert PETConfig(atomic_types=np.array([118, 1])).atomic_types == (1, 118)
+    # a float is never rounded, even one of integral value; the entry is named
+    with pytest.raises(ValueError, match=r"atomic_types entry 0 is 1.7, not an atomic number"):
+        PETConfig(atomic_types=(1.7, 6))
+    with pytest.raises(ValueError, match=r"atomic_types entry 1 is 6.0, not an atomic number.*\(write 6\)"):
+        PETConfig(atomic_types=(1, 6.0))
+    with pytest.raises(ValueError, match=r"atomic_types entry 0 is True, not an atomic number"):
+        PETConfig(atomic_types=(True, 6))
+    with pytest.raises(ValueError, match=r"atomic_types entry 1 is None, not an atomic number"):
+        PETConfig(atomic_types=(1, None))
+    # 1 (H) to 118 (Og)
+    with pytest.raises(
+        ValueError, match=r"atomic_types entry 1 is 300, not an atomic number from 1 \(H\) to 118"
+    ):
+        PETConfig(atomic_types=(1, 300))
+    with pytest.raises(ValueError, match=r"atomic_types entry 0 is 0, not an atomic number from 1 \(H\)"):
+        PETConfig(atomic_types=(0, 1))
+    # symbols are matched exactly; "X" (ASE's dummy atom) is no element
+    for symbol in ("h", "X", "Hx"):
+        with pytest.raises(ValueError, match=rf"atomic_types entry 0 is '{symbol}', not a chemical symbol"):
+            PETConfig(atomic_types=(symbol, 6))
+    with pytest.raises(ValueError, match=r"atomic_types has duplicates: \(1, 1\)"):
+        PETConfig(atomic_types=("H", 1))
+    with pytest.raises(ValueError, match="atomic_types must be a sequence of atomic numbers, got 'HC'"):
+        PETConfig(atomic_types="HC")
+    # the hypers of an options file take symbols too
+    assert PETConfig.from_hypers({"atomic_types": ["Cu", "Al"]}).atomic_types == (13, 29)

@@ -8,6 +8,7 @@ import ase.build
 import pytest
 import torch
 from ase.calculators.emt import EMT
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import petfunc
 from petfunc.data import make_batch, sample_from_atoms
@@ -167,3 +168,49 @@ def test_autograd_refuses_transforms_and_tracing():
         petfunc.compile(step, params, _batch(), backend="aot_eager")
     with pytest.raises(ValueError, match="autodiff"):
         energy_and_forces(model.energy, "jax")
+
+
+@pytest.mark.parametrize("autodiff", ["func", "autograd"])
+def test_inputs_on_other_devices_or_dtypes_are_named(autodiff):
+    """Positions and cell meet in the strain before the energy function checks them:
+    a mismatch is named there, not left to bmm's backward."""
+    model = petfunc.PET(CONFIG)
+    params = _params()
+    positions, cell, neighbors = petfunc.from_atoms(_frames(), CONFIG, dtype=F64)
+    for make in (energy_forces_stress, energy_and_forces, energy_forces_strain_derivative):
+        fn = make(model.energy, autodiff)
+        with pytest.raises(
+            TypeError, match=r"positions are torch.float64 on meta, but the cell is torch.float64 on cpu"
+        ):
+            fn(params, positions.to("meta"), cell, neighbors)
+        with pytest.raises(
+            TypeError, match=r"positions are torch.float32 on cpu, but the cell is torch.float64 on cpu"
+        ):
+            fn(params, positions.float(), cell, neighbors)
+        with pytest.raises(
+            TypeError, match=r"the cell is torch.float64 on meta; the parameters are torch.float64 on cpu"
+        ):
+            fn(params, positions, cell.to("meta"), neighbors)
+        with pytest.raises(TypeError, match=r"cell must be a torch.Tensor, got ndarray"):
+            fn(params, positions, cell.numpy(), neighbors)
+
+
+def test_the_input_check_traces_and_vmaps():
+    """The dtype and device check reads static properties only: it runs under make_fx
+    with symbolic sizes and under vmap without a guard or an error."""
+    positions, cell, neighbors = petfunc.from_atoms(_frames(), CONFIG, dtype=F64)
+
+    def toy_energy(params, x, c, nb):
+        per_atom = params["k"] * (x**2).sum(1) + (c**2).sum((1, 2))[nb.structure_index]
+        return torch.zeros(c.shape[0], dtype=x.dtype).index_add(0, nb.structure_index, per_atom)
+
+    fn = energy_forces_stress(toy_energy)
+    params = {"k": torch.tensor(0.5, dtype=F64)}
+    expected = fn(params, positions, cell, neighbors)
+    traced = make_fx(fn, tracing_mode="symbolic")(params, positions, cell, neighbors)
+    for x, y in zip(expected, traced(params, positions, cell, neighbors)):
+        torch.testing.assert_close(y, x, equal_nan=True)
+    stacked = torch.func.vmap(lambda k: fn({"k": k}, positions, cell, neighbors)[0])(
+        torch.tensor([0.5, 1.0], dtype=F64)
+    )
+    torch.testing.assert_close(stacked[0], expected[0])

@@ -11,6 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from petfunc._torch.registry import trace_patches
+from petfunc.compile.logs import deferred_torch_errors
 
 
 @contextlib.contextmanager
@@ -154,10 +155,13 @@ def trace(fn, inputs, static, context=contextlib.nullcontext) -> tuple[torch.fx.
     (symbolic sizes but where ``static``), under ``context()`` (a ``with`` block of the
     caller's) and petfunc's tracing patches, and the size relations the trace assumed
     (:func:`shape_guards`). Inputs on one accelerator are traced on the CPU and the
-    graph moved (:func:`trace_device`). Dead nodes and unused constants are dropped."""
+    graph moved (:func:`trace_device`). Dead nodes and unused constants are dropped.
+    torch's error logs of a trace that ends in petfunc's own error are dropped
+    (:func:`deferred_torch_errors`)."""
     device = trace_device(inputs)
     mode, fakes = fake_inputs(inputs, static, device)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(deferred_torch_errors())
         # vmap's symbolic-size rules for the whole trace: a vmap inside a grad (a
         # Hessian-vector loss, an ensemble) is replayed by the backward of that grad,
         # after the vmap's own block has exited (torch 2.12's C++ rule of bmm then

@@ -1,4 +1,4 @@
-"""petfunc's parameter file, and checks of a parameter tree against its config.
+"""petfunc's parameter file, and the dtypes and devices of a parameter tree.
 
 :func:`save_params` writes ``config`` and ``params`` as a ``torch.save`` of plain
 data (strings, ints, the config as JSON and a ``{dotted.name: tensor}`` dict),
@@ -7,7 +7,8 @@ reading a file never runs pickled code.
 
 The composition weights and the energy scale (:data:`EXTRA_KEYS`) are kept in
 float64 whatever the network dtype: :func:`petfunc.model.energy` casts them to the
-computation dtype, as metatrain does with its float64 buffers.
+computation dtype, as metatrain does with its float64 buffers. The checks of a tree
+against its config (:func:`check_params`) are :mod:`petfunc.model.params`'s.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from petfunc import tree
 from petfunc._files import PathLike, atomic_write, not_a_file
 from petfunc.config import PETConfig
 from petfunc.io.formats import is_petfunc_export
-from petfunc.model import init
+from petfunc.model.params import EXTRA_KEYS as EXTRA_KEYS
+from petfunc.model.params import check_params as check_params
+from petfunc.model.params import expected_shapes as expected_shapes
 
 
 FORMAT = "petfunc.params"
 FORMAT_VERSION = 1
-
-#: parameters that are not metatrain ``backend.*`` network weights
-EXTRA_KEYS = ("composition_weights", "energy_scale")
 
 #: the long-range weights, which metatrain's PET keeps outside ``backend.`` (its
 #: ``long_range_featurizer`` also holds torch-pme buffers, which are not weights)
@@ -37,13 +37,8 @@ LONG_RANGE_WEIGHTS = ("long_range_featurizer.charges_map.", "long_range_featuriz
 
 
 # ---------------------------------------------------------------------------------------
-# checking a parameter tree against a config
-
-
-def expected_shapes(config: PETConfig) -> dict[str, torch.Size]:
-    """``{name: shape}`` of every parameter of ``config`` (in init's order)."""
-    # the draws are cheap next to reading a file; float32 halves them for big models
-    return {k: v.shape for k, v in tree.flatten(init(config, dtype=torch.float32)).items()}
+# the dtypes and devices of a parameter tree (the checks against a config are
+# petfunc.model.params's: the pure API uses them too)
 
 
 def network_dtype(params) -> torch.dtype:
@@ -63,31 +58,6 @@ def cast_params(params, dtype, device):
         keep = key in EXTRA_KEYS or not value.is_floating_point()
         out[key] = value.to(device=device, dtype=None if keep else dtype)
     return tree.unflatten(out)
-
-
-def check_params(config: PETConfig, params, what: str = "parameters", expected=None) -> None:
-    """Raise ``ValueError`` naming every missing, unexpected or misshapen parameter."""
-    expected = expected_shapes(config) if expected is None else expected
-    flat = tree.flatten(params)
-    problems = []
-    missing = [k for k in expected if k not in flat]
-    unexpected = [k for k in flat if k not in expected]
-    if missing:
-        problems.append(f"missing {missing}")
-    if unexpected:
-        problems.append(f"unexpected {unexpected}")
-    for key, shape in expected.items():
-        value = flat.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, torch.Tensor):
-            problems.append(f"{key} is a {type(value).__name__}, not a tensor")
-        elif value.shape != shape:
-            problems.append(f"{key} has shape {list(value.shape)}, expected {list(shape)}")
-        elif not value.is_floating_point():
-            problems.append(f"{key} has dtype {value.dtype}, expected a floating dtype")
-    if problems:
-        raise ValueError(f"{what} do not match the config: " + "; ".join(problems))
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """PET's model math, as pure functions of parameters and positions.
 
 - :mod:`petfunc.model.pet`: the network, :class:`PET` and ``energy(params, positions,
-  cell, neighbors)``; :mod:`petfunc.model.params`: :func:`init`.
+  cell, neighbors)``; :mod:`petfunc.model.params`: :func:`init` and
+  :func:`check_params`.
 - :mod:`petfunc.model.geometry`: edge vectors and cutoff factors;
   :mod:`petfunc.model.cutoff`, :mod:`petfunc.model.adaptive`: switching functions and
   the adaptive cutoff radii.
@@ -13,7 +14,10 @@
 from petfunc.model.geometry import cutoff_factors as cutoff_factors
 from petfunc.model.geometry import edge_vectors as edge_vectors
 from petfunc.model.params import BLOCK as BLOCK
+from petfunc.model.params import EXTRA_KEYS as EXTRA_KEYS
 from petfunc.model.params import TARGET as TARGET
+from petfunc.model.params import check_params as check_params
+from petfunc.model.params import expected_shapes as expected_shapes
 from petfunc.model.params import init as init
 from petfunc.model.params import init_conditioning as init_conditioning
 from petfunc.model.pet import PET as PET

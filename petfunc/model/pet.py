@@ -192,12 +192,13 @@ def _check_inputs(params, positions, cell, neighbors: Neighbors, config: PETConf
             f"the parameters are not for this config's {n_species} atomic types {list(config.atomic_types)} "
             f"and d_pet {config.d_pet} "
             f"(edge_embedder.weight {list(weight.shape)}, composition_weights "
-            f"{list(params['composition_weights'].shape)}); petfunc.io.check_params names every mismatch"
+            f"{list(params['composition_weights'].shape)}); petfunc.check_params(config, params) names "
+            "every mismatch"
         )
     if len(params.get("gnn_layers", [])) != config.num_gnn_layers:
         raise ValueError(
             f"the parameters have {len(params.get('gnn_layers', []))} GNN layers, the config "
-            f"{config.num_gnn_layers}; petfunc.io.check_params names every mismatch"
+            f"{config.num_gnn_layers}; petfunc.check_params(config, params) names every mismatch"
         )
 
 

@@ -11,16 +11,25 @@ parallelism to all-reduce them before :func:`apply_gradients`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.func import grad_and_value
 
 from petfunc import tree
+from petfunc.compile import register_input_check
 from petfunc.derivatives import assert_eager, check_autodiff
 from petfunc.train.loss import LossWeights, make_loss
 from petfunc.train.optim import apply_updates, clip_by_global_norm
-from petfunc.train.state import TrainState, trainable, with_trained
+from petfunc.train.state import FROZEN, TrainState, trainable, with_trained
+
+
+#: why an optimizer state made by ``optimizer.init(params)`` does not fit a step
+STATE_OF_EVERY_PARAMETER = (
+    "the optimizer state was made for every parameter, composition_weights and energy_scale "
+    "included, which are not trained (metatrain fits them on the data): make it with "
+    "petfunc.init_state(params, optimizer), or optimizer.init(petfunc.train.trainable(params))"
+)
 
 
 def make_grad_step(
@@ -108,12 +117,8 @@ def apply_gradients(
     try:
         updates, opt_state = optimizer.update(grads, state.opt_state, params=train_params, inplace=False)
     except (ValueError, RuntimeError) as error:  # optree's "Node arity mismatch", size mismatches
-        if _made_for(state.opt_state, params) and not _made_for(state.opt_state, train_params):
-            raise ValueError(
-                "the optimizer state was made for every parameter, composition_weights and energy_scale "
-                "included, which are not trained (metatrain fits them on the data): make it with "
-                "petfunc.init_state(params, optimizer), or optimizer.init(petfunc.train.trainable(params))"
-            ) from None
+        if made_for_every_parameter(state):
+            raise ValueError(STATE_OF_EVERY_PARAMETER) from None
         if isinstance(error, RuntimeError) or ("arity" not in str(error) and "structure" not in str(error)):
             raise
         raise ValueError(
@@ -122,6 +127,29 @@ def apply_gradients(
         ) from None
     new_params = apply_updates(train_params, updates)
     return TrainState(with_trained(params, new_params, train), opt_state), norm
+
+
+def made_for_every_parameter(state: TrainState) -> bool:
+    """Whether ``state``'s optimizer state was made for the whole parameter tree, the
+    fitted composition weights and energy scale included (``optimizer.init(params)``),
+    which no step trains."""
+    params = state.params
+    if not isinstance(params, Mapping) or not any(key in params for key in FROZEN):
+        return False
+    return _made_for(state.opt_state, params) and not _made_for(state.opt_state, trainable(params))
+
+
+def refuse_state_of_every_parameter(example_args, backend=None) -> None:
+    """:func:`petfunc.compile`'s check of its example arguments: raise ``ValueError``
+    for a :class:`TrainState` whose optimizer state :func:`made_for_every_parameter`,
+    before tracing a step with it (the trace would stop at the optimizer update, after
+    torch has logged the failed operation)."""
+    for arg in example_args:
+        if isinstance(arg, TrainState) and made_for_every_parameter(arg):
+            raise ValueError(f"petfunc.compile: {STATE_OF_EVERY_PARAMETER}")
+
+
+register_input_check(refuse_state_of_every_parameter)
 
 
 def _made_for(opt_state, params) -> bool:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from petfunc import lora, tree
-from petfunc.config import PETConfig
+from petfunc.config import PETConfig, checked_atomic_types
 from petfunc.io.load import load_model_and_lora
 from petfunc.model import PET
 
@@ -22,7 +22,8 @@ def check_model_section(model_hypers: Mapping, config: PETConfig, what: str) -> 
     its defaults first); the architecture itself comes from the checkpoint.
     """
     if model_hypers.get("atomic_types") is not None:
-        added = sorted({int(z) for z in model_hypers["atomic_types"]} - set(config.atomic_types))
+        # atomic numbers or chemical symbols, as PETConfig takes them
+        added = sorted(set(checked_atomic_types(model_hypers["atomic_types"])) - set(config.atomic_types))
         if added:  # a PET model's types are fixed; metatrain refuses new types too
             raise ValueError(
                 f"option 'architecture.atomic_types' has type(s) {added} that the model of {what} "

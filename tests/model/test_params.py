@@ -4,6 +4,7 @@ random generator."""
 
 import math
 
+import pytest
 import torch
 
 import petfunc
@@ -56,3 +57,61 @@ def test_init_uses_its_own_generator():
     # float32 and float64 draws are the same numbers, rounded
     a64 = petfunc.tree.flatten(petfunc.PET(CONFIG).init(seed=7, dtype=F64))
     assert all(torch.equal(a64[k].float(), fa[k]) for k in fa)
+
+
+def test_check_params_names_the_mismatch():
+    """petfunc.check_params names what the energy would fail on with a bare KeyError or
+    a matmul's size error: a missing, unexpected or misshapen weight, mixed network
+    dtypes, a tensor on another device."""
+    params = petfunc.init(CONFIG)
+    petfunc.check_params(CONFIG, params)
+    # the composition weights and energy scale may be float64 in a float32 model
+    petfunc.check_params(CONFIG, {**params, "composition_weights": params["composition_weights"].double()})
+
+    def mutated(key, value):
+        flat = petfunc.tree.flatten(petfunc.init(CONFIG))
+        if value is None:
+            del flat[key]
+        else:
+            flat[key] = value
+        return petfunc.tree.unflatten(flat)
+
+    cases = [
+        ("edge_embedder.weight", None, r"missing \['edge_embedder.weight'\]"),
+        ("gnn_layers.0.extra.weight", torch.zeros(2), r"unexpected \['gnn_layers.0.extra.weight'\]"),
+        (
+            "gnn_layers.0.compress.0.weight",
+            torch.zeros(3, 3),
+            r"compress.0.weight has shape \[3, 3\], expected \[8, 16\]",
+        ),
+        (
+            "node_embedders.0.weight",
+            torch.zeros(4, 16, dtype=torch.int64),
+            r"has dtype torch.int64, expected a floating",
+        ),
+        (
+            "gnn_layers.1.compress.0.weight",
+            torch.zeros(8, 24, dtype=F64),
+            r"gnn_layers.1.compress.0.weight is torch.float64 but gnn_layers.0.\S+ is torch.float32",
+        ),
+        (
+            "energy_scale",
+            torch.ones((), device="meta"),
+            r"energy_scale is on meta but gnn_layers.0.\S+ on cpu",
+        ),
+    ]
+    for key, value, message in cases:
+        with pytest.raises(ValueError, match=r"parameters do not match the config: .*" + message):
+            petfunc.check_params(CONFIG, mutated(key, value))
+    # the parameters of another architecture: the keys are listed, the first few only
+    other = petfunc.init(petfunc.PETConfig(**{**SMALL, "num_gnn_layers": 4}))
+    with pytest.raises(
+        ValueError, match=r"unexpected \['gnn_layers.2.[^]]*\] and \d+ more.*petfunc.init\(config\)"
+    ):
+        petfunc.check_params(CONFIG, other)
+    with pytest.raises(ValueError, match="must be a nested dict of tensors, as petfunc.init"):
+        petfunc.check_params(CONFIG, [params])
+    with pytest.raises(TypeError, match="config must be a PETConfig, got dict"):
+        petfunc.check_params(SMALL, params)
+    # the loaders' check is the same function
+    assert petfunc.io.check_params is petfunc.check_params

@@ -263,3 +263,41 @@ def test_loss_falls(dataset, fitted):
         batch_of(dataset, fitted, [0]),
     )
     assert math.isfinite(float(metrics["loss"]))
+
+
+def test_compile_refuses_a_state_of_every_parameter_before_tracing(dataset, fitted, caplog):
+    """``optimizer.init(params)`` includes the fitted composition and scale: petfunc.compile
+    says so before it traces the step, so torch logs no failed operation first."""
+    import logging
+
+    import torchopt
+
+    from petfunc.compile.logs import TRACING_LOGGERS
+
+    params = fitted_params(fitted)
+    adamw = torchopt.adamw(1e-3)
+    step = petfunc.make_train_step(petfunc.PET(CONFIG), adamw, petfunc.LossWeights())
+    loggers = [logging.getLogger(name) for name in TRACING_LOGGERS]
+    for logger in loggers:  # they do not propagate to the root logger, where caplog listens
+        logger.addHandler(caplog.handler)
+    try:
+        with pytest.raises(
+            ValueError, match=r"petfunc.compile: the optimizer state was made for every parameter.*init_state"
+        ):
+            petfunc.compile(
+                step,
+                petfunc.TrainState(params, adamw.init(params)),
+                batch_of(dataset, fitted, [0]),
+                backend="aot_eager",
+            )
+    finally:
+        for logger in loggers:
+            logger.removeHandler(caplog.handler)
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    # the check passes a state of the trained parameters, and one of a tree without the
+    # fitted composition and scale (a custom energy's), made with optimizer.init
+    from petfunc.train.step import refuse_state_of_every_parameter
+
+    refuse_state_of_every_parameter((petfunc.init_state(params, adamw),))
+    custom = {"weight": params["edge_embedder"]["weight"]}
+    refuse_state_of_every_parameter((petfunc.TrainState(custom, adamw.init(custom)),))

@@ -487,3 +487,13 @@ def test_command_line_flags(base, tmp_path, capsys):
     ]
     assert main(args) == 0, capsys.readouterr().err
     assert json.loads(torch.load(tmp_path / "bare" / "last.ckpt", weights_only=True)["config"])["d_pet"] == 8
+
+
+def test_model_section_atomic_types_may_be_symbols():
+    from petfunc.config import PETConfig
+    from petfunc.trainer.models import check_model_section
+
+    config = PETConfig(atomic_types=(1, 6, 8))
+    check_model_section({"atomic_types": ["O", "H"]}, config, "the checkpoint")
+    with pytest.raises(ValueError, match=r"has type\(s\) \[29\] that the model of the checkpoint lacks"):
+        check_model_section({"atomic_types": ["H", "Cu"]}, config, "the checkpoint")
