@@ -181,3 +181,54 @@ def test_loss_options_expand_like_metatrain(form):
             ref.get("delta", 1.0),
             ref.get("reduction", "mean"),
         ), name
+
+
+T = "architecture.training"
+
+
+@pytest.mark.parametrize(
+    "training, message",
+    [
+        ({"learning_rate": float("nan")}, rf"'{T}.learning_rate' must be a finite number, got nan"),
+        ({"learning_rate": float("inf")}, rf"'{T}.learning_rate' must be a finite number, got inf"),
+        ({"num_epochs": float("inf")}, rf"'{T}.num_epochs' must be a finite number, got inf"),
+        ({"batch_size": float("nan")}, rf"'{T}.batch_size' must be a finite number, got nan"),
+        ({"warmup_fraction": float("nan")}, rf"'{T}.warmup_fraction' must be a finite number"),
+        ({"weight_decay": float("nan")}, rf"'{T}.weight_decay' must be a finite number"),
+        ({"grad_clip_norm": float("inf")}, rf"'{T}.grad_clip_norm' must be a finite number, got inf"),
+        ({"max_atoms_per_batch": float("inf")}, rf"'{T}.max_atoms_per_batch' must be a finite number"),
+        ({"loss": {"energy": {"weight": float("nan")}}}, rf"'{T}.loss.energy.weight' must be a finite"),
+        ({"loss": {"energy": {"forces": float("inf")}}}, rf"'{T}.loss.energy.forces' must be a finite"),
+        ({"loss": {"energy": {"forces": -1}}}, rf"'{T}.loss.energy.forces' must be >= 0.0, got -1"),
+        (
+            {"loss": {"energy": {"type": "huber", "delta": float("inf")}}},
+            rf"'{T}.loss.energy.delta' must be a finite number, got inf",
+        ),
+        (
+            {"loss": {"energy": {"type": "huber", "delta": 0}}},
+            rf"^option '{T}.loss.energy.delta' must be positive, got 0$",
+        ),
+        ({"atomic_baseline": {"energy": float("nan")}}, rf"'{T}.atomic_baseline.energy' must be a finite"),
+        (
+            {"atomic_baseline": {"energy": {29: float("inf")}}},
+            rf"'{T}.atomic_baseline.energy.29' must be a finite number, got inf",
+        ),
+        (
+            {"fixed_scaling_weights": {"energy": float("inf")}},
+            rf"'{T}.fixed_scaling_weights.energy' must be a finite number",
+        ),
+    ],
+)
+def test_numbers_must_be_finite(training, message):
+    """YAML's .nan and .inf are numbers to Python: no option means anything by them."""
+    with pytest.raises(ValueError, match=message):
+        resolve_options({"training_set": "data.xyz", "architecture": {"training": training}})
+
+
+def test_top_level_and_model_numbers_must_be_finite():
+    with pytest.raises(ValueError, match=r"option 'validation_set' must be a finite number, got nan"):
+        resolve_options({"training_set": "data.xyz", "validation_set": float("nan")})
+    with pytest.raises(ValueError, match=r"option 'seed' must be a finite number, got inf"):
+        resolve_options({"training_set": "data.xyz", "seed": float("inf")})
+    with pytest.raises(ValueError, match=r"option 'architecture.model': cutoff must be finite, got inf"):
+        resolve_options({"training_set": "data.xyz", "architecture": {"model": {"cutoff": float("inf")}}})
