@@ -183,6 +183,58 @@ def test_loss_options_expand_like_metatrain(form):
         ), name
 
 
+@pytest.mark.parametrize("name", ["energy", "energy/pbe", "mtt::U0", "mtt::U0/pbe", "mtt::dipole"])
+def test_target_names_metatrain_accepts(name):
+    """metatrain's names of an energy target: trained as the energy."""
+    options = resolve_options({"training_set": {"systems": "data.xyz", "targets": {name: {}}}})
+    assert options["training_set"]["targets"]["energy"]["key"] == name
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        (
+            "enrgy",
+            r"'training_set(\[0\])?.targets.enrgy': unknown target name 'enrgy' \(did you mean 'energy'\?\)",
+        ),
+        ("Energy", r"unknown target name 'Energy' \(did you mean 'energy'\?\)"),
+        ("U0", r"unknown target name 'U0'\. A target is named .*'mtt::NAME'.*\(here 'mtt::U0'\)"),
+        ("energy/", r"unknown target name 'energy/'"),
+        (
+            "dft::U0",
+            r"targets.dft::U0': target names with '::' must start with 'mtt::'.*did you mean 'mtt::U0'",
+        ),
+        ("mtt::", r"'mtt::' needs a name after it"),
+        ("mtt::aux::energy_uncertainty", r"'mtt::aux::' names are metatrain's auxiliary outputs"),
+        ("non_conservative_force", r"standard output petfunc does not train; petfunc trains energies only"),
+        ("non_conservative_forces", r"standard output petfunc does not train; petfunc trains energies only"),
+        ("energy_ensemble", r"standard output petfunc does not train; petfunc trains energies only"),
+        ("charges", r"standard output petfunc does not train; petfunc trains energies only"),
+        ("forces", r"'forces' looks like a derivative of the energy.*targets: \{energy: \{forces"),
+        ("dft_virial", r"'dft_virial' looks like a derivative of the energy"),
+    ],
+)
+def test_target_names_metatrain_refuses(name, message):
+    """A misspelt target name would train a target of its own, without the forces and
+    stress of the file; names of targets that are not energies are refused too."""
+    with pytest.raises(ValueError, match=message):
+        resolve_options({"training_set": {"systems": "data.xyz", "targets": {name: {"key": "energy"}}}})
+    # in a list of datasets and beside the energy, too
+    with pytest.raises(ValueError, match=message):
+        resolve_options({"training_set": [{"systems": "data.xyz", "targets": {"energy": {}, name: {}}}]})
+
+
+def test_a_non_energy_mtt_target_is_refused():
+    """An mtt:: target declared as something other than a total energy."""
+    for entry, message in (
+        ({"quantity": "dipole"}, r"'training_set.targets.mtt::dipole.quantity' must be 'energy'"),
+        ({"type": {"cartesian": {"rank": 1}}}, r"'training_set.targets.mtt::dipole.type' must be 'scalar'"),
+        ({"per_atom": True}, r"'training_set.targets.mtt::dipole.per_atom' must be False"),
+    ):
+        with pytest.raises(ValueError, match=message + r" \(petfunc trains total energies\)"):
+            resolve_options({"training_set": {"systems": "data.xyz", "targets": {"mtt::dipole": entry}}})
+
+
 T = "architecture.training"
 
 
