@@ -8,6 +8,7 @@ The config is frozen and hashable: it is a static argument of every pure functio
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -119,6 +120,8 @@ class LongRangeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"long_range.{name} must be a positive number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"long_range.{name} must be finite, got {value!r}")
             object.__setattr__(self, name, float(value))
         nodes = self.interpolation_nodes
         if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= 5:
@@ -228,11 +231,19 @@ class PETConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+            if not math.isfinite(value):
+                # no length or width means anything at infinity: a periodic cell has
+                # infinitely many neighbours within an infinite cutoff
+                raise ValueError(f"{name} must be finite, got {value!r}")
             object.__setattr__(self, name, float(value))
         if self.num_neighbors_adaptive is not None:
             value = self.num_neighbors_adaptive
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"num_neighbors_adaptive must be a number >= 0 or None, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"num_neighbors_adaptive must be finite, got {value!r} (None: a fixed cutoff)"
+                )
             object.__setattr__(self, "num_neighbors_adaptive", float(value))
         if not isinstance(self.system_conditioning, bool):
             raise ValueError(f"system_conditioning must be true or false, got {self.system_conditioning!r}")

@@ -209,3 +209,25 @@ def test_atomic_types_are_atomic_numbers_or_symbols():
         PETConfig(atomic_types="HC")
     # the hypers of an options file take symbols too
     assert PETConfig.from_hypers({"atomic_types": ["Cu", "Al"]}).atomic_types == (13, 29)
+
+
+@pytest.mark.parametrize(
+    "field", ["cutoff", "cutoff_width", "cutoff_width_adaptive", "attention_temperature"]
+)
+def test_lengths_must_be_finite(field):
+    with pytest.raises(ValueError, match=rf"^{field} must be finite, got inf$"):
+        PETConfig(**{field: float("inf")})
+    with pytest.raises(ValueError, match=rf"^{field} must be a positive number, got nan$"):
+        PETConfig(**{field: float("nan")})
+
+
+def test_adaptive_count_and_long_range_must_be_finite():
+    with pytest.raises(ValueError, match=r"^num_neighbors_adaptive must be finite, got inf \(None: a fixed"):
+        PETConfig(num_neighbors_adaptive=float("inf"))
+    with pytest.raises(ValueError, match="num_neighbors_adaptive must be a number >= 0 or None, got nan"):
+        PETConfig(num_neighbors_adaptive=float("nan"))
+    for name in ("smearing", "kspace_resolution"):
+        with pytest.raises(ValueError, match=rf"^long_range.{name} must be finite, got inf$"):
+            PETConfig(long_range={"enable": True, name: float("inf")})
+        with pytest.raises(ValueError, match=rf"^long_range.{name} must be a positive number, got nan$"):
+            PETConfig(long_range={"enable": True, name: float("nan")})

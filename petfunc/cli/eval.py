@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from petfunc.cli.arguments import add_threads, positive_int
+from petfunc.devices import resolve_device
 from petfunc.trainer import evaluate, training_label_options
 
 
@@ -28,7 +29,7 @@ def add_parser(subparsers) -> None:
     ev.add_argument("dataset", help="extxyz file with reference labels")
     ev.add_argument("--batch-size", type=positive_int, default=16)
     ev.add_argument("--dtype", choices=("float32", "float64"), help="default: the model's")
-    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ev.add_argument(
         "--which",
         choices=("best", "last"),
@@ -116,6 +117,7 @@ def label_options(args) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``petfunc eval`` with the parsed ``args``; returns the exit status."""
     dtype = {"float32": torch.float32, "float64": torch.float64, None: None}[args.dtype]
+    device = resolve_device(args.device, "--device")
     # keys given on the command line must be in the file; defaults may be absent
     named = [
         getattr(args, name)
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         args.dataset,
         batch_size=args.batch_size,
         dtype=dtype,
-        device=args.device,
+        device=device,
         which=args.which,
         energy_key=args.energy_key,
         forces_key=args.forces_key,

@@ -10,6 +10,7 @@ import time
 import torch
 
 from petfunc.cli.arguments import add_threads
+from petfunc.devices import resolve_device
 from petfunc.export import default_aoti, export
 from petfunc.io import is_llpr_checkpoint, load_model
 
@@ -66,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.output.endswith(".pt2"):
         raise ValueError(f"the output file name must end in .pt2, got {args.output!r}")
     dtype = {"float32": torch.float32, "float64": torch.float64}[args.dtype]
+    device = resolve_device(args.device, "--device")
     config, params = load_model(args.model, which=args.which)
-    aoti = default_aoti(args.device, config, args.long_range) if args.aoti is None else args.aoti
+    aoti = default_aoti(device, config, args.long_range) if args.aoti is None else args.aoti
     what = (
         "torch.export program and AOTInductor build (this takes minutes)" if aoti else "torch.export program"
     )
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if args.long_range and not config.long_range.enable:
         raise ValueError(f"--long-range {args.long_range}: {args.model} has no long-range features")
     path = export(
-        config, params, args.output, dtype=dtype, device=args.device, aoti=aoti, long_range=args.long_range
+        config, params, args.output, dtype=dtype, device=device, aoti=aoti, long_range=args.long_range
     )
     size = path.stat().st_size / 2**20
     print(f"wrote {path} ({size:.1f} MiB) in {time.perf_counter() - start:.0f} s")

@@ -18,6 +18,7 @@ import yaml
 from petfunc.cli.arguments import add_threads, positive_int
 from petfunc.cli.demo import DEMO_STRUCTURES, make_default_dataset
 from petfunc.cli.options import options_of
+from petfunc.devices import resolve_device
 from petfunc.distributed import (
     RunMismatchError,
     all_reduce_metrics,
@@ -133,6 +134,8 @@ def _add_step_flags(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``petfunc train`` with the parsed ``args``; returns the exit status."""
     options, demo = options_of(args)
+    # before any file is written: a device this process cannot use is named at once
+    resolve_device(options.get("device") or "cpu", "--device" if args.device else "option 'device'")
     restart = args.restart
     rank, dist_kwargs = join_processes(options)
     if args.output:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from petfunc import tree
+from petfunc.devices import resolve_device
 
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -74,10 +75,8 @@ def init_from_env(
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = resolve_device(device, "device")
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device 'cuda' requested but torch sees no CUDA device")
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     if world_size <= 1:

@@ -16,6 +16,7 @@ from petfunc.config import PETConfig
 from petfunc.data import Labels, available_keys, has_key
 from petfunc.train import LossTerm, LossWeights
 from petfunc.trainer.options import dataset_sections
+from petfunc.trainer.options.datasets import GRADIENTS
 from petfunc.units import energy_unit_factor, length_unit_factor
 
 
@@ -64,7 +65,53 @@ def training_labels(
         forces=weights.forces if has["forces"] else LossTerm(0.0, weights.forces.type),
         stress=weights.stress if (has["stress"] or has["virial"]) else LossTerm(0.0, weights.stress.type),
     )
+    for message in unused_labels(train_parts, train_labels, weights):
+        log(message)
     return (train_labels, val_labels, test_labels), weights
+
+
+def unused_labels(train_parts: list, train_labels: list[Labels], weights: LossWeights) -> list[str]:
+    """One warning per kind of label (forces, stress, virial) that a training file
+    holds under its default key or the key its section names, but that the loss
+    leaves out: the section's entry is off (``false``, or unset for a target not
+    named ``energy``, as in metatrain) or the loss weight of its term is 0. A
+    misnamed target or a forgotten entry would otherwise train on energies alone.
+
+    ``train_parts`` are the ``(frames, section, indices, option name)`` of the
+    training files, ``train_labels`` the keys read from each, ``weights`` the loss
+    with the terms no training file has labels for dropped."""
+    messages = {}
+    for (frames, section, _, where), labels in zip(train_parts, train_labels):
+        target = section["targets"]["energy"]
+        path = section["systems"]["read_from"]
+        stress_read = bool(labels.stress or labels.virial)
+        for name in GRADIENTS:
+            if name in messages:
+                continue
+            spec = target[name]
+            key = spec["key"] if isinstance(spec, dict) else name
+            count = sum(has_key(a, key) for a in frames)
+            if not count:
+                continue
+            term = "forces" if name == "forces" else "stress"
+            read = getattr(labels, name) is not None
+            found = f"{where}: {count} of the {len(frames)} training structures of {path!r} have {name}"
+            if read and getattr(weights, term).weight == 0:
+                messages[name] = (
+                    f"warning: {found} labels (key {key!r}), but the loss weight of the {term} term is 0: "
+                    f"they are not trained on. Give 'architecture.training.loss.energy.{term}' a weight > 0 "
+                    "to train on them"
+                )
+            elif not read and spec is False and not (name != "forces" and stress_read):
+                # a stress entry left off beside a virial that is read (or the other
+                # way round) is the choice of one of two labels of the same quantity
+                messages[name] = (
+                    f"warning: {found} labels (key {key!r}), but the loss leaves them out: the energy "
+                    f"target's '{name}' entry in '{where}.targets' is off (false, or unset for a "
+                    f"target not named 'energy'). Set '{name}: true' (or {{key: K}}) there to train "
+                    "on them"
+                )
+    return list(messages.values())
 
 
 def label_keys(frames, section: Mapping, weights: LossWeights, explicit: set, where: str) -> Labels:

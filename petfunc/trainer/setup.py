@@ -23,6 +23,7 @@ import torch
 from petfunc import lora
 from petfunc.config import PETConfig
 from petfunc.data import Sample
+from petfunc.devices import resolve_device
 from petfunc.io import read_checkpoint
 from petfunc.train import LossWeights, TrainState, make_optimizer, pack_state, trainable, warmup_cosine
 from petfunc.trainer.baselines import composition_and_scale
@@ -182,15 +183,13 @@ def run(
         )
     if ckpt is not None:
         check_restart(options, ckpt, restart, log)
+    device = resolve_device(options["device"], "option 'device'")
     # fixed-order scatter-adds, so that the same seed gives the same run
     # (petfunc.determinism); by default on CPU only, where they cost nothing
     deterministic = training["deterministic"]
     if deterministic is None:
-        deterministic = torch.device(options["device"]).type == "cpu"
+        deterministic = device.type == "cpu"
     dtype = torch.float64 if options["base_precision"] == 64 else torch.float32
-    device = torch.device(options["device"])
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("option 'device' is 'cuda' but torch sees no CUDA device")
     seed = options["seed"]
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)

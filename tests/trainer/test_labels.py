@@ -134,3 +134,70 @@ def test_lengths_in_other_units_are_announced(dataset, tmp_path):
     lines.clear()
     fit(tiny_options(dataset, num_epochs=1), None, progress=False, log=quiet(lines))
     assert not any("converted to Å" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    "targets, loss, expected",
+    [
+        # metatrain reads no derivatives for a target not named 'energy' by default
+        (
+            {"mtt::U0": {"key": "energy"}},
+            None,
+            {
+                "forces": "forces labels (key 'forces'), but the loss leaves them out: the energy "
+                "target's 'forces' entry in 'training_set.targets' is off",
+                "stress": "stress labels (key 'stress'), but the loss leaves them out",
+            },
+        ),
+        ({"energy": {"stress": False}}, None, {"stress": "Set 'stress: true' (or {key: K}) there"}),
+        (
+            {"energy": {}},
+            {"energy": {"forces": 0}},
+            {
+                "forces": "forces labels (key 'forces'), but the loss weight of the forces term is 0: they "
+                "are not trained on. Give 'architecture.training.loss.energy.forces' a weight > 0"
+            },
+        ),
+        ({"energy": {}}, None, {}),
+        ({"mtt::U0": {"key": "energy", "quantity": "energy"}}, None, {}),
+    ],
+)
+def test_labels_the_loss_leaves_out_are_warned(dataset, targets, loss, expected):
+    """Forces or stresses in the training file that the loss does not use (an entry
+    off, a target of another name, a zero weight): one warning each, naming the
+    label, the file and the option that turns it on."""
+    options = tiny_options(dataset, num_epochs=0)
+    if loss is not None:
+        options["architecture"]["training"]["loss"] = loss
+    options["training_set"] = {"systems": str(dataset), "targets": targets}
+    lines = []
+    fit(options, None, progress=False, log=quiet(lines))
+    warnings = [line for line in lines if line.startswith("warning: training_set: ")]
+    assert len(warnings) == len(expected), warnings
+    for label, text in expected.items():
+        (line,) = [w for w in warnings if f"have {label} labels" in w]
+        assert str(dataset) in line and text in line, line
+
+
+def test_virials_left_out_are_warned(dataset, tmp_path):
+    """Virials in the file while no stress is trained: the virial entry is off by
+    default. A virial beside a trained stress is another label of the same quantity."""
+    import ase.io
+
+    frames = ase.io.read(dataset, ":")
+    for atoms in frames:
+        energy, stress = atoms.get_potential_energy(), atoms.get_stress(voigt=False)
+        atoms.calc = None
+        atoms.info["energy"] = energy
+        atoms.info["virial"] = -stress * atoms.get_volume()
+    ase.io.write(tmp_path / "virial.xyz", frames)
+    lines = []
+    fit(tiny_options(tmp_path / "virial.xyz", num_epochs=0), None, progress=False, log=quiet(lines))
+    (line,) = [line for line in lines if line.startswith("warning: training_set: ")]
+    assert "have virial labels (key 'virial')" in line and "Set 'virial: true'" in line
+    for atoms in frames:
+        atoms.info["stress"] = atoms.info["virial"] / -atoms.get_volume()
+    ase.io.write(tmp_path / "both.xyz", frames)
+    lines = []
+    fit(tiny_options(tmp_path / "both.xyz", num_epochs=0), None, progress=False, log=quiet(lines))
+    assert not [line for line in lines if line.startswith("warning: training_set: ")], lines

@@ -181,3 +181,106 @@ def test_loss_options_expand_like_metatrain(form):
             ref.get("delta", 1.0),
             ref.get("reduction", "mean"),
         ), name
+
+
+@pytest.mark.parametrize("name", ["energy", "energy/pbe", "mtt::U0", "mtt::U0/pbe", "mtt::dipole"])
+def test_target_names_metatrain_accepts(name):
+    """metatrain's names of an energy target: trained as the energy."""
+    options = resolve_options({"training_set": {"systems": "data.xyz", "targets": {name: {}}}})
+    assert options["training_set"]["targets"]["energy"]["key"] == name
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        (
+            "enrgy",
+            r"'training_set(\[0\])?.targets.enrgy': unknown target name 'enrgy' \(did you mean 'energy'\?\)",
+        ),
+        ("Energy", r"unknown target name 'Energy' \(did you mean 'energy'\?\)"),
+        ("U0", r"unknown target name 'U0'\. A target is named .*'mtt::NAME'.*\(here 'mtt::U0'\)"),
+        ("energy/", r"unknown target name 'energy/'"),
+        (
+            "dft::U0",
+            r"targets.dft::U0': target names with '::' must start with 'mtt::'.*did you mean 'mtt::U0'",
+        ),
+        ("mtt::", r"'mtt::' needs a name after it"),
+        ("mtt::aux::energy_uncertainty", r"'mtt::aux::' names are metatrain's auxiliary outputs"),
+        ("non_conservative_force", r"standard output petfunc does not train; petfunc trains energies only"),
+        ("non_conservative_forces", r"standard output petfunc does not train; petfunc trains energies only"),
+        ("energy_ensemble", r"standard output petfunc does not train; petfunc trains energies only"),
+        ("charges", r"standard output petfunc does not train; petfunc trains energies only"),
+        ("forces", r"'forces' looks like a derivative of the energy.*targets: \{energy: \{forces"),
+        ("dft_virial", r"'dft_virial' looks like a derivative of the energy"),
+    ],
+)
+def test_target_names_metatrain_refuses(name, message):
+    """A misspelt target name would train a target of its own, without the forces and
+    stress of the file; names of targets that are not energies are refused too."""
+    with pytest.raises(ValueError, match=message):
+        resolve_options({"training_set": {"systems": "data.xyz", "targets": {name: {"key": "energy"}}}})
+    # in a list of datasets and beside the energy, too
+    with pytest.raises(ValueError, match=message):
+        resolve_options({"training_set": [{"systems": "data.xyz", "targets": {"energy": {}, name: {}}}]})
+
+
+def test_a_non_energy_mtt_target_is_refused():
+    """An mtt:: target declared as something other than a total energy."""
+    for entry, message in (
+        ({"quantity": "dipole"}, r"'training_set.targets.mtt::dipole.quantity' must be 'energy'"),
+        ({"type": {"cartesian": {"rank": 1}}}, r"'training_set.targets.mtt::dipole.type' must be 'scalar'"),
+        ({"per_atom": True}, r"'training_set.targets.mtt::dipole.per_atom' must be False"),
+    ):
+        with pytest.raises(ValueError, match=message + r" \(petfunc trains total energies\)"):
+            resolve_options({"training_set": {"systems": "data.xyz", "targets": {"mtt::dipole": entry}}})
+
+
+T = "architecture.training"
+
+
+@pytest.mark.parametrize(
+    "training, message",
+    [
+        ({"learning_rate": float("nan")}, rf"'{T}.learning_rate' must be a finite number, got nan"),
+        ({"learning_rate": float("inf")}, rf"'{T}.learning_rate' must be a finite number, got inf"),
+        ({"num_epochs": float("inf")}, rf"'{T}.num_epochs' must be a finite number, got inf"),
+        ({"batch_size": float("nan")}, rf"'{T}.batch_size' must be a finite number, got nan"),
+        ({"warmup_fraction": float("nan")}, rf"'{T}.warmup_fraction' must be a finite number"),
+        ({"weight_decay": float("nan")}, rf"'{T}.weight_decay' must be a finite number"),
+        ({"grad_clip_norm": float("inf")}, rf"'{T}.grad_clip_norm' must be a finite number, got inf"),
+        ({"max_atoms_per_batch": float("inf")}, rf"'{T}.max_atoms_per_batch' must be a finite number"),
+        ({"loss": {"energy": {"weight": float("nan")}}}, rf"'{T}.loss.energy.weight' must be a finite"),
+        ({"loss": {"energy": {"forces": float("inf")}}}, rf"'{T}.loss.energy.forces' must be a finite"),
+        ({"loss": {"energy": {"forces": -1}}}, rf"'{T}.loss.energy.forces' must be >= 0.0, got -1"),
+        (
+            {"loss": {"energy": {"type": "huber", "delta": float("inf")}}},
+            rf"'{T}.loss.energy.delta' must be a finite number, got inf",
+        ),
+        (
+            {"loss": {"energy": {"type": "huber", "delta": 0}}},
+            rf"^option '{T}.loss.energy.delta' must be positive, got 0$",
+        ),
+        ({"atomic_baseline": {"energy": float("nan")}}, rf"'{T}.atomic_baseline.energy' must be a finite"),
+        (
+            {"atomic_baseline": {"energy": {29: float("inf")}}},
+            rf"'{T}.atomic_baseline.energy.29' must be a finite number, got inf",
+        ),
+        (
+            {"fixed_scaling_weights": {"energy": float("inf")}},
+            rf"'{T}.fixed_scaling_weights.energy' must be a finite number",
+        ),
+    ],
+)
+def test_numbers_must_be_finite(training, message):
+    """YAML's .nan and .inf are numbers to Python: no option means anything by them."""
+    with pytest.raises(ValueError, match=message):
+        resolve_options({"training_set": "data.xyz", "architecture": {"training": training}})
+
+
+def test_top_level_and_model_numbers_must_be_finite():
+    with pytest.raises(ValueError, match=r"option 'validation_set' must be a finite number, got nan"):
+        resolve_options({"training_set": "data.xyz", "validation_set": float("nan")})
+    with pytest.raises(ValueError, match=r"option 'seed' must be a finite number, got inf"):
+        resolve_options({"training_set": "data.xyz", "seed": float("inf")})
+    with pytest.raises(ValueError, match=r"option 'architecture.model': cutoff must be finite, got inf"):
+        resolve_options({"training_set": "data.xyz", "architecture": {"model": {"cutoff": float("inf")}}})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 from collections.abc import Mapping
 
 
@@ -41,9 +42,12 @@ def module_names(value, name: str) -> None:
 
 def number(value, name: str, positive=False, integer=False, minimum=None, maximum=None):
     """``value`` of option ``name`` as a float (an int with ``integer``), checked
-    against the bounds given; a bool is not a number."""
+    against the bounds given; a bool is not a number, nor are YAML's ``.nan`` and
+    ``.inf`` (no option of petfunc means anything by them: "no limit" is ``null``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"option '{name}' must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"option '{name}' must be a finite number, got {value!r}")
     if integer and int(value) != value:
         raise ValueError(f"option '{name}' must be an integer, got {value!r}")
     if positive and not value > 0:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from petfunc.trainer.options.checks import check_keys, number
+from petfunc.trainer.options.targets import check_target_name
 from petfunc.units import energy_unit_factor, length_unit_factor
 
 
@@ -106,6 +107,8 @@ def energy_target(targets, where: str, read_from: str) -> dict:
     if not isinstance(targets, Mapping):
         raise ValueError(f"option '{where}.targets' must be a mapping")
     # one energy target; metatrain names others "mtt::NAME" (key: the name by default)
+    for given in targets:
+        check_target_name(given, f"{where}.targets")
     name = "energy"
     if len(targets) == 1 and "energy" not in targets:
         (name,) = targets

@@ -40,7 +40,7 @@ def loss_term(spec, where: str, default_type: str) -> LossTerm:
     if isinstance(spec, str):
         return LossTerm(1.0, spec)
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
-        return LossTerm(float(spec), default_type)
+        return LossTerm(number(spec, where, minimum=0.0), default_type)
     if not isinstance(spec, Mapping):
         raise ValueError(f"option '{where}' must be a loss type, a weight or a mapping, got {spec!r}")
     check_keys(spec, ("type", "weight", "reduction", "delta"), where)
@@ -52,13 +52,10 @@ def loss_term(spec, where: str, default_type: str) -> LossTerm:
         )
     if spec.get("reduction", "mean") not in ("mean", "sum"):
         raise ValueError(f"option '{where}.reduction' must be 'mean' or 'sum', got {spec['reduction']!r}")
+    weight = number(spec.get("weight", 1.0), f"{where}.weight", minimum=0.0)
+    delta = number(spec.get("delta", 1.0), f"{where}.delta", positive=True)
     try:
-        return LossTerm(
-            number(spec.get("weight", 1.0), f"{where}.weight", minimum=0.0),
-            spec.get("type", default_type),
-            number(spec.get("delta", 1.0), f"{where}.delta"),
-            spec.get("reduction", "mean"),
-        )
+        return LossTerm(weight, spec.get("type", default_type), delta, spec.get("reduction", "mean"))
     except ValueError as error:
         raise ValueError(f"option '{where}': {error}") from None
 
