@@ -28,6 +28,7 @@ from petfunc.distributed import (
     shutdown,
 )
 from petfunc.trainer import TrainingError, fit
+from petfunc.trainer.lock import LOCK_NAME, lock_output_folder
 from petfunc.trainer.options import absolute_paths, resolve_options
 
 
@@ -148,22 +149,31 @@ def run(args: argparse.Namespace) -> int:
     output = Path(broadcast_object(str(output)))  # rank 0's folder
     if output.exists() and not output.is_dir():
         raise ValueError(f"the output folder {str(output)!r} is a file")
-    before = FolderSnapshot(output, demo) if rank == 0 else None
-    if rank == 0:  # rank 0 alone writes; another rank's mkdir raced its snapshot of the folder
-        output.mkdir(parents=True, exist_ok=True)
     try:
-        return train_into(args, options, output, demo, restart, rank, dist_kwargs)
-    except TrainingError:
-        raise  # training ran: its folder is the record of the run
-    except BaseException:
-        if before is not None and before.undo_if_untouched():
-            args.wrote_nothing = True
-            if not output.exists():
-                print(
-                    f"petfunc: removed the output folder {output} (the run wrote no checkpoint to it)",
-                    file=sys.stderr,
-                )
+        # rank 0 alone makes and writes the folder, locked before anything in it is
+        # touched (a refusal leaves it alone); the lock removes the folders it made
+        # when the run leaves them empty
+        lock = lock_output_folder(output, rank == 0)
+    except ValueError:
+        shutdown()  # every rank raises the refusal here: they leave together
         raise
+    try:
+        with lock:
+            before = FolderSnapshot(output, demo) if rank == 0 else None
+            try:
+                return train_into(args, options, output, demo, restart, rank, dist_kwargs)
+            except TrainingError:
+                raise  # training ran: its folder is the record of the run
+            except BaseException:
+                if before is not None and before.undo_if_untouched():
+                    args.wrote_nothing = True
+                raise
+    finally:
+        if getattr(args, "wrote_nothing", False) and not output.exists():
+            print(
+                f"petfunc: removed the output folder {output} (the run wrote no checkpoint to it)",
+                file=sys.stderr,
+            )
 
 
 def join_processes(options: dict) -> tuple[int, dict]:
@@ -187,7 +197,8 @@ class FolderSnapshot:
     stops before its first checkpoint (bad data or options, Ctrl-C while the files
     are read or in the first epoch) leaves no trace: the ``options.yaml`` it wrote
     (and the demo's ``dataset.xyz``) is removed, one it replaced (a restart into
-    its own folder) is restored, and the folders it made are removed.
+    its own folder) is restored; the folder's lock then removes the folders it made
+    (:func:`petfunc.trainer.lock.lock_folder`).
 
     When anything else in the folder was written or changed (a checkpoint,
     ``metrics.csv``), everything is kept; so is the folder of a run that a NaN loss
@@ -199,7 +210,6 @@ class FolderSnapshot:
         self.output = output
         # the files the command itself writes before training starts
         self.own = ("options.yaml", "dataset.xyz") if demo else ("options.yaml",)
-        self.made = [p for p in (output, *output.parents) if not p.exists()]  # deepest first
         self.entries = self._entries()
         self.previous = {}
         for name in self.own:
@@ -209,7 +219,11 @@ class FolderSnapshot:
     def _entries(self):
         if not self.output.is_dir():
             return {}
-        return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in self.output.iterdir()}
+        return {
+            p.name: (p.stat().st_mtime_ns, p.stat().st_size)
+            for p in self.output.iterdir()
+            if p.name != LOCK_NAME
+        }
 
     def undo_if_untouched(self) -> bool:
         """Undo the command's own writes unless something else changed in the folder;
@@ -228,11 +242,6 @@ class FolderSnapshot:
                     path.unlink()
             except OSError:
                 pass
-        for folder in self.made:
-            try:
-                folder.rmdir()
-            except OSError:
-                break  # not empty (or not ours to remove)
         return True
 
 

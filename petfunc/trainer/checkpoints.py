@@ -22,6 +22,7 @@ from petfunc._version import __version__
 from petfunc.config import PETConfig
 from petfunc.io import read_checkpoint, write_checkpoint
 from petfunc.train import TrainState
+from petfunc.trainer.lock import holds_lock
 from petfunc.trainer.metrics import TrainingError, all_finite, csv_text
 
 
@@ -153,13 +154,14 @@ def prepare_folder(
     world_size: int,
 ) -> Folder:
     """The :class:`Folder` of a run writing into ``output_dir`` (created), after
-    removing the temporary files a killed run left there, with warnings for the
-    checkpoints of other runs it holds. Nothing else in the folder is replaced
-    before this run's first ``last.ckpt``: a restart's ``best.ckpt`` and
-    ``epoch_N.ckpt`` are settled then (:class:`RestartFiles`), so that a kill in the
-    first epoch leaves the folder as it was. The keyword arguments are the
-    checkpoints' fixed content (:func:`petfunc.io.write_checkpoint`); ``interval``
-    is ``checkpoint_interval``."""
+    removing the temporary files a killed run left there (where this process holds
+    the folder's lock, :mod:`petfunc.trainer.lock`: :func:`~petfunc.trainer.fit`
+    takes it), with warnings for the checkpoints of other, finished runs it holds.
+    Nothing else in the folder is replaced before this run's first ``last.ckpt``: a
+    restart's ``best.ckpt`` and ``epoch_N.ckpt`` are settled then
+    (:class:`RestartFiles`), so that a kill in the first epoch leaves the folder as
+    it was. The keyword arguments are the checkpoints' fixed content
+    (:func:`petfunc.io.write_checkpoint`); ``interval`` is ``checkpoint_interval``."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     folder = Folder(
@@ -174,8 +176,9 @@ def prepare_folder(
         split=split,
         world_size=world_size,
     )
-    # a run killed while writing (SIGKILL, a lost node) leaves its temporary file
-    leftovers = remove_leftover_temporaries(
+    # a run killed while writing (SIGKILL, a lost node) leaves its temporary file; a
+    # live run's are removed never: only a run holding the folder's lock cleans up
+    leftovers = holds_lock(output_dir) and remove_leftover_temporaries(
         output_dir, [p.name for p in folder.files.values()] + ["parity_test.png", "epoch_*.ckpt"]
     )
     if leftovers:

@@ -54,6 +54,7 @@ from petfunc.train import TrainState
 from petfunc.trainer import loop, setup
 from petfunc.trainer.checkpoints import Folder
 from petfunc.trainer.evaluation import error_metrics, parity_plot, predict
+from petfunc.trainer.lock import lock_output_folder
 from petfunc.trainer.metrics import errors_line
 from petfunc.trainer.processes import processes as processes_of
 
@@ -136,13 +137,20 @@ def fit(
 
     Raises:
         ValueError / FileNotFoundError: bad options or data (before training starts).
+        FolderInUseError: another run writes into the output folder (a ``ValueError``;
+            the message names it): the folder is locked for the run's life
+            (:mod:`petfunc.trainer.lock`).
         TrainingError: the loss or the parameters became NaN/inf; the message names
             the epoch and step; checkpoints written before stay intact.
     """
     log = log or default_log
     processes = processes_of(rank, world_size, reduce_grads, reduce_metrics)
     run = setup.run(options, output_dir, restart=restart, progress=progress, log=log, processes=processes)
-    with deterministic_algorithms(run.deterministic):
+    # the folder is this run's alone from before its clean-up until its last file
+    with (
+        lock_output_folder(run.output_dir, processes.is_main, log=log),
+        deterministic_algorithms(run.deterministic),
+    ):
         data = setup.data(run)
         model = setup.model(run, data)
         # every process reads its own options and data: they must describe one run
