@@ -109,7 +109,7 @@ def write_checkpoint(
         "world_size": int(world_size),  # processes that trained it (batch_size is per process)
     }
     payload = with_digest(payload)
-    atomic_write(path, lambda handle: torch.save(payload, handle))
+    atomic_write(path, lambda handle: torch.save(payload, handle), what="checkpoint")
 
 
 def is_checkpoint(payload: Any) -> bool:
