@@ -40,6 +40,7 @@ from petfunc.export import load as load_exported
 from petfunc.graph import mesh_layout
 from petfunc.io import cast_params, load_params, network_dtype
 from petfunc.io.checkpoint import is_checkpoint
+from petfunc.io.digest import DamagedFileError
 from petfunc.io.load import load_model, torch_payload
 from petfunc.io.metatrain import read_metatrain
 from petfunc.model import PET
@@ -210,11 +211,13 @@ class PETCalculator(Calculator):
         path = os.fspath(path)
         try:
             config, params = load_params(path)
+        except DamagedFileError:
+            raise  # it says which file to use instead
         except ValueError as error:
             payload, _ = torch_payload(path)
             if not is_checkpoint(payload):
                 raise ValueError(
-                    f"{error}. For a metatrain checkpoint (.ckpt) or an exported model "
+                    f"{str(error).rstrip('.')}. For a metatrain checkpoint (.ckpt) or an exported model "
                     "(.pt), use PETCalculator.from_metatrain."
                 ) from error
             config, params = load_model(path, which="best")

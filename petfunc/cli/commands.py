@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import signal
 import sys
 import threading
@@ -36,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``petfunc`` command; returns the exit status.
 
     Errors in options or data print ``petfunc: error: ...`` and return 2; a diverged
-    training (NaN/inf loss) returns 1; Ctrl-C 130 and SIGTERM 143.
+    training (NaN/inf loss) returns 1, and so does a full disk (or quota), with one
+    line naming the file system and the file kept; Ctrl-C 130 and SIGTERM 143.
     """
     top = parser()
     args = top.parse_args(argv)
@@ -60,6 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, NotImplementedError, TypeError) as error:
         print(f"petfunc: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # petfunc's writers say which file system and what was kept; another write
+        # (options.yaml, --json) gives the OS's words and the file
+        where = f" (writing {error.filename})" if error.filename and error.filename not in str(error) else ""
+        print(f"petfunc: error: {error.strerror}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as error:
         wrote = args.command == "train" and not getattr(args, "wrote_nothing", False)
         terminated = isinstance(error, Terminated)

@@ -8,9 +8,12 @@
   (:func:`from_metatrain`), and :func:`to_metatrain_state_dict`.
 
 Every file is read with ``torch.load(weights_only=True)`` (metatrain's with only
-its own objects allowed) and written atomically (:func:`atomic_write`).
+its own objects allowed) and written atomically (:func:`atomic_write`, which raises
+:class:`NoSpaceError` on a full disk and leaves the file as it was); petfunc's own
+files carry a digest of their content, checked on reading (:mod:`petfunc.io.digest`).
 """
 
+from petfunc._files import NoSpaceError as NoSpaceError
 from petfunc._files import atomic_write as atomic_write
 from petfunc.io.checkpoint import CHECKPOINT_FORMAT as CHECKPOINT_FORMAT
 from petfunc.io.checkpoint import read_checkpoint as read_checkpoint

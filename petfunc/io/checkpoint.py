@@ -24,6 +24,10 @@ half-written checkpoint. Keys:
     (JSON); one dict of metrics per epoch; the file indices of the training,
     validation and test structures with a digest of each file; the number of
     processes that trained it.
+``digest``
+    ``"sha256:..."`` of all of the above (:mod:`petfunc.io.digest`), checked on
+    reading; a checkpoint without one (written before petfunc stored it) is read
+    unchecked.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ import torch
 from petfunc import tree
 from petfunc._files import atomic_write, not_a_file
 from petfunc.config import PETConfig
+from petfunc.io.digest import DamagedFileError, check_digest, with_digest
+from petfunc.io.formats import damage_of
 
 
 CHECKPOINT_FORMAT = "petfunc.checkpoint"
@@ -102,7 +108,8 @@ def write_checkpoint(
         "split": split,
         "world_size": int(world_size),  # processes that trained it (batch_size is per process)
     }
-    atomic_write(path, lambda handle: torch.save(payload, handle))
+    payload = with_digest(payload)
+    atomic_write(path, lambda handle: torch.save(payload, handle), what="checkpoint")
 
 
 def is_checkpoint(payload: Any) -> bool:
@@ -188,19 +195,72 @@ def read_checkpoint(path) -> dict:
                 "continues from its own last.ckpt; to train on from a metatrain model, fine-tune it "
                 "(--finetune, or architecture.training.finetune.read_from)"
             ) from None
+        # torch's own words help only where the file does not show its damage
+        why = damage_of(path) or f"damaged or truncated? ({type(error).__name__}: {str(error)[:200]})"
         raise ValueError(
-            f"{str(path)!r} is not a readable petfunc checkpoint ({type(error).__name__})"
+            f"{str(path)!r} is not a readable petfunc checkpoint: {why.splitlines()[0]}; {instead_of(path)}"
         ) from error
     return check_checkpoint(payload, path)
 
 
 def check_checkpoint(payload, path) -> dict:
-    """:func:`read_checkpoint`'s checks of a loaded ``payload`` (read from ``path``)."""
+    """:func:`read_checkpoint`'s checks of a loaded ``payload`` (read from ``path``).
+
+    Raises:
+        DamagedFileError (a ``ValueError``): its content does not match its digest;
+            the message names the newest intact checkpoint beside it.
+        ValueError: not a petfunc training checkpoint, or of another version.
+    """
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        check_intact(payload, path)  # a flipped bit in the format tag says so
         raise ValueError(f"{str(path)!r} is not a petfunc training checkpoint")
     if payload.get("format_version") != CHECKPOINT_VERSION:
+        # another version's digest may differ in kind: its version is the news
         raise ValueError(
             f"{str(path)!r} has checkpoint version {payload.get('format_version')!r}; this petfunc "
             f"reads version {CHECKPOINT_VERSION}"
         )
+    check_intact(payload, path)
     return payload
+
+
+def check_intact(payload, path) -> None:
+    """:func:`petfunc.io.digest.check_digest` of a loaded checkpoint or parameter file
+    ``payload``, whose error names the newest intact checkpoint beside ``path``."""
+    try:
+        check_digest(payload, path)
+    except DamagedFileError as error:
+        raise DamagedFileError(f"{error}; {instead_of(path)}") from None
+
+
+def instead_of(path) -> str:
+    """What to use instead of a damaged file at ``path``: the newest intact
+    checkpoint beside it (:func:`intact_checkpoint_beside`), or a copy."""
+    found = intact_checkpoint_beside(path)
+    if found is None:
+        return "no intact checkpoint is beside it: restore it from a copy"
+    return (
+        f"the newest intact checkpoint beside it is {str(found[0])!r} (epoch {found[1]}): use it "
+        "instead (petfunc eval and petfunc.load_model read it, and --restart continues its run)"
+    )
+
+
+def intact_checkpoint_beside(path, tries: int = 8) -> tuple[Path, int] | None:
+    """``(path, epoch)`` of the newest (last modified) training checkpoint in ``path``'s
+    folder, other than ``path``, that reads and matches its digest; ``None`` if none
+    of the ``tries`` newest ``*.ckpt`` files there does."""
+    path = Path(path)
+    try:
+        candidates = [p for p in path.parent.glob("*.ckpt") if p.is_file() and p.name != path.name]
+        candidates.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    except OSError:
+        return None
+    for candidate in candidates[:tries]:
+        try:
+            payload = torch.load(candidate, map_location="cpu", weights_only=True)
+            check_digest(payload, candidate)
+        except Exception:  # noqa: BLE001 - unreadable or damaged: try the next one
+            continue
+        if is_checkpoint(payload) and isinstance(payload.get("epoch"), int):
+            return candidate, payload["epoch"]
+    return None

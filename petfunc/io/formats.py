@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import zipfile
 
 from petfunc._files import PathLike
@@ -46,3 +47,20 @@ def is_torchscript(source) -> bool:
         and any(name.startswith(f"{root}/code/") for name in names)
         for root in roots
     )
+
+
+def damage_of(path: PathLike) -> str:
+    """Why a file that ``torch.load`` refused looks damaged, in a few words ("it is
+    empty", "its archive is cut short"), or ``""`` where nothing shows."""
+    try:
+        if os.path.getsize(path) == 0:
+            return "it is empty (0 bytes: an incomplete copy or write?)"
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+        if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):
+            return "its zip archive is cut short or damaged (an incomplete copy or write?)"
+        if head != b"PK\x03\x04" and head[:1] != b"\x80" and head[:2] != b"\x1f\x8b":
+            return "it is not a torch file (neither a zip archive nor a pickle)"
+    except OSError:
+        pass
+    return ""

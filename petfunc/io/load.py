@@ -17,8 +17,8 @@ import torch
 
 from petfunc import lora, tree
 from petfunc._files import not_a_file
-from petfunc.io.checkpoint import CHECKPOINT_FORMAT, check_checkpoint, model_of
-from petfunc.io.formats import is_petfunc_export, is_torchscript
+from petfunc.io.checkpoint import CHECKPOINT_FORMAT, check_checkpoint, check_intact, model_of
+from petfunc.io.formats import damage_of, is_petfunc_export, is_torchscript
 from petfunc.io.metatrain import UnreadableCheckpointError, read_metatrain
 from petfunc.io.params import FORMAT as PARAMS_FORMAT
 from petfunc.io.params import params_from_payload
@@ -78,6 +78,7 @@ def _petfunc_model(payload, path: Path, target, which: str, keep_lora: bool):
     """``(config, params, lora)`` of a loaded petfunc checkpoint or parameter file."""
     kind = payload.get("format") if isinstance(payload, dict) else None
     if kind not in (CHECKPOINT_FORMAT, PARAMS_FORMAT):
+        check_intact(payload, path)  # a flipped bit in the format tag says so
         raise ValueError(f"{str(path)!r} is not a petfunc checkpoint, parameter file or metatrain checkpoint")
     if target not in (None, "energy"):
         raise ValueError(f"{str(path)!r} is a petfunc file, whose only target is 'energy', not {target!r}")
@@ -99,17 +100,20 @@ def _metatrain_model(path: Path, load_error, target, which: str, keep_lora: bool
     with open(path, "rb") as handle:
         magic = handle.read(4)
     if magic[:2] != b"\x1f\x8b" and magic != b"PK\x03\x04":
+        damage = damage_of(path)
         raise ValueError(
-            f"{str(path)!r} is not a model file (expected a petfunc checkpoint or parameter "
-            "file, or a metatrain checkpoint)"
+            f"{str(path)!r} is not a model file"
+            + (f": {damage}" if damage else "")
+            + " (expected a petfunc checkpoint or parameter file, or a metatrain checkpoint)"
         )
 
     def damaged() -> ValueError:
         # a damaged archive (a truncated copy, say): torch's own reason says most
         first = str(load_error).splitlines()[0] if load_error is not None else ""
+        # torch's own words help only where the file does not show its damage
+        why = damage_of(path) or f"torch.load: {type(load_error).__name__}: {first}"
         return ValueError(
-            f"{str(path)!r} is not a readable petfunc or metatrain model file, damaged or "
-            f"truncated? (torch.load: {type(load_error).__name__}: {first})"
+            f"{str(path)!r} is not a readable petfunc or metatrain model file, damaged or truncated? ({why})"
         )
 
     lora_out = {} if keep_lora else None

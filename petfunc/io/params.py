@@ -2,8 +2,10 @@
 
 :func:`save_params` writes ``config`` and ``params`` as a ``torch.save`` of plain
 data (strings, ints, the config as JSON and a ``{dotted.name: tensor}`` dict),
-atomically; :func:`load_params` reads it with ``torch.load(weights_only=True)``, so
-reading a file never runs pickled code.
+atomically, with a digest of its content (:mod:`petfunc.io.digest`);
+:func:`load_params` reads it with ``torch.load(weights_only=True)``, so reading a
+file never runs pickled code, and checks the digest (a file without one, written
+before petfunc stored it, is read unchecked).
 
 The composition weights and the energy scale (:data:`EXTRA_KEYS`) are kept in
 float64 whatever the network dtype: :func:`petfunc.model.energy` casts them to the
@@ -22,7 +24,9 @@ import torch
 from petfunc import tree
 from petfunc._files import PathLike, atomic_write, not_a_file
 from petfunc.config import PETConfig
-from petfunc.io.formats import is_petfunc_export
+from petfunc.io.checkpoint import check_intact
+from petfunc.io.digest import with_digest
+from petfunc.io.formats import damage_of, is_petfunc_export
 from petfunc.model.params import EXTRA_KEYS as EXTRA_KEYS
 from petfunc.model.params import check_params as check_params
 from petfunc.model.params import expected_shapes as expected_shapes
@@ -68,7 +72,7 @@ def save_params(path: PathLike, config: PETConfig, params) -> None:
     """Write ``config`` and ``params`` to ``path`` (atomically; overwrites).
 
     The file is a ``torch.save`` of ``{"format", "format_version", "config" (JSON),
-    "params" ({dotted.name: tensor})}``: plain data that
+    "params" ({dotted.name: tensor}), "digest"}``: plain data that
     ``torch.load(path, weights_only=True)`` reads without running pickled code.
     Tensors are stored on the CPU with their own dtype.
     """
@@ -82,6 +86,7 @@ def save_params(path: PathLike, config: PETConfig, params) -> None:
         "config": json.dumps(config.to_hypers(), sort_keys=True),
         "params": flat,
     }
+    payload = with_digest(payload)
     atomic_write(path, lambda handle: torch.save(payload, handle))
 
 
@@ -99,7 +104,9 @@ def load_params(path: PathLike, dtype: torch.dtype | None = None, device=None) -
     Raises:
         FileNotFoundError: no such file.
         ValueError: the file is unreadable, corrupt, not a petfunc parameter file, or
-            its parameters do not match its config.
+            its parameters do not match its config; a
+            :class:`~petfunc.io.digest.DamagedFileError` where its content does not
+            match its digest.
     """
     path = Path(path)
     if not path.is_file():
@@ -112,6 +119,9 @@ def load_params(path: PathLike, dtype: torch.dtype | None = None, device=None) -
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # corrupt archives and pickles raise many types
+        damage = damage_of(path)
+        if damage:  # torch's own words help only where the file does not show its damage
+            raise ValueError(f"{str(path)!r} is not a readable petfunc parameter file: {damage}") from error
         hint = ""
         if "weights_only" in str(error) or "Unsupported global" in str(error):
             hint = (
@@ -134,6 +144,7 @@ def params_from_payload(payload, path: PathLike, dtype: torch.dtype | None = Non
             "petfunc.load_model(path, which='best' or 'last'), or load the run's best_params.pt"
         )
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        check_intact(payload, path)  # a flipped bit in the format tag says so
         raise ValueError(f"{str(path)!r} is not a petfunc parameter file (no '{FORMAT}' format tag)")
     version = payload.get("format_version")
     if version != FORMAT_VERSION:
@@ -141,6 +152,7 @@ def params_from_payload(payload, path: PathLike, dtype: torch.dtype | None = Non
             f"{str(path)!r} has petfunc parameter format version {version!r}; this "
             f"petfunc reads version {FORMAT_VERSION}"
         )
+    check_intact(payload, path)
     try:
         hypers = json.loads(payload["config"])
         config = PETConfig.from_hypers(hypers)

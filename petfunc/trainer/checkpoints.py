@@ -7,6 +7,7 @@ reader); this module decides what is written where and when.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from petfunc._files import atomic_write, remove_leftover_temporaries
+from petfunc._files import NoSpaceError, atomic_write, remove_leftover_temporaries
 from petfunc._version import __version__
 from petfunc.config import PETConfig
 from petfunc.io import read_checkpoint, write_checkpoint
@@ -70,6 +71,8 @@ class Folder:
             once written) -> path.
         written_epochs: the names of the ``epoch_N.ckpt`` files this run wrote.
         restart_files: the restart's :class:`RestartFiles` until they are settled.
+        resume: ``(checkpoint, epoch)`` a run stopped now continues from: this run's
+            newest ``last.ckpt``, else the restart checkpoint, else ``None``.
     """
 
     def __init__(self, output_dir: Path, interval: int, **fixed):
@@ -84,6 +87,7 @@ class Folder:
         }
         self.written_epochs: set[str] = set()
         self.restart_files: RestartFiles | None = None
+        self.resume: tuple[Path, int] | None = None
         self._write = functools.partial(write_checkpoint, version=_version(), **fixed)
 
     def checkpoint(self, path: Path, state: TrainState, epoch: int, progress: Progress) -> None:
@@ -91,17 +95,36 @@ class Folder:
         non-finite parameters."""
         if not all_finite(state.params):
             raise TrainingError(f"refusing to write {path.name}: the parameters are not finite")
-        self._write(
-            path,
-            params=state.params,
-            opt_state=state.opt_state,
-            epoch=epoch,
-            step=progress.step,
-            best_epoch=progress.best_epoch,
-            best_metric=progress.best_metric,
-            best_params=progress.best_params,
-            history=progress.history,
-        )
+        with self.advising():
+            self._write(
+                path,
+                params=state.params,
+                opt_state=state.opt_state,
+                epoch=epoch,
+                step=progress.step,
+                best_epoch=progress.best_epoch,
+                best_metric=progress.best_metric,
+                best_params=progress.best_params,
+                history=progress.history,
+            )
+        if path == self.files["last"]:
+            self.resume = (path, epoch)
+
+    @contextlib.contextmanager
+    def advising(self):
+        """Add to a :class:`petfunc.io.NoSpaceError` raised inside (a file of the run
+        found no room) how to go on from there."""
+        try:
+            yield
+        except NoSpaceError as error:
+            if self.resume is None:
+                advice = "the run has no checkpoint to continue from: start it again once there is room"
+            else:
+                advice = (
+                    f"once there is room, continue the run with --restart {self.resume[0]} "
+                    f"(epoch {self.resume[1]})"
+                )
+            raise NoSpaceError(error.errno, f"{error}; {advice}", error.filename) from error
 
     def end_epoch(
         self, state: TrainState, epoch: int, progress: Progress, improved: bool, start_epoch: int, log
@@ -123,14 +146,17 @@ class Folder:
         """After this run's first ``last.ckpt`` (or at the end of a restart that trains
         nothing): ``best.ckpt`` and the restart epoch's ``epoch_N.ckpt`` of the restart."""
         if self.restart_files is not None:
-            self.written_epochs.update(self.restart_files.settle(best_epoch, start_epoch, self.interval, log))
+            with self.advising():
+                written = self.restart_files.settle(best_epoch, start_epoch, self.interval, log)
+            self.written_epochs.update(written)
             self.restart_files = None
 
     def write_csv(self, history: list[dict]) -> None:
         """``metrics.csv`` of ``history`` (nothing while it is empty)."""
         if history:
             text = csv_text(history)
-            atomic_write(self.files["csv"], lambda handle: handle.write(text), text=True)
+            with self.advising():
+                atomic_write(self.files["csv"], lambda handle: handle.write(text), text=True)
 
     def written(self) -> list[str]:
         """The names of the files this run wrote, sorted."""
@@ -185,6 +211,7 @@ def prepare_folder(
         log(f"removed {len(leftovers)} temporary file(s) a killed run left in {output_dir}")
     if restart is not None:
         folder.restart_files = RestartFiles(Path(restart), ckpt, output_dir)
+        folder.resume = (Path(restart), int(ckpt["epoch"]))
     _warn_of_other_runs(output_dir, restart, ckpt, log)
     return folder
 

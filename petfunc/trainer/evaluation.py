@@ -27,7 +27,7 @@ from petfunc.config import PETConfig
 from petfunc.data import Sample, read_labelled
 from petfunc.derivatives import energy_and_forces, energy_forces_strain_derivative
 from petfunc.io import load_model, metatrain_units
-from petfunc.io.checkpoint import is_checkpoint
+from petfunc.io.checkpoint import check_checkpoint, is_checkpoint
 from petfunc.io.load import torch_payload
 from petfunc.model import PET
 from petfunc.structures import collate
@@ -231,6 +231,7 @@ def training_label_options(path, target: str | None = None) -> dict[str, Any]:
     if isinstance(payload, dict):  # petfunc's own files; only a training checkpoint has options
         if not is_checkpoint(payload):
             return {}
+        check_checkpoint(payload, path)  # a damaged file says so before its options are read
         section = dataset_sections(json.loads(payload["options"])["training_set"])[0]
     else:
         try:

@@ -190,7 +190,8 @@ def finish(
             + errors_line(test_errors)
         )
     if folder is not None:
-        save_params(folder.files["params"], config, best_cpu)
+        with folder.advising():
+            save_params(folder.files["params"], config, best_cpu)
         pred = predict(config, best, samples.val or samples.train, batch_size=training["batch_size"])
         what = "validation" if samples.val else "training"
         parity_plot(pred, folder.files["parity"], title=f"{what} set, best epoch {progress.best_epoch}")

@@ -10,6 +10,8 @@ import torch
 import petfunc
 from petfunc.io import read_checkpoint, write_checkpoint
 from petfunc.io.checkpoint import CHECKPOINT_VERSION, is_checkpoint, model_of
+from petfunc.io.digest import DIGEST_KEY, payload_digest
+from tests.helpers.damage import without_digest
 
 
 CONFIG = petfunc.PETConfig(atomic_types=(1, 8), d_pet=8, d_node=8, d_head=8, d_feedforward=8, num_heads=2)
@@ -85,3 +87,15 @@ def test_other_files_are_refused_by_name(tmp_path):
     torch.save(payload, tmp_path / "newer.ckpt")
     with pytest.raises(ValueError, match=f"version {CHECKPOINT_VERSION + 1}"):
         read_checkpoint(tmp_path / "newer.ckpt")
+
+
+def test_checkpoints_carry_a_digest_and_those_without_one_still_load(tmp_path):
+    _write(tmp_path / "last.ckpt")
+    stored = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert stored[DIGEST_KEY] == payload_digest(stored) and stored[DIGEST_KEY].startswith("sha256:")
+    new = read_checkpoint(tmp_path / "last.ckpt")
+    without_digest(tmp_path / "last.ckpt")  # as petfunc wrote it before it stored a digest
+    old = read_checkpoint(tmp_path / "last.ckpt")
+    assert DIGEST_KEY not in old and old["format_version"] == CHECKPOINT_VERSION
+    assert old["epoch"] == new["epoch"] and old["params"].keys() == new["params"].keys()
+    assert all(torch.equal(old["params"][k], new["params"][k]) for k in old["params"])

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import petfunc
+from petfunc.io.digest import DIGEST_KEY, payload_digest, with_digest
+from tests.helpers.damage import without_digest
 from tests.helpers.io_setup import assert_same_params, small_config, small_params
 
 
@@ -99,22 +101,22 @@ def test_load_wrong_content(tmp_path):
     payload = torch.load(tmp_path / "p", weights_only=True)
 
     bad = dict(payload, format_version=99)
-    torch.save(bad, tmp_path / "version")
+    torch.save(with_digest(bad), tmp_path / "version")
     with pytest.raises(ValueError, match="format version 99"):
         petfunc.load_params(tmp_path / "version")
 
     bad = dict(payload, params={k: v for k, v in payload["params"].items() if "compress" not in k})
-    torch.save(bad, tmp_path / "missing")
+    torch.save(with_digest(bad), tmp_path / "missing")
     with pytest.raises(ValueError, match=r"missing \[.*compress"):
         petfunc.load_params(tmp_path / "missing")
 
     bad = dict(payload, config=payload["config"].replace('"d_pet": 8', '"d_pet": 0'))
-    torch.save(bad, tmp_path / "config")
+    torch.save(with_digest(bad), tmp_path / "config")
     with pytest.raises(ValueError, match="invalid config: d_pet must be a positive integer, got 0"):
         petfunc.load_params(tmp_path / "config")
 
     bad = dict(payload, config="{not json")
-    torch.save(bad, tmp_path / "json")
+    torch.save(with_digest(bad), tmp_path / "json")
     with pytest.raises(ValueError, match="unreadable config"):
         petfunc.load_params(tmp_path / "json")
 
@@ -138,3 +140,17 @@ def test_written_files_get_ordinary_permissions(tmp_path):
     atomic_write(path, lambda handle: handle.write(b"x"))
     assert stat.S_IMODE(path.stat().st_mode) == 0o604 and path.read_bytes() == b"x"
     assert [p.name for p in tmp_path.iterdir()] == ["params.pt"]  # no temporary left
+
+
+def test_params_files_carry_a_digest_and_those_without_one_still_load(tmp_path):
+    config = small_config()
+    params = small_params(config)
+    petfunc.save_params(tmp_path / "p.pt", config, params)
+    stored = torch.load(tmp_path / "p.pt", weights_only=True)
+    assert stored[DIGEST_KEY] == payload_digest(stored) and stored[DIGEST_KEY].startswith("sha256:")
+    without_digest(tmp_path / "p.pt")  # as petfunc wrote it before it stored a digest
+    assert DIGEST_KEY not in torch.load(tmp_path / "p.pt", weights_only=True)
+    loaded_config, loaded = petfunc.load_params(tmp_path / "p.pt")
+    assert loaded_config == config
+    assert_same_params(loaded, params)
+    assert_same_params(petfunc.load_model(tmp_path / "p.pt")[1], params)

@@ -10,6 +10,7 @@ import torch
 
 from petfunc.io import load_model, read_checkpoint
 from petfunc.io.checkpoint import state_from_plain, state_to_plain
+from petfunc.io.digest import with_digest
 from petfunc.train import make_optimizer, trainable, warmup_cosine
 from petfunc.trainer import fit
 from tests.helpers.trainer import assert_plain, params_equal, quiet, tiny_options
@@ -135,7 +136,7 @@ def test_restart_makes_the_folder_agree_with_the_checkpoint(dataset, tmp_path):
     ckpt = read_checkpoint(tmp_path / "again" / "last.ckpt")
     ckpt["best_epoch"] = 2
     ckpt["best_params"] = {k: v + 1.0 for k, v in ckpt["params"].items()}  # held by no file
-    torch.save(ckpt, tmp_path / "lone" / "last.ckpt")
+    torch.save(with_digest(ckpt), tmp_path / "lone" / "last.ckpt")
     (tmp_path / "lone" / "best.ckpt").write_bytes(best_bytes)
     lines = []
     fit(None, restart=tmp_path / "lone" / "last.ckpt", progress=False, log=quiet(lines))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from petfunc.io import read_checkpoint
+from petfunc.io.digest import with_digest
 from petfunc.trainer import fit
 from tests.helpers.trainer import params_equal, quiet, tiny_options
 
@@ -48,7 +49,7 @@ def test_restart_keeps_the_split(dataset, tmp_path):
 
     def restart_sizes(split):
         ckpt["split"] = split
-        torch.save(ckpt, tmp_path / "edited.ckpt")
+        torch.save(with_digest(ckpt), tmp_path / "edited.ckpt")
         lines = []
         options = json.loads(ckpt["options"])
         options["architecture"]["training"]["num_epochs"] = 2
@@ -67,7 +68,7 @@ def test_restart_keeps_the_split(dataset, tmp_path):
     # legacy checkpoints: round(0.25 * 16) = 4 validation structures
     assert "validation set: 4 structures" in restart_sizes(None)
     ckpt["split"] = {"training": [train], "validation": [val]}
-    torch.save(ckpt, tmp_path / "edited.ckpt")
+    torch.save(with_digest(ckpt), tmp_path / "edited.ckpt")
     # options asking for another split are an error, not ignored
     for name, value, message in (
         ("validation_set", 0.5, "'validation_set' is 0.5 here, 0.25 in the run"),
