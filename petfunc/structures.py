@@ -228,6 +228,7 @@ def collate(
 
     ``positions``/``cells`` optionally replace the stored geometry (e.g. rotated copies
     for augmentation); the edge list is reused, so they must be a rigid motion of it
+    (a ``ValueError`` says which structure is not: build it again with :func:`prepare`).
     ``long_range`` picks the reciprocal-space method of a model with long-range
     features: ``"p3m"`` (metatrain's evaluation mode) or ``"ewald"`` (its training
     mode, and the one whose batches compile without recompiling).
@@ -248,7 +249,9 @@ def collate(
     centers = np.concatenate([s.centers + o for s, o in zip(structures, offsets)])
     neighbors = np.concatenate([s.neighbors + o for s, o in zip(structures, offsets)])
     frames = []
-    for s, pos, box in zip(structures, pos_list, cell_list):
+    for k, (s, pos, box) in enumerate(zip(structures, pos_list, cell_list)):
+        if positions is not None or cells is not None:
+            frame.check_rigid_motion(s.positions, pos, s.cell, box, s.pbc, f"structure {k}")
         # in float64, before the cast: a float32 batch keeps its digits
         frames.append(frame.model_frame(pos, box, s.pbc, s.centers, s.neighbors, s.shifts))
     shifts = np.concatenate([f[1] for f in frames]).reshape(-1, 3)
@@ -372,7 +375,8 @@ def from_atoms(
         The positions are in the model's frame (see :func:`collate`): translated,
         in float64, close to the origin, so they may differ from ``atoms.positions``
         by a translation (and, for atoms more than a cell outside their cell, by
-        lattice vectors).
+        lattice vectors). The neighbours are valid for these positions only: build
+        them again whenever an atom moves (see :class:`~petfunc.graph.Neighbors`).
     """
     if not isinstance(frames, (list, tuple)):
         frames = [frames]

@@ -15,6 +15,7 @@ from petfunc.graph.checks import check_density as check_density
 from petfunc.graph.checks import check_sizes as check_sizes
 from petfunc.graph.checks import check_structure as check_structure
 from petfunc.graph.checks import wrapped as wrapped
+from petfunc.graph.frame import check_rigid_motion as check_rigid_motion
 from petfunc.graph.frame import model_frame as model_frame
 from petfunc.graph.long_range import LeadingMeshes as LeadingMeshes
 from petfunc.graph.long_range import LongRange as LongRange

@@ -75,3 +75,50 @@ def model_frame(positions, cell, pbc, centers, neighbors, shifts):
     centers = np.asarray(centers, dtype=np.int64)
     neighbors = np.asarray(neighbors, dtype=np.int64)
     return positions, shifts + moved[neighbors] - moved[centers]
+
+
+def check_rigid_motion(
+    reference, positions, reference_cell, cell, pbc, label: str = "structure", tolerance: float = 1e-8
+) -> None:
+    """Raise a ``ValueError`` unless ``positions`` (and ``cell``) are a rigid motion
+    (rotation, reflection, translation) of ``reference`` (and ``reference_cell``).
+
+    A neighbour list stays valid under such a motion only: any other change of the
+    geometry may bring pairs into the cutoff or take them out of it. The best
+    orthogonal fit (Procrustes, of the centred positions and the periodic cell rows)
+    must reproduce them within ``tolerance`` times the structure's size (at least 1 Å).
+
+    Args:
+        reference, positions: ``[n_atoms, 3]`` (Å): those the list was built for, and
+            the new ones.
+        reference_cell, cell: ``[3, 3]`` rows; only the periodic rows are compared.
+        pbc: ``[3]`` periodic directions (or one for all three).
+    """
+    reference = np.asarray(reference, dtype=np.float64)
+    positions = np.asarray(positions, dtype=np.float64)
+    pbc = np.broadcast_to(np.asarray(pbc, dtype=bool), (3,))
+    if positions.shape != reference.shape:
+        raise ValueError(
+            f"{label}: positions of shape {positions.shape} replace ones of shape {reference.shape}; "
+            "its neighbour list is for the latter: build the structure again for the new atoms"
+        )
+    a = reference - reference.mean(axis=0)
+    b = positions - positions.mean(axis=0)
+    rows_a = np.asarray(reference_cell, dtype=np.float64).reshape(3, 3)[pbc]
+    rows_b = np.asarray(cell, dtype=np.float64).reshape(3, 3)[pbc]
+    u, _, vt = np.linalg.svd(a.T @ b + rows_a.T @ rows_b)
+    rotation = u @ vt
+    atom_error = float(np.abs(a @ rotation - b).max(initial=0.0))
+    cell_error = float(np.abs(rows_a @ rotation - rows_b).max(initial=0.0))
+    size = max(1.0, float(np.abs(a).max(initial=0.0)), float(np.abs(rows_a).max(initial=0.0)))
+    if max(atom_error, cell_error) > tolerance * size:
+        what = (
+            f"an atom is {atom_error:.3g} Å"
+            if atom_error >= cell_error
+            else f"a cell row is {cell_error:.3g} Å"
+        )
+        raise ValueError(
+            f"{label}: the new positions and cell are not a rigid motion of those its neighbour list "
+            f"was built for ({what} away from the best rotation of them), so the list is stale: build "
+            "the structure again at the new positions (petfunc.prepare or prepare_atoms)"
+        )

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import petfunc
-from petfunc.graph import edge_list, model_frame
+from petfunc.graph import check_rigid_motion, edge_list, model_frame
 
 
 CUTOFF = 3.0
@@ -83,6 +83,36 @@ def test_molecule_is_centred():
     moved, _ = model_frame(atoms.positions, np.zeros((3, 3)), [False] * 3, [], [], np.zeros((0, 3)))
     np.testing.assert_allclose(moved.mean(axis=0), 0.0, atol=1e-9)
     np.testing.assert_allclose(moved + atoms.positions.mean(axis=0), atoms.positions, rtol=0, atol=1e-9)
+
+
+def test_rigid_motions_accepted():
+    atoms = ase.build.bulk("C", "diamond", a=3.57, cubic=True)
+    atoms.rattle(0.05, seed=2)
+    positions, cell = atoms.positions, np.asarray(atoms.cell)
+    rotation = np.linalg.qr(np.random.default_rng(1).normal(size=(3, 3)))[0]
+    for r in (rotation, -rotation):  # proper and improper
+        check_rigid_motion(positions, positions @ r + 7.0, cell, cell @ r, atoms.pbc)
+    # one atom: the cell fixes the rotation
+    check_rigid_motion(positions[:1], positions[:1] @ rotation, cell, cell @ rotation, atoms.pbc)
+
+
+def test_other_motions_refused():
+    atoms = ase.build.molecule("CH3CH2OH")
+    positions = atoms.positions
+    moved = positions.copy()
+    moved[2] += 1e-5
+    with pytest.raises(
+        ValueError, match=r"ethanol: .*not a rigid motion.*an atom is [0-9.e-]+ Å away.*prepare"
+    ):
+        check_rigid_motion(positions, moved, np.zeros((3, 3)), np.zeros((3, 3)), [False] * 3, "ethanol")
+    with pytest.raises(ValueError, match=r"shape \(8, 3\) replace ones of shape \(9, 3\)"):
+        check_rigid_motion(positions, positions[:-1], np.zeros((3, 3)), np.zeros((3, 3)), [False] * 3)
+    crystal = ase.build.bulk("C", "diamond", a=3.57, cubic=True)
+    cell = np.asarray(crystal.cell)
+    # rotating the atoms inside a fixed cell changes the periodic images
+    tilted = np.linalg.qr(np.random.default_rng(2).normal(size=(3, 3)))[0]
+    with pytest.raises(ValueError, match="not a rigid motion"):
+        check_rigid_motion(crystal.positions, crystal.positions @ tilted, cell, cell, True)
 
 
 def test_public():

@@ -125,3 +125,47 @@ def test_far_molecule_float32_relax_and_dynamics(params, params32):
     ]
     assert np.abs(moved[1].positions - shift - moved[0].positions).max() < 1e-6
     assert np.abs(moved[1].positions[:, 0] - 1e6).max() < 10.0
+
+
+# ---------------------------------------------------------------------------------------
+# stale neighbour lists
+
+
+def test_collate_refuses_a_stale_list():
+    """``collate`` given new positions reuses the stored list: a rigid motion is
+    accepted, an atom moved by itself is refused."""
+    structure = petfunc.prepare_atoms(ethanol(), CONFIG)
+    rotation = np.linalg.qr(np.random.default_rng(1).normal(size=(3, 3)))[0]
+    moved = structure.positions @ rotation + 5.0
+    petfunc.collate([structure], CONFIG, positions=[moved], cells=[structure.cell @ rotation])
+    stale = structure.positions.copy()
+    stale[0] += [1.5, 0.0, 0.0]
+    with pytest.raises(
+        ValueError, match=r"structure 0.*not a rigid motion.*stale.*build the structure again"
+    ):
+        petfunc.collate([structure], CONFIG, positions=[stale])
+    crystal = petfunc.prepare_atoms(carbon_cell(), CONFIG)
+    with pytest.raises(ValueError, match="structure 0.*a cell row is"):
+        petfunc.collate([crystal], CONFIG, cells=[crystal.cell * 1.01])
+
+
+def test_moved_atoms_rebuild_the_lists(params):
+    """The calculator, relaxation and dynamics build the lists again after the atoms
+    moved: their energies are those of a fresh calculator at the new positions."""
+    atoms = ethanol()
+    atoms.calc = PETCalculator(CONFIG, params)
+    atoms.get_potential_energy()
+    atoms.positions[0] += [2.5, 0.0, 0.0]  # out of some atoms' cutoff, into others'
+    fresh = atoms.copy()
+    fresh.calc = PETCalculator(CONFIG, params)
+    assert atoms.get_potential_energy() == pytest.approx(fresh.get_potential_energy(), rel=1e-12)
+
+    def fresh_energy(structure):
+        reference = structure.copy()
+        reference.calc = PETCalculator(CONFIG, params)
+        return reference.get_potential_energy()
+
+    relaxed = fire(CONFIG, params, [ethanol()], steps=4)
+    assert relaxed.energies[0] == pytest.approx(fresh_energy(relaxed.atoms[0]), rel=1e-12)
+    moved = run(CONFIG, params, [ethanol()], steps=3, timestep=2.0)
+    assert moved.potential_energy[-1, 0] == pytest.approx(fresh_energy(moved.atoms[0]), rel=1e-12)
