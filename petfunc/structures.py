@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from petfunc.config import PETConfig
-from petfunc.graph import checks
+from petfunc.graph import checks, frame
 from petfunc.graph import long_range as long_range_inputs
 from petfunc.graph import neighbors as nbl
 from petfunc.model.adaptive import atomic_cutoffs
@@ -127,8 +127,10 @@ def prepare(
     spin state, read only by models with ``system_conditioning`` (defaults 0, 1).
     ``wrap`` moves the atoms into the cell along its periodic directions (in float64,
     by whole lattice vectors): the same structure, whose coordinates stay of the
-    cell's size however far the atoms have diffused, so that a float32 model does
-    not lose digits to them (the calculators ask for it with float32 models).
+    cell's size however far the atoms have diffused (the calculators ask for it
+    with float32 models). Without it, :func:`collate` still moves each structure
+    close to the origin before the cast (:mod:`petfunc.graph.frame`); the stored
+    positions stay those given.
 
     Raises:
         ValueError: unknown species, NaN/inf positions, wrong shapes, a singular cell
@@ -217,8 +219,16 @@ def collate(
     """Concatenate structures into ``(positions [n_atoms, 3], cell [n_structures, 3, 3],
     neighbors)``.
 
+    The positions are in the model's frame (:mod:`petfunc.graph.frame`): each
+    structure moved in float64, before the cast to ``dtype``, close to the origin (a
+    translation, and lattice vectors for atoms more than a cell outside their cell,
+    whose edges' ``cell_shifts`` change to match). The energy, forces and stress are
+    those of the structures as given; a float32 batch does not lose digits to
+    coordinates far from the origin.
+
     ``positions``/``cells`` optionally replace the stored geometry (e.g. rotated copies
-    for augmentation); the edge list is reused, so they must be a rigid motion of it.
+    for augmentation); the edge list is reused, so they must be a rigid motion of it
+    (a ``ValueError`` says which structure is not: build it again with :func:`prepare`).
     ``long_range`` picks the reciprocal-space method of a model with long-range
     features: ``"p3m"`` (metatrain's evaluation mode) or ``"ewald"`` (its training
     mode, and the one whose batches compile without recompiling).
@@ -228,13 +238,24 @@ def collate(
     dtype = dtype or torch.get_default_dtype()
     pos_list = list(positions) if positions is not None else [s.positions for s in structures]
     cell_list = list(cells) if cells is not None else [s.cell for s in structures]
+    if len(pos_list) != len(structures) or len(cell_list) != len(structures):
+        raise ValueError(
+            f"collate: {len(pos_list)} positions and {len(cell_list)} cells for {len(structures)} "
+            "structures; give one of each per structure"
+        )
     offsets = np.cumsum([0] + [len(s) for s in structures])
     species = np.concatenate([s.species for s in structures])
     structure_index = np.repeat(np.arange(len(structures)), [len(s) for s in structures])
     centers = np.concatenate([s.centers + o for s, o in zip(structures, offsets)])
     neighbors = np.concatenate([s.neighbors + o for s, o in zip(structures, offsets)])
-    shifts = np.concatenate([s.shifts for s in structures]).reshape(-1, 3)
-    all_positions = np.concatenate(pos_list).astype(np.float64)
+    frames = []
+    for k, (s, pos, box) in enumerate(zip(structures, pos_list, cell_list)):
+        if positions is not None or cells is not None:
+            frame.check_rigid_motion(s.positions, pos, s.cell, box, s.pbc, f"structure {k}")
+        # in float64, before the cast: a float32 batch keeps its digits
+        frames.append(frame.model_frame(pos, box, s.pbc, s.centers, s.neighbors, s.shifts))
+    shifts = np.concatenate([f[1] for f in frames]).reshape(-1, 3)
+    all_positions = np.concatenate([f[0] for f in frames])
     all_cells = np.stack(cell_list).astype(np.float64)
     kept = kept_edges(config, all_positions, all_cells, centers, neighbors, shifts, structure_index)
     lr_inputs = None
@@ -351,6 +372,11 @@ def from_atoms(
     Returns:
         ``positions [n_atoms, 3]``, ``cell [n_structures, 3, 3]`` (dtype ``dtype`` or
         torch's default) and the integer :class:`~petfunc.graph.neighbors.Neighbors`.
+        The positions are in the model's frame (see :func:`collate`): translated,
+        in float64, close to the origin, so they may differ from ``atoms.positions``
+        by a translation (and, for atoms more than a cell outside their cell, by
+        lattice vectors). The neighbours are valid for these positions only: build
+        them again whenever an atom moves (see :class:`~petfunc.graph.Neighbors`).
     """
     if not isinstance(frames, (list, tuple)):
         frames = [frames]

@@ -168,3 +168,18 @@ def test_dynamics_arguments(params):
         Langevin(-1.0, 0.01)
     with pytest.raises(ValueError, match=r"structure 0: atomic number\(s\) \[7\] are not among"):
         run(CONFIG, params, [ase.build.molecule("NH3")], steps=1, timestep=1.0)
+
+
+def test_float32_far_from_the_origin(params):
+    """A molecule at 1e6 Å moves in float32 as it does at the origin in float64, and
+    stays in the user's frame."""
+    near = _structures()[0]
+    far = near.copy()
+    far.positions += [1e6, 0.0, 0.0]
+    params32 = petfunc.tree.tree_map(lambda x: x.float(), params)
+    reference = run(CONFIG, params, [near], steps=6, timestep=1.0 * units.fs)
+    moved = run(CONFIG, params32, [far], steps=6, timestep=1.0 * units.fs)
+    np.testing.assert_allclose(
+        moved.atoms[0].positions - [1e6, 0.0, 0.0], reference.atoms[0].positions, atol=1e-5
+    )
+    np.testing.assert_allclose(moved.potential_energy, reference.potential_energy, rtol=1e-5)

@@ -204,3 +204,17 @@ def test_fire_stops_at_steps_and_checks_arguments(params):
             call(frames[0])
         with pytest.raises(TypeError, match="item 1 is a str"):
             call([frames[0], "H2O"])
+
+
+def test_fire_float32_far_from_the_origin(params):
+    """A molecule at 1e6 Å relaxes in float32 as it does at the origin in float64, and
+    comes back at 1e6 Å (the user's frame); its input is not modified."""
+    near = _structures()[0]
+    far = near.copy()
+    far.positions += [1e6, 0.0, 0.0]
+    given = far.positions.copy()
+    params32 = petfunc.tree.tree_map(lambda x: x.float(), params)
+    reference = fire(CONFIG, params, [near], steps=8).atoms[0]
+    relaxed = fire(CONFIG, params32, [far], steps=8).atoms[0]
+    np.testing.assert_allclose(relaxed.positions - [1e6, 0.0, 0.0], reference.positions, rtol=0, atol=1e-5)
+    assert np.array_equal(far.positions, given)

@@ -16,9 +16,11 @@ for the same model:
   gets metatomic's number, with the same warning;
 * ``energies`` are per-atom energies, summing to ``energy`` (every calculation
   stores them);
-* a float32 model gets the atoms wrapped into the cell along its periodic
-  directions, in float64 (the results are those of the same structure; atoms that
-  diffused far from the origin would cost the float32 edge vectors digits);
+* the model sees each structure moved, in float64, close to the origin (a
+  molecule centred, a crystal by lattice vectors; a float32 model also gets every
+  atom wrapped into the cell along its periodic directions): the results are those
+  of the structure as given, whose ``Atoms`` are not modified, and a structure far
+  from the origin costs the float32 edge vectors no digits;
 * a model with ``system_conditioning`` reads the total charge from
   ``atoms.info["charge"]`` and the spin multiplicity 2S+1 from
   ``atoms.info["spin_multiplicity"]`` (or ``atoms.info["spin"]``, OMol25's name),

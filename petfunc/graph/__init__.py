@@ -3,8 +3,9 @@
 Everything whose shape depends on the data lives here: the flat edge list
 (:mod:`petfunc.graph.neighbors`, built with vesin), PET's token layout (kept edges,
 their NEF grid, reverse edges), the long-range k-grids, meshes and pairs
-(:mod:`petfunc.graph.long_range`), and the checks that refuse a structure before any
-of it is built (:mod:`petfunc.graph.checks`). The energy function sees only tensors.
+(:mod:`petfunc.graph.long_range`), the checks that refuse a structure before any
+of it is built (:mod:`petfunc.graph.checks`), and the frame the model computes in
+(:mod:`petfunc.graph.frame`). The energy function sees only tensors.
 """
 
 from petfunc.graph.checks import COINCIDENT as COINCIDENT
@@ -14,6 +15,8 @@ from petfunc.graph.checks import check_density as check_density
 from petfunc.graph.checks import check_sizes as check_sizes
 from petfunc.graph.checks import check_structure as check_structure
 from petfunc.graph.checks import wrapped as wrapped
+from petfunc.graph.frame import check_rigid_motion as check_rigid_motion
+from petfunc.graph.frame import model_frame as model_frame
 from petfunc.graph.long_range import LeadingMeshes as LeadingMeshes
 from petfunc.graph.long_range import LongRange as LongRange
 from petfunc.graph.long_range import check_periodicity as check_periodicity

@@ -37,6 +37,26 @@ from vesin import NeighborList
 class Neighbors(NamedTuple):
     """Integer description of a batch of structures (no floats, no gradients).
 
+    It is valid for the positions and cells it was built for, and only for them: the
+    flat list has no skin (it holds exactly the pairs within the cutoff), and which
+    edges PET keeps, its NEF grid and, for adaptive cutoffs, the pair radii are
+    chosen at those positions. The energy function trusts it and does not check: a
+    list reused after atoms moved gives a wrong energy without an error. Build it
+    again (:func:`petfunc.from_atoms`, :func:`petfunc.collate`) whenever
+
+    * any atom moves, by any distance, other than in a rigid motion (rotation,
+      reflection, translation) of a whole structure together with its cell;
+    * a cell changes (a strain, or a change of ``pbc``);
+    * atoms are added, removed or reordered, or a species, charge or spin
+      multiplicity changes.
+
+    petfunc's calculators, relaxations and dynamics build it again at every step.
+    A flat list built with a skin (:func:`edge_list` for ``cutoff + skin``) stays
+    complete until some atom has moved by more than ``skin / 2`` since it was built
+    (as ASE's lists do), but the kept edges and NEF grid of a ``Neighbors`` must
+    still be chosen again at the new positions. :func:`petfunc.collate` given new
+    ``positions`` refuses any that are not a rigid motion of the stored ones.
+
     Attributes:
         species: ``[n_atoms]`` species index of each atom (position of its atomic
             number in ``config.atomic_types``).
