@@ -4,7 +4,9 @@ the graph instead of tracing it again (``make_fx`` takes seconds to tens of seco
 for PET's derivatives).
 
 The file is a pickle of the graph as plain data (:func:`save_trace`), trusted like
-inductor's own cache of generated code next to it.
+inductor's own cache of generated code next to it, after a header and the SHA-256
+of the pickle: a damaged file (bit rot, a cut copy) is never unpickled, only traced
+again.
 """
 
 from __future__ import annotations
@@ -57,6 +59,25 @@ def cache_file(key: str, signature) -> Path | None:
         return None
     text = repr((key, source_hash(), torch.__version__, signature))
     return folder / (hashlib.sha256(text.encode()).hexdigest()[:32] + ".fx.pkl")
+
+
+#: the first bytes of a trace cache file, before the SHA-256 of its pickle
+HEADER = b"petfunc.trace 1\n"
+
+
+def _sealed(data: bytes) -> bytes:
+    """``data`` behind :data:`HEADER` and its SHA-256."""
+    return HEADER + hashlib.sha256(data).digest() + data
+
+
+def _unsealed(sealed: bytes) -> bytes:
+    """The pickle of a trace cache file, checked against its SHA-256."""
+    if not sealed.startswith(HEADER):
+        raise ValueError("it is not a petfunc trace cache file")
+    digest, data = sealed[len(HEADER) : len(HEADER) + 32], sealed[len(HEADER) + 32 :]
+    if hashlib.sha256(data).digest() != digest:
+        raise ValueError("its content does not match its SHA-256: damaged")
+    return data
 
 
 class _NodeRef:
@@ -128,7 +149,7 @@ def load_trace(path: Path):
         with warnings.catch_warnings():
             # unpickling a TreeSpec warns about its own deprecated LeafSpec check (torch 2.13)
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            state, out_spec, out_layout, guards = pickle.loads(data)
+            state, out_spec, out_layout, guards = pickle.loads(_unsealed(data))
         if not isinstance(state, dict) or not isinstance(out_layout, Layout):
             raise TypeError(f"holds a {type(state).__name__} and a {type(out_layout).__name__}")
         graph = _graph_from_state(state)
@@ -147,6 +168,6 @@ def save_trace(path: Path, graph, out_spec, out_layout, guards) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = pickle.dumps((_graph_state(graph), out_spec, out_layout, guards))
-        atomic_write(path, lambda handle: handle.write(data))
+        atomic_write(path, lambda handle: handle.write(_sealed(data)))
     except Exception as error:  # noqa: BLE001 - a failure to write only costs a trace
         warnings.warn(f"petfunc.compile: could not write the trace cache file {path} ({error})", stacklevel=3)

@@ -144,3 +144,21 @@ def test_trace_cache_write_failure_leaves_no_file(tmp_path, monkeypatch):
     monkeypatch.setenv("PETFUNC_TRACE_CACHE_DIR", str(tmp_path))
     assert not petfunc.compile(scatter_energy, params, *x, backend="aot_eager", cache_key="toy").from_cache
     assert [p.suffix for p in tmp_path.iterdir()] == [".pkl"]
+
+
+def test_a_damaged_trace_is_never_unpickled(tmp_path, monkeypatch):
+    """A flipped bit in a cached trace fails its SHA-256: warned of and traced again,
+    never loaded."""
+    monkeypatch.setenv("PETFUNC_TRACE_CACHE_DIR", str(tmp_path))
+    params = {"w": torch.randn(3, 5, dtype=torch.float64)}
+    x = example(4, 7)
+    petfunc.compile(scatter_energy, params, *x, backend="aot_eager", cache_key="toy")
+    (path,) = tmp_path.glob("*.fx.pkl")
+    data = bytearray(path.read_bytes())
+    at = data.rindex(b"output")  # the name of the graph's output node
+    data[at] ^= 0x01  # "output" -> "nutput": a pickle that still loads
+    path.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="damaged"):
+        again = petfunc.compile(scatter_energy, params, *x, backend="aot_eager", cache_key="toy")
+    assert not again.from_cache
+    torch.testing.assert_close(again(params, *x), scatter_energy(params, *x), rtol=1e-12, atol=1e-12)
