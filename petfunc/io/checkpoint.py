@@ -45,7 +45,7 @@ from petfunc import tree
 from petfunc._files import atomic_write, not_a_file
 from petfunc.config import PETConfig
 from petfunc.io.digest import DamagedFileError, check_digest, with_digest
-from petfunc.io.formats import damage_of
+from petfunc.io.formats import damage_of, pickled_objects, refused_objects
 
 
 CHECKPOINT_FORMAT = "petfunc.checkpoint"
@@ -185,16 +185,15 @@ def read_checkpoint(path) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
-        try:
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        except Exception:  # noqa: BLE001 - not a torch archive at all
-            names = []
-        if any(name.startswith("metatrain.") for name in names):
+        if any(name.startswith("metatrain.") for name in pickled_objects(path)):
             raise ValueError(
                 f"{str(path)!r} is a metatrain checkpoint, not a petfunc training checkpoint: a run "
                 "continues from its own last.ckpt; to train on from a metatrain model, fine-tune it "
                 "(--finetune, or architecture.training.finetune.read_from)"
             ) from None
+        refused = refused_objects(path, "a petfunc training checkpoint")
+        if refused:
+            raise ValueError(refused) from None
         # torch's own words help only where the file does not show its damage
         why = damage_of(path) or f"damaged or truncated? ({type(error).__name__}: {str(error)[:200]})"
         raise ValueError(

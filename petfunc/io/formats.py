@@ -64,3 +64,35 @@ def damage_of(path: PathLike) -> str:
     except OSError:
         pass
     return ""
+
+
+def pickled_objects(path: PathLike) -> list[str]:
+    """The names of the Python objects a ``torch.save`` archive would unpickle beyond
+    tensors and plain data (``"posix.system"``, ``"metatrain.utils...DatasetInfo"``),
+    read without unpickling; empty for a file that is no readable archive."""
+    import torch  # noqa: PLC0415 - the format checks above need no torch
+
+    try:
+        return sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(path)))
+    except Exception:  # noqa: BLE001 - not a torch archive at all
+        return []
+
+
+def refused_objects(path: PathLike, what: str) -> str:
+    """The message for a file ``torch.load(weights_only=True)`` refused because it
+    holds other Python objects or is compressed, or ``""`` where neither shows (a
+    damaged file)."""
+    try:
+        with open(path, "rb") as handle:
+            gzipped = handle.read(2) == b"\x1f\x8b"
+    except OSError:
+        gzipped = False
+    if gzipped:  # petfunc writes none; metatrain's checkpoints may be
+        return f"{str(path)!r} is not {what}: it is gzip-compressed, as petfunc's own files never are"
+    names = pickled_objects(path)
+    if not names:
+        return ""
+    return (
+        f"{str(path)!r} is not {what}: it holds pickled Python objects ({', '.join(names[:5])}), "
+        "which petfunc does not unpickle, since unpickling them could run code"
+    )

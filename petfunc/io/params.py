@@ -26,7 +26,7 @@ from petfunc._files import PathLike, atomic_write, not_a_file
 from petfunc.config import PETConfig
 from petfunc.io.checkpoint import check_intact
 from petfunc.io.digest import with_digest
-from petfunc.io.formats import damage_of, is_petfunc_export
+from petfunc.io.formats import damage_of, is_petfunc_export, refused_objects
 from petfunc.model.params import EXTRA_KEYS as EXTRA_KEYS
 from petfunc.model.params import check_params as check_params
 from petfunc.model.params import expected_shapes as expected_shapes
@@ -122,15 +122,12 @@ def load_params(path: PathLike, dtype: torch.dtype | None = None, device=None) -
         damage = damage_of(path)
         if damage:  # torch's own words help only where the file does not show its damage
             raise ValueError(f"{str(path)!r} is not a readable petfunc parameter file: {damage}") from error
-        hint = ""
-        if "weights_only" in str(error) or "Unsupported global" in str(error):
-            hint = (
-                " It holds Python objects, not plain tensors; for a metatrain "
-                "checkpoint use petfunc.from_metatrain."
-            )
+        refused = refused_objects(path, "a petfunc parameter file")
+        if refused:  # a metatrain checkpoint is the harmless case of this
+            raise ValueError(f"{refused}; for a metatrain checkpoint use petfunc.from_metatrain") from None
         raise ValueError(
             f"{str(path)!r} is not a readable petfunc parameter file "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}).{hint}"
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
         ) from error
     return params_from_payload(payload, path, dtype, device)
 

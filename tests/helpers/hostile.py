@@ -6,6 +6,7 @@ appears. They are built from scratch (a pickle, a tiny C library), never shipped
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -40,6 +41,19 @@ def disguised_pickle(path: Path, marker: Path) -> Path:
         archive.writestr("x/byteorder", "little")
         archive.writestr("x/version", "3\n")
         archive.writestr("x/code/a.py", "")
+    return path
+
+
+def code_running_pickle(path: Path, marker: Path, gzipped: bool = False) -> Path:
+    """A plain ``torch.save`` archive (gzipped, as metatrain checkpoints may be) holding
+    an object whose unpickling runs a command."""
+    import gzip
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save({"model_state_dict": {}, "hook": _RunsCommand(marker_command(marker))}, buffer)
+    path.write_bytes(gzip.compress(buffer.getvalue()) if gzipped else buffer.getvalue())
     return path
 
 

@@ -3,6 +3,9 @@ loaded is refused, and the code never runs (its marker file never appears)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import ase.build
 import pytest
 import torch
@@ -17,7 +20,7 @@ from petfunc.io import read_metatrain_baseline
 from petfunc.io.formats import is_torchscript
 from petfunc.trainer import fit
 from tests.helpers.cli import TINY
-from tests.helpers.hostile import compiler, disguised_pickle, library_in_archive
+from tests.helpers.hostile import code_running_pickle, compiler, disguised_pickle, library_in_archive
 from tests.helpers.trainer import quiet, tiny_options
 
 
@@ -131,3 +134,50 @@ def test_a_foreign_library_is_not_loaded_unless_asked(foreign_library):
     with pytest.raises(Exception):  # noqa: B017 - it is no real AOTInductor library
         export_load(path, aoti=True)
     assert marker.exists()
+
+
+def _every_loader(tmp_path, dataset):
+    """``{name: load(path)}``: every function and command that reads a model file."""
+
+    def finetune(path):
+        training = {"finetune": {"read_from": str(path), "method": "full"}}
+        return fit(
+            tiny_options(dataset, num_epochs=1, **training), tmp_path / "ft", progress=False, log=quiet()
+        )
+
+    def command(*words):
+        def run(path):
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                code = main([word.replace("PATH", str(path)) for word in words])
+            if code != 0:
+                raise ValueError(f"exit status {code}: {err.getvalue()}")
+
+        return run
+
+    return {
+        "load_model": petfunc.load_model,
+        "load_params": petfunc.load_params,
+        "read_checkpoint": petfunc.io.read_checkpoint,
+        "from_metatrain": petfunc.from_metatrain,
+        "PETCalculator.from_checkpoint": PETCalculator.from_checkpoint,
+        "PETCalculator.from_metatrain": PETCalculator.from_metatrain,
+        "fine-tuning": finetune,
+        "petfunc eval": command("eval", "PATH", str(dataset)),
+        "petfunc export": command("export", "PATH", str(tmp_path / "out.pt2"), "--no-aoti"),
+        "petfunc train --restart": command(
+            "train", "--restart", "PATH", "--output", str(tmp_path / "r"), *TINY
+        ),
+    }
+
+
+@pytest.mark.parametrize("gzipped", [False, True], ids=["zip", "gzip"])
+def test_a_pickle_that_runs_code_through_every_loader_and_command(dataset, tmp_path, gzipped):
+    """A plain torch.save archive with a code-running object: every loader refuses it,
+    none runs it."""
+    marker = tmp_path / "code_ran"
+    path = code_running_pickle(tmp_path / "model.ckpt", marker, gzipped)
+    for name, load in _every_loader(tmp_path, dataset).items():
+        with pytest.raises(ValueError, match="could run code|gzip-compressed") as refused:
+            load(path)
+        assert str(path) in str(refused.value), name
+        assert not marker.exists(), name
