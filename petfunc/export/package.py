@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from petfunc.config import PETConfig
+from petfunc.devices import resolve_device
 from petfunc.export.inputs import OUTPUTS, input_names, method_of
 from petfunc.export.program import trace
 from petfunc.export.trust import record
@@ -63,7 +64,7 @@ def export(
         raise ValueError(f"the exported model's file name must end in .pt2, got {str(path)!r}")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-    device = torch.device(device)
+    device = resolve_device(device)
     if aoti and method == "p3m" and not P3M_AOTI_CORRECT:
         raise ValueError(
             "AOTInductor of torch < 2.13 miscompiles the strain derivative of P3M "

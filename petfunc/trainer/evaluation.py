@@ -26,6 +26,7 @@ from petfunc.ase import voigt
 from petfunc.config import PETConfig
 from petfunc.data import Sample, read_labelled
 from petfunc.derivatives import energy_and_forces, energy_forces_strain_derivative
+from petfunc.devices import resolve_device
 from petfunc.io import load_model, metatrain_units
 from petfunc.io.checkpoint import check_checkpoint, is_checkpoint
 from petfunc.io.load import torch_payload
@@ -280,6 +281,7 @@ def evaluate(
     ``output``: also write every structure's predictions there
     (:func:`write_predictions`; then the file may hold no labels, and the metrics
     only the counts); ``target``: see :func:`load_model`."""
+    device = None if device is None else resolve_device(device)
     config, params = load_model(model_path, dtype=dtype, which=which, device=device, target=target)
     samples = read_labelled(dataset_path, config, require_labels=output is None, **label_options)
     if output is None:

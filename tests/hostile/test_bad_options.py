@@ -8,7 +8,9 @@ import torch
 import yaml
 
 from petfunc.cli import main, make_default_dataset
+from petfunc.export import export
 from petfunc.io import save_params
+from petfunc.trainer import evaluate
 from tests.helpers.cli import TINY
 from tests.helpers.io_setup import small_config, small_params
 
@@ -159,3 +161,15 @@ def test_cuda_with_no_device_visible(tmp_path, data, model, capsys, monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for argv, asked, output in commands(tmp_path, data, model, "cuda:0"):
         assert_refused(main(argv), capsys, f"{asked}: no CUDA device is visible", output=output)
+
+
+def test_library_calls_check_the_device(tmp_path, data, model, monkeypatch):
+    """petfunc.export.export and petfunc.trainer.evaluate, called from Python, name
+    the missing CUDA as the commands do."""
+    cpu_only_torch(monkeypatch)
+    config = small_config()
+    with pytest.raises(ValueError, match=r"^device is 'cuda': this torch has no CUDA"):
+        export(config, small_params(config), tmp_path / "m.pt2", device="cuda", aoti=False)
+    with pytest.raises(ValueError, match=r"^device is 'cuda:0': this torch has no CUDA"):
+        evaluate(model, data, device="cuda:0")
+    assert not (tmp_path / "m.pt2").exists()
