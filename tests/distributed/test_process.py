@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from tests.helpers.dist_launch import free_port, launch
+from tests.helpers.dist_launch import free_port, launch, rank_env
 
 
 def test_failing_rank_stops_the_run(tmp_path):
@@ -63,16 +63,7 @@ def test_ranks_with_other_options_are_refused(tmp_path):
     extra = [["--lr", "1e-3"], ["--lr", "3e-3", "--seed", "5"]]
     procs = []
     for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            PETFUNC_DIST_TIMEOUT="60",
-        )
+        env = rank_env(rank, 2, port, PETFUNC_DIST_TIMEOUT="60")
         procs.append(
             subprocess.Popen(
                 common + extra[rank], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

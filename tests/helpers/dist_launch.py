@@ -20,6 +20,21 @@ def free_port():
         return s.getsockname()[1]
 
 
+def rank_env(rank, world_size, port, **extra):
+    """The environment torchrun gives process ``rank`` of ``world_size`` on this host
+    (rendezvous on ``port``), one thread each, plus ``extra``."""
+    return dict(
+        os.environ,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
+
+
 def launch(args, world_size=2, timeout=120, extra_env=None, only_rank0=False):
     """torchrun-like: one subprocess per rank; returns [(returncode, stderr)] and seconds.
     ``only_rank0``: stop the other ranks once rank 0 has exited."""
@@ -27,16 +42,7 @@ def launch(args, world_size=2, timeout=120, extra_env=None, only_rank0=False):
     procs = []
     t0 = time.perf_counter()
     for rank in range(world_size):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            **(extra_env or {}),
-        )
+        env = rank_env(rank, world_size, port, **(extra_env or {}))
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(WORKER), *args],

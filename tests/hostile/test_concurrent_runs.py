@@ -2,7 +2,6 @@
 leaving the folder and the first's in-flight files alone; the lock of a run killed
 with SIGKILL is taken over; every way a run ends releases the folder."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from petfunc.cli import main, make_default_dataset
 from petfunc.trainer import fit
 from petfunc.trainer.lock import LOCK_NAME, FolderInUseError, lock_folder, read_holder
 from tests.helpers.cli import TINY
-from tests.helpers.dist_launch import free_port
+from tests.helpers.dist_launch import free_port, rank_env
 from tests.helpers.folder_lock import HOLDER_COMMAND, holding_process
 from tests.helpers.trainer import quiet, tiny_options
 
@@ -99,16 +98,7 @@ def test_every_rank_of_a_data_parallel_run_is_refused(dataset, tmp_path):
         ranks = [
             subprocess.Popen(
                 command + TINY + ["--threads", "1"],
-                env=dict(
-                    os.environ,
-                    RANK=str(rank),
-                    LOCAL_RANK=str(rank),
-                    WORLD_SIZE="2",
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port),
-                    OMP_NUM_THREADS="1",
-                    PETFUNC_DIST_TIMEOUT="60",
-                ),
+                env=rank_env(rank, 2, port, PETFUNC_DIST_TIMEOUT="60"),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
