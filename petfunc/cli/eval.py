@@ -33,8 +33,10 @@ def add_parser(subparsers) -> None:
         help="extxyz file with reference labels, or a YAML file of metatrain's dataset section(s) "
         "(systems, targets: keys and units; as mtt eval reads)",
     )
+    ev.add_argument("--batch-size", type=positive_int, default=16, help="structures per batch (default 16)")
+    # metatrain's spelling, an argument of its own so that errors name the flag given
     ev.add_argument(
-        "-b", "--batch-size", type=positive_int, default=16, help="structures per batch (default 16)"
+        "-b", dest="batch_size", type=positive_int, default=argparse.SUPPRESS, help="the same as --batch-size"
     )
     ev.add_argument("--dtype", choices=("float32", "float64"), help="default: the model's")
     ev.add_argument(

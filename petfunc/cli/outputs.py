@@ -81,8 +81,8 @@ def newest_checkpoint(root="outputs") -> Path:
     ]
     if not found:
         raise FileNotFoundError(
-            f"--restart auto: no checkpoint to continue: no {root}/DATE/TIME/last.ckpt in "
-            f"{str(root.resolve())!r} (runs started from this folder without -o DIR write there); "
+            f"--restart auto: no checkpoint to continue: no DATE/TIME/last.ckpt in {str(root.resolve())!r} "
+            "(runs started from the folder above it without -o DIR write there); "
             "give the checkpoint's path, --restart PATH/last.ckpt"
         )
     return max(found, key=lambda path: path.stat().st_mtime_ns)

@@ -37,8 +37,11 @@ def wandb_run(section, options: Mapping, rank: int = 0):
         return None
     try:
         return wandb.init(**section, config=dict(options))
-    except TypeError as error:
-        raise ValueError(f"option 'wandb': {error}") from None
+    except Exception as error:  # noqa: BLE001 - wandb's own errors (no login, no network) name the cause
+        raise ValueError(
+            f"option 'wandb': wandb.init failed: {error} (log in with `wandb login`, or set "
+            "wandb.mode: offline)"
+        ) from None
 
 
 def wandb_metrics(row: Mapping) -> tuple[int, dict[str, float]]:

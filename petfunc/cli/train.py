@@ -329,8 +329,10 @@ def train_into(args, options, run: RunSetup) -> int:
 
     resolved = absolute_paths(resolve_options(options))
     if rank == 0:
+        # with the wandb section, so that the file reruns the run as it was logged
+        written = {**resolved, "wandb": run.wandb_section} if run.wandb_section else resolved
         with open(output / "options.yaml", "w", encoding="utf-8") as handle:
-            yaml.safe_dump(resolved, handle, sort_keys=False)
+            yaml.safe_dump(written, handle, sort_keys=False)
         print(f"output folder: {output}")
     kwargs = dict(restart=restart, progress=args.progress)
     kwargs.update(dist_kwargs)
