@@ -4,7 +4,7 @@ missing (a CUDA build of torch, a visible device, that index)."""
 import pytest
 import torch
 
-from petfunc.devices import resolve_device
+from petfunc.devices import auto_device, device_type, resolve_device
 
 
 def without_cuda_build(monkeypatch):
@@ -46,7 +46,42 @@ def test_index_past_the_visible_devices(monkeypatch):
         resolve_device("cuda:2", "--device")
 
 
-@pytest.mark.parametrize("text", ["gpu", "cuda:x", "mps", "meta"])
+@pytest.mark.parametrize("text", ["cuda:x", "mps", "meta"])
 def test_other_devices_are_refused(text):
     with pytest.raises(ValueError, match=rf"^--device {text}: "):
+        resolve_device(text, "--device")
+
+
+def test_auto_is_cuda_when_visible_else_the_cpu(monkeypatch):
+    """metatrain's default: the best device of the machine."""
+    without_cuda_build(monkeypatch)
+    assert resolve_device("auto") == torch.device("cpu") == auto_device()
+    assert device_type("auto") == "cpu"
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto", "--device") == torch.device("cuda") == auto_device()
+    assert resolve_device("AUTO", "--device") == torch.device("cuda")
+    assert device_type("auto") == "cuda"
+
+
+def test_gpu_is_metatrain_name_of_cuda(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("gpu", "--device") == torch.device("cuda")
+    assert resolve_device("GPU", "option 'device'") == torch.device("cuda")
+    assert device_type("gpu") == "cuda"
+    # without a GPU it is refused as cuda is, in the words of what asked for it
+    without_cuda_build(monkeypatch)
+    with pytest.raises(ValueError, match=r"^--device gpu: this torch has no CUDA"):
+        resolve_device("gpu", "--device")
+
+
+@pytest.mark.parametrize("text", ["multi-gpu", "multi-cuda"])
+def test_several_gpus_in_one_process_are_refused(text):
+    """metatrain's multi-gpu: petfunc takes one device per process, and says how to
+    train on several."""
+    with pytest.raises(ValueError, match=rf"^option 'device' is '{text}': petfunc trains on one device per "):
+        resolve_device(text, "option 'device'")
+    with pytest.raises(ValueError, match="torchrun or SLURM's srun"):
         resolve_device(text, "--device")

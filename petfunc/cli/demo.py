@@ -17,7 +17,7 @@ from ase.calculators.singlepoint import SinglePointCalculator
 DEMO_OPTIONS = {
     "seed": 0,
     "base_precision": 32,
-    "device": "cpu",
+    "device": "auto",
     "architecture": {
         "name": "pet",
         "model": {

@@ -1,6 +1,7 @@
 """``petfunc eval``: the RMSE and MAE of a model on a labelled extxyz file, its label
-keys and units by default those the model was trained on; optionally each
-structure's predictions as extxyz."""
+keys and units by default those the model was trained on, or on the datasets of a
+YAML file in metatrain's dataset layout (``mtt eval MODEL options.yaml``;
+:mod:`petfunc.cli.datasets`); optionally each structure's predictions as extxyz."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from petfunc.cli.arguments import add_threads, positive_int
+from petfunc.cli.datasets import is_dataset_file, numbered, read_dataset_file
 from petfunc.devices import resolve_device
 from petfunc.trainer import evaluate, training_label_options
 
@@ -26,10 +28,20 @@ def add_parser(subparsers) -> None:
     ev.add_argument(
         "model", help="a petfunc checkpoint (.ckpt), a best_params.pt file, or a metatrain checkpoint"
     )
-    ev.add_argument("dataset", help="extxyz file with reference labels")
-    ev.add_argument("--batch-size", type=positive_int, default=16)
+    ev.add_argument(
+        "dataset",
+        help="extxyz file with reference labels, or a YAML file of metatrain's dataset section(s) "
+        "(systems, targets: keys and units; as mtt eval reads)",
+    )
+    ev.add_argument("--batch-size", type=positive_int, default=16, help="structures per batch (default 16)")
+    # metatrain's spelling, an argument of its own so that errors name the flag given
+    ev.add_argument(
+        "-b", dest="batch_size", type=positive_int, default=argparse.SUPPRESS, help="the same as --batch-size"
+    )
     ev.add_argument("--dtype", choices=("float32", "float64"), help="default: the model's")
-    ev.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ev.add_argument(
+        "--device", default="auto", help="auto (default: CUDA when visible), cpu, cuda (or gpu) or cuda:N"
+    )
     ev.add_argument(
         "--which",
         choices=("best", "last"),
@@ -68,7 +80,8 @@ def add_parser(subparsers) -> None:
         "-o",
         metavar="FILE",
         help="also write the predictions as extxyz (energy, forces, stress of each structure), in the "
-        "units the file was read in (--energy-unit, --length-unit)",
+        "units the file was read in (--energy-unit, --length-unit); with several datasets in a YAML "
+        "file, FILE_0.xyz, FILE_1.xyz, ...",
     )
     add_threads(ev)
 
@@ -114,10 +127,40 @@ def label_options(args) -> None:
         )
 
 
+#: the flags of the labels, which a dataset file sets instead
+LABEL_FLAGS = {
+    "energy_key": "--energy-key",
+    "forces_key": "--forces-key",
+    "stress_key": "--stress-key",
+    "virial_key": "--virial-key",
+    "charge_key": "--charge-key",
+    "spin_key": "--spin-key",
+    "energy_unit": "--energy-unit",
+    "length_unit": "--length-unit",
+}
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``petfunc eval`` with the parsed ``args``; returns the exit status."""
-    dtype = {"float32": torch.float32, "float64": torch.float64, None: None}[args.dtype]
     device = resolve_device(args.device, "--device")
+    if is_dataset_file(args.dataset):
+        given = [flag for name, flag in LABEL_FLAGS.items() if getattr(args, name) is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: the labels of the dataset file {args.dataset!r} are set in it "
+                "(targets: key, unit, forces, stress, virial; systems: length_unit), not by flags"
+            )
+        datasets = read_dataset_file(args.dataset)
+        output, json_path = args.output, args.json
+        for index, dataset in enumerate(datasets):
+            for name, value in dataset.labels.items():
+                setattr(args, name, value)
+            args.output = numbered(output, index, len(datasets))
+            args.json = numbered(json_path, index, len(datasets))
+            evaluate_file(args, dataset.read_from, device, dataset.required)
+            for name in LABEL_FLAGS:  # the next dataset's labels are its own
+                setattr(args, name, None)
+        return 0
     # keys given on the command line must be in the file; defaults may be absent
     named = [
         getattr(args, name)
@@ -128,10 +171,19 @@ def run(args: argparse.Namespace) -> int:
         # two labels of one quantity (metatrain's options refuse them too): one of
         # them would be ignored without a word
         raise ValueError("give --stress-key or --virial-key, not both: they label the same quantity")
+    evaluate_file(args, args.dataset, device, named)
+    return 0
+
+
+def evaluate_file(args: argparse.Namespace, dataset: str, device, named: list) -> None:
+    """Evaluate the model of ``args`` on the extxyz file ``dataset`` with the label
+    options of ``args`` (those unset as the model was trained) and print the
+    errors; ``named``: the label keys the file must have."""
+    dtype = {"float32": torch.float32, "float64": torch.float64, None: None}[args.dtype]
     label_options(args)
     metrics, _ = evaluate(
         args.model,
-        args.dataset,
+        dataset,
         batch_size=args.batch_size,
         dtype=dtype,
         device=device,
@@ -148,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         target=args.target,
         required_keys=named,
     )
-    print(f"{args.dataset}: {metrics['n_structures']} structures, {metrics['n_atoms']} atoms")
+    print(f"{dataset}: {metrics['n_structures']} structures, {metrics['n_atoms']} atoms")
     rows = (
         ("energy_per_atom", "energy/atom", "eV/atom"),
         ("forces", "forces", "eV/Å"),
@@ -170,4 +222,3 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(metrics, indent=2))
     if args.output:
         print(f"predictions written to {args.output}")
-    return 0

@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from petfunc.cli.demo import DEMO_OPTIONS, DEMO_STRUCTURES
+from petfunc.cli.outputs import newest_checkpoint
 from petfunc.io import read_checkpoint
 from petfunc.trainer.options import set_option
 
@@ -76,7 +77,7 @@ def overrides(args) -> list[tuple]:
             pairs.append((key, convert(value) if convert else value))
     for item in args.set:
         if "=" not in item:
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+            raise ValueError(f"--set/--override expects KEY=VALUE, got {item!r}")
         key, text = item.split("=", 1)
         try:
             value = yaml_load(text)
@@ -90,7 +91,11 @@ def options_of(args) -> tuple[dict, bool]:
     """``(options, demo)`` of a ``petfunc train`` command: its options file's, else
     the ``--restart`` checkpoint's, else the demo's (``demo``: the built-in dataset is
     to be written), with the flags applied. A restart with an options file that
-    names no datasets takes the checkpoint's."""
+    names no datasets takes the checkpoint's. ``--restart auto`` becomes the newest
+    checkpoint under ``outputs/`` (:func:`petfunc.cli.outputs.newest_checkpoint`)."""
+    if args.restart == "auto":
+        args.restart = str(newest_checkpoint())
+        print(f"--restart auto: continuing {args.restart}")
     restart = args.restart
     if restart is not None:
         ckpt = read_checkpoint(restart)

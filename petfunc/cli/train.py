@@ -8,25 +8,34 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import os
+import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 
 from petfunc.cli.arguments import add_threads, positive_int
 from petfunc.cli.demo import DEMO_STRUCTURES, make_default_dataset
 from petfunc.cli.options import options_of
+from petfunc.cli.outputs import default_run_folder, split_output
+from petfunc.cli.tracking import epoch_logger, wandb_run
 from petfunc.devices import resolve_device
 from petfunc.distributed import (
     RunMismatchError,
     all_reduce_metrics,
     barrier,
     broadcast_object,
+    in_slurm_job,
     init_from_env,
     shutdown,
+    slurm_distributed,
+    slurm_environment,
 )
+from petfunc.distributed.slurm import DEFAULT_PORT
+from petfunc.export import export_model
 from petfunc.trainer import TrainingError, fit
 from petfunc.trainer.lock import LOCK_NAME, lock_output_folder
 from petfunc.trainer.options import absolute_paths, resolve_options
@@ -48,15 +57,22 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "-o",
         "--output",
-        help="output folder (default: outputs/DATE/TIME; with --restart: the checkpoint's folder)",
+        metavar="FILE_OR_DIR",
+        help="a name ending in .pt2 or .pt: the file the best model is exported to at the end "
+        "(as mtt train -o model.pt), the run folder being the default; any other: the run folder "
+        "(default: outputs/DATE/TIME; with --restart: the checkpoint's folder)",
     )
-    parser.add_argument("--restart", metavar="CKPT", help="continue from last.ckpt/best.ckpt")
+    parser.add_argument(
+        "--restart",
+        metavar="CKPT",
+        help="continue from last.ckpt/best.ckpt; auto: the newest outputs/DATE/TIME/last.ckpt",
+    )
     parser.add_argument("--epochs", type=positive_int, help="architecture.training.num_epochs")
     parser.add_argument("--batch-size", type=positive_int, help="architecture.training.batch_size")
     parser.add_argument("--lr", type=float, help="architecture.training.learning_rate")
     parser.add_argument("--seed", type=int, help="seed")
     parser.add_argument("--dtype", choices=("float32", "float64"), help="base_precision 32 or 64")
-    parser.add_argument("--device", help="cpu, cuda or cuda:N")
+    parser.add_argument("--device", help="auto (default: CUDA when visible), cpu, cuda (or gpu) or cuda:N")
     _add_step_flags(parser)
     parser.add_argument("--finetune", metavar="MODEL", help="architecture.training.finetune.read_from")
     parser.add_argument(
@@ -73,10 +89,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "-s",
         "--set",
+        "-r",
+        "--override",
+        dest="set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="set any option, e.g. --set architecture.model.d_pet=64 (VALUE is YAML); repeatable",
+        help="set any option, e.g. -r architecture.model.d_pet=64 (VALUE is YAML; -r/--override as in "
+        "mtt train); repeatable",
     )
     parser.add_argument(
         "--no-progress", dest="progress", action="store_false", default=None, help="no progress bar"
@@ -134,18 +154,19 @@ def _add_step_flags(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``petfunc train`` with the parsed ``args``; returns the exit status."""
+    output, model_file = split_output(args.output)
     options, demo = options_of(args)
+    # handled here, not by the trainer: the run's Weights & Biases logger
+    wandb_section = options.pop("wandb", None)
     # before any file is written: a device this process cannot use is named at once
-    resolve_device(options.get("device") or "cpu", "--device" if args.device else "option 'device'")
+    requested = options.get("device") or "auto"
+    options["device"] = str(resolve_device(requested, "--device" if args.device else "option 'device'"))
     restart = args.restart
     rank, dist_kwargs = join_processes(options)
-    if args.output:
-        output = Path(args.output)
-    elif restart is not None:
-        output = Path(restart).resolve().parent
-    else:
-        now = datetime.datetime.now()
-        output = Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
+    if rank == 0 and str(requested).lower() in ("auto", "gpu"):
+        print(f"device {requested}: {describe_device(options['device'])}")
+    if output is None:
+        output = Path(restart).resolve().parent if restart is not None else default_run_folder()
     output = Path(broadcast_object(str(output)))  # rank 0's folder
     if output.exists() and not output.is_dir():
         raise ValueError(f"the output folder {str(output)!r} is a file")
@@ -161,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
         with lock:
             before = FolderSnapshot(output, demo) if rank == 0 else None
             try:
-                return train_into(args, options, output, demo, restart, rank, dist_kwargs)
+                run = RunSetup(output, demo, restart, rank, dist_kwargs, model_file, wandb_section)
+                return train_into(args, options, run)
             except TrainingError:
                 raise  # training ran: its folder is the record of the run
             except BaseException:
@@ -176,10 +198,24 @@ def run(args: argparse.Namespace) -> int:
             )
 
 
+def describe_device(device: str) -> str:
+    """The device a run takes, in words (``device: auto`` and ``gpu`` say which)."""
+    if device.startswith("cuda"):
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    if torch.cuda.is_available():
+        return device
+    return f"{device} (no CUDA device is visible)"
+
+
 def join_processes(options: dict) -> tuple[int, dict]:
     """``(rank, fit's keyword arguments)`` of this process. Under torchrun
-    (``WORLD_SIZE`` > 1) it joins the process group (on CUDA ``options["device"]``
-    becomes ``cuda:LOCAL_RANK``); only rank 0 logs."""
+    (``WORLD_SIZE`` > 1), or as a task of a SLURM job of several that ``srun``
+    started (:mod:`petfunc.distributed.slurm`; metatrain's ``distributed`` and
+    ``distributed_port`` options), it joins the process group (on CUDA
+    ``options["device"]`` becomes ``cuda:LOCAL_RANK``); only rank 0 logs."""
+    training = (options.get("architecture") or {}).get("training") or {}
+    if "WORLD_SIZE" not in os.environ and in_slurm_job() and slurm_distributed(training.get("distributed")):
+        os.environ.update(slurm_environment(distributed_port(training)))
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, {}
     device = str(options.get("device") or "cpu")
@@ -245,9 +281,37 @@ class FolderSnapshot:
         return True
 
 
-def train_into(args, options, output, demo, restart, rank, dist_kwargs) -> int:
+def distributed_port(training: dict) -> int:
+    """metatrain's ``architecture.training.distributed_port``: the rendezvous port of
+    processes SLURM started (default 39591)."""
+    port = training.get("distributed_port", DEFAULT_PORT)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(
+            "option 'architecture.training.distributed_port' must be a port number (1 to 65535), "
+            f"got {port!r}"
+        )
+    return port
+
+
+@dataclass
+class RunSetup:
+    """Where and how :func:`train_into` runs: the run folder, whether it is the demo,
+    the restart checkpoint, this process's rank and :func:`fit`'s keyword arguments,
+    the exported model's file (``-o FILE``) and the ``wandb`` section."""
+
+    output: Path
+    demo: bool
+    restart: str | None
+    rank: int
+    dist_kwargs: dict
+    model_file: Path | None = None
+    wandb_section: dict | None = None
+
+
+def train_into(args, options, run: RunSetup) -> int:
     """The part of :func:`run` that writes into the output folder: the demo's dataset,
-    ``options.yaml``, and the run."""
+    ``options.yaml``, the run, and the exported model of ``-o FILE``."""
+    output, demo, restart, rank, dist_kwargs = run.output, run.demo, run.restart, run.rank, run.dist_kwargs
     if demo:
         # check the options before spending time on the dataset
         probe = copy.deepcopy(options)
@@ -265,18 +329,49 @@ def train_into(args, options, output, demo, restart, rank, dist_kwargs) -> int:
 
     resolved = absolute_paths(resolve_options(options))
     if rank == 0:
+        # with the wandb section, so that the file reruns the run as it was logged
+        written = {**resolved, "wandb": run.wandb_section} if run.wandb_section else resolved
         with open(output / "options.yaml", "w", encoding="utf-8") as handle:
-            yaml.safe_dump(resolved, handle, sort_keys=False)
+            yaml.safe_dump(written, handle, sort_keys=False)
         print(f"output folder: {output}")
     kwargs = dict(restart=restart, progress=args.progress)
     kwargs.update(dist_kwargs)
+    tracker = wandb_run(run.wandb_section, resolved, rank)
+    if tracker is not None:
+        kwargs["on_epoch"] = epoch_logger(tracker)
     try:
-        fit(resolved, output, **kwargs)
+        result = fit(resolved, output, **kwargs)
     except BaseException as error:
         # an error every rank raises at the same point leaves together, as a finished
         # run does (a rank tearing the group down first makes gloo abort another at
         # exit); others leave at once (both no-ops in one process)
         shutdown(wait_for_all=isinstance(error, RunMismatchError))
+        if tracker is not None:
+            tracker.finish(exit_code=1)
         raise
     shutdown()  # all ranks leave together
+    if tracker is not None:
+        tracker.finish()
+    if run.model_file is not None and rank == 0:
+        write_model(result, resolved, run.model_file, output)
     return 0
+
+
+def write_model(result, options: dict, path: Path, output: Path) -> None:
+    """Export the best model of a finished run to ``path`` (``-o FILE``), in the run's
+    dtype and for its device, and copy it into the run folder ``output`` (as
+    ``mtt train`` does). A ``.pt2`` is the torch.export program (``petfunc export``
+    also builds its AOTInductor library)."""
+    dtype = torch.float64 if options["base_precision"] == 64 else torch.float32
+    device = torch.device(options["device"])
+    try:
+        written = export_model(result.config, result.params, path, dtype=dtype, device=device, aoti=False)
+    except (RuntimeError, ValueError, NotImplementedError) as error:
+        raise ValueError(
+            f"the run finished (its checkpoints are in {output}), but exporting the model to {str(path)!r} "
+            f"failed: {error}; export it with: petfunc export {output / 'best.ckpt'} {path}"
+        ) from error
+    copy = output / written.name
+    if copy.resolve() != written.resolve():
+        shutil.copyfile(written, copy)
+    print(f"exported model: {written.resolve()} (a copy in {output})")

@@ -60,6 +60,10 @@ from petfunc.distributed.process import check_same_run as check_same_run
 from petfunc.distributed.process import current as current
 from petfunc.distributed.process import init_from_env as init_from_env
 from petfunc.distributed.process import shutdown as shutdown
+from petfunc.distributed.slurm import first_host as first_host
+from petfunc.distributed.slurm import in_slurm_job as in_slurm_job
+from petfunc.distributed.slurm import slurm_distributed as slurm_distributed
+from petfunc.distributed.slurm import slurm_environment as slurm_environment
 from petfunc.distributed.step import DataParallel as DataParallel
 from petfunc.distributed.step import label_counts as label_counts
 from petfunc.distributed.step import make_scaled_grad_step as make_scaled_grad_step

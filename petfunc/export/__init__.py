@@ -70,6 +70,9 @@ with ``aoti=True``.
 
 from petfunc.export.artifact import ExportedPET as ExportedPET
 from petfunc.export.artifact import load as load
+from petfunc.export.formats import MODEL_SUFFIXES as MODEL_SUFFIXES
+from petfunc.export.formats import check_model_file as check_model_file
+from petfunc.export.formats import export_model as export_model
 from petfunc.export.inputs import INPUTS as INPUTS
 from petfunc.export.inputs import LONG_RANGE_INPUTS as LONG_RANGE_INPUTS
 from petfunc.export.inputs import N_GRAPH_FIELDS as N_GRAPH_FIELDS

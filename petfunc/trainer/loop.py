@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -68,11 +69,18 @@ def report(run: Run, data: Data, model: Model, steps: Steps) -> None:
         )
 
 
-def train(run: Run, data: Data, model: Model, steps: Steps, folder: Folder | None) -> TrainState:
+def train(
+    run: Run,
+    data: Data,
+    model: Model,
+    steps: Steps,
+    folder: Folder | None,
+    on_epoch: Callable[[dict], None] | None = None,
+) -> TrainState:
     """Train the epochs ``steps.start_epoch .. steps.num_epochs - 1`` from
     ``steps.state``; returns the last state. ``steps.progress`` holds the steps
     taken, the best epoch, its parameters and the history; ``folder`` (if any) gets
-    the epochs' files.
+    the epochs' files; ``on_epoch`` (if any) each epoch's row of metrics, on rank 0.
 
     Raises:
         TrainingError: the loss or the parameters became NaN/inf.
@@ -114,6 +122,8 @@ def train(run: Run, data: Data, model: Model, steps: Steps, folder: Folder | Non
             improved = record(progress, row, metric, state, epoch, t0)
             if folder is not None:
                 folder.end_epoch(state, epoch + 1, progress, improved, steps.start_epoch, run.log)
+            if on_epoch is not None and run.processes.is_main:
+                on_epoch(dict(row))
             if (
                 epoch == steps.start_epoch
                 or (epoch + 1) % training["log_interval"] == 0

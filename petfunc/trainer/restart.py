@@ -9,9 +9,8 @@ import json
 import math
 from collections.abc import Callable, Mapping
 
-import torch
-
 from petfunc import lora, tree
+from petfunc.devices import device_type
 from petfunc.io.checkpoint import state_from_plain
 from petfunc.trainer.checkpoints import Progress
 
@@ -87,7 +86,7 @@ def effective(options: Mapping) -> dict:
     options = json.loads(json.dumps(options))
     training = options["architecture"]["training"]
     if training.get("deterministic") is None:
-        training["deterministic"] = torch.device(options.get("device") or "cpu").type == "cpu"
+        training["deterministic"] = device_type(options.get("device") or "cpu") == "cpu"
     return options
 
 

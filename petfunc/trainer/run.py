@@ -106,6 +106,7 @@ def fit(
     reduce_metrics: Callable | None = None,
     rank: int = 0,
     world_size: int = 1,
+    on_epoch: Callable[[dict], None] | None = None,
 ) -> FitResult:
     """Train a PET model (see the module docstring).
 
@@ -131,6 +132,9 @@ def fit(
         rank, world_size: this process's shard of every batch plan; only rank 0 writes.
             In a ``torch.distributed`` process group they must be the group's, and
             the processes check that they train the same run before the first step.
+        on_epoch: called on rank 0 after each epoch with its metrics (the epoch's
+            row of ``metrics.csv``: ``epoch``, ``step``, ``learning_rate``,
+            ``train_*`` and ``val_*``), e.g. to log them elsewhere.
 
     Returns:
         a :class:`FitResult`.
@@ -159,7 +163,7 @@ def fit(
         processes.check_same_run(setup.description(run, data, model))
         steps = setup.steps(run, data, model)
         folder = setup.folder(run, data, model)
-        state = loop.train(run, data, model, steps, folder)
+        state = loop.train(run, data, model, steps, folder, on_epoch=on_epoch)
         return finish(run, data, model, steps, folder, state)
 
 

@@ -184,6 +184,8 @@ def run(
     if ckpt is not None:
         check_restart(options, ckpt, restart, log)
     device = resolve_device(options["device"], "option 'device'")
+    # the run records the device it took (``auto`` and ``gpu`` name another on another machine)
+    options["device"] = str(device)
     # fixed-order scatter-adds, so that the same seed gives the same run
     # (petfunc.determinism); by default on CPU only, where they cost nothing
     deterministic = training["deterministic"]

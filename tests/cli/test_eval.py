@@ -246,3 +246,56 @@ def test_eval_errors(demo_run, tmp_path, capsys):
     assert "argument --batch-size: expected a positive integer, got -3" in capsys.readouterr().err
     with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
         evaluate(demo_run / "best.ckpt", demo_run / "dataset.xyz", batch_size=0)
+
+
+def test_eval_reads_a_metatrain_dataset_file(demo_run, tmp_path, capsys):
+    """``mtt eval MODEL options.yaml``'s dataset section (keys, units, a list of
+    datasets) and ``-b``: the errors of the extxyz file read with the same labels."""
+    import yaml
+
+    data = str(demo_run / "dataset.xyz")
+    assert main(["eval", str(demo_run / "best.ckpt"), data, "--json", str(tmp_path / "plain.json")]) == 0
+    plain = json.loads((tmp_path / "plain.json").read_text())
+    section = {
+        "systems": {"read_from": data, "length_unit": "angstrom"},
+        "targets": {"energy": {"key": "energy", "unit": "eV", "forces": {"key": "forces"}, "stress": True}},
+    }
+    one = tmp_path / "eval.yaml"
+    one.write_text(yaml.safe_dump(section))
+    model = str(demo_run / "best.ckpt")
+    assert main(["eval", model, str(one), "-b", "3", "--json", str(tmp_path / "m.json")]) == 0
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    for key in ("energy_per_atom_rmse", "forces_mae", "stress_rmse"):
+        assert metrics[key] == pytest.approx(plain[key], rel=1e-5)
+    # a list: one predictions file per dataset, named as mtt eval names them; the
+    # second in meV with no forces read
+    milli = {"systems": data, "targets": {"energy": {"unit": "meV", "forces": False}}}
+    several = tmp_path / "several.yml"
+    several.write_text(yaml.safe_dump([section, milli]))
+    capsys.readouterr()
+    assert main(["eval", model, str(several), "-o", str(tmp_path / "p.xyz")]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "p_0.xyz").is_file() and (tmp_path / "p_1.xyz").is_file()
+    second = out.split("predictions written to")[1]
+    assert "forces" in out.split("predictions written to")[0] and "forces" not in second.split("\n", 1)[1]
+
+
+def test_eval_dataset_file_errors(demo_run, tmp_path, capsys):
+    import yaml
+
+    model = str(demo_run / "best.ckpt")
+    path = tmp_path / "eval.yaml"
+    path.write_text(yaml.safe_dump({"systems": str(demo_run / "dataset.xyz")}))
+    assert main(["eval", model, str(path), "--energy-key", "U0"]) == 2
+    assert "--energy-key: the labels of the dataset file" in capsys.readouterr().err
+    path.write_text(yaml.safe_dump({"systems": str(demo_run / "dataset.xyz"), "indices": [0, 1]}))
+    assert main(["eval", model, str(path)]) == 2
+    assert "indices': petfunc eval evaluates every structure" in capsys.readouterr().err
+    path.write_text(
+        yaml.safe_dump({"systems": str(demo_run / "dataset.xyz"), "targets": {"energy": {"key": "U0"}}})
+    )
+    assert main(["eval", model, str(path)]) == 2
+    assert "no structure has labels under the key(s) ['U0']" in capsys.readouterr().err
+    path.write_text(yaml.safe_dump({"system": "x.xyz"}))
+    assert main(["eval", model, str(path)]) == 2
+    assert "unknown option" in capsys.readouterr().err

@@ -312,3 +312,59 @@ def test_training_checkpoint_in_python(demo_run):
         r"petfunc.load_model",
     ):
         petfunc.load_params(demo_run / "best.ckpt")
+
+
+def tiny_overrides(flag):
+    """The tiny model of ``TINY`` with metatrain's override flag ``flag``."""
+    return [flag if item == "--set" else item for item in TINY]
+
+
+def test_metatrain_command_line(tmp_path, monkeypatch, capsys):
+    """``mtt train``'s spellings: ``-r/--override KEY=VALUE``, ``-o model.pt2`` (the
+    exported model; the run folder under outputs/DATE/TIME), ``--restart auto``
+    (the newest outputs/DATE/TIME/last.ckpt)."""
+    import petfunc.export
+
+    monkeypatch.chdir(tmp_path)
+    args = [
+        "train",
+        "--structures",
+        "8",
+        *tiny_overrides("-r"),
+        "--override",
+        "architecture.training.num_epochs=1",
+    ]
+    assert main([*args, "-o", "model.pt2"]) == 0, capsys.readouterr().err
+    (run,) = (tmp_path / "outputs").glob("*/*")
+    assert yaml.safe_load(open(run / "options.yaml"))["architecture"]["training"]["num_epochs"] == 1
+    assert yaml.safe_load(open(run / "options.yaml"))["device"] == "cpu"  # auto, on this machine
+    out = capsys.readouterr().out
+    assert "device auto: cpu" in out or not torch.cuda.is_available()
+    assert f"exported model: {tmp_path / 'model.pt2'}" in out
+    assert (run / "model.pt2").read_bytes() == (tmp_path / "model.pt2").read_bytes()
+    exported = petfunc.export.load(tmp_path / "model.pt2")
+    assert exported.metadata["dtype"] == "float32"
+    # --restart auto continues the newest run, in its folder
+    assert main(["train", "--restart", "auto", "--epochs", "2", "--no-progress"]) == 0
+    assert f"--restart auto: continuing {run.relative_to(tmp_path) / 'last.ckpt'}" in capsys.readouterr().out
+    assert [r["epoch"] for r in csv.DictReader(open(run / "metrics.csv"))] == ["1", "2"]
+
+
+def test_metatrain_command_line_errors(tmp_path, monkeypatch, capsys):
+    """What -o and --restart auto cannot mean is said before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--restart", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "--restart auto: no checkpoint to continue: no DATE/TIME/last.ckpt in" in err
+    (tmp_path / "run.pt2").mkdir()
+    assert main(["train", "-o", "run.pt2", *TINY]) == 2
+    assert "'run.pt2' is an existing folder" in capsys.readouterr().err
+    assert main(["train", "-o", "model.pt", *TINY]) == 2
+    assert "cannot write metatomic models (.pt); write a .pt2" in capsys.readouterr().err
+    assert main(["train", "-o", "model.ckpt", *TINY]) == 2
+    assert "the checkpoints are written into the run folder" in capsys.readouterr().err
+    assert main(["train", "-r", "architecture.training.num_epochs", *TINY]) == 2
+    assert "--set/--override expects KEY=VALUE" in capsys.readouterr().err
+    assert main(["train", "--device", "multi-gpu", *TINY]) == 2
+    assert "--device multi-gpu: petfunc trains on one device per process" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pt2"]

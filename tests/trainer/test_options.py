@@ -284,3 +284,42 @@ def test_top_level_and_model_numbers_must_be_finite():
         resolve_options({"training_set": "data.xyz", "seed": float("inf")})
     with pytest.raises(ValueError, match=r"option 'architecture.model': cutoff must be finite, got inf"):
         resolve_options({"training_set": "data.xyz", "architecture": {"model": {"cutoff": float("inf")}}})
+
+
+def test_unused_metatrain_options_are_named_once_each():
+    """Every metatrain option petfunc accepts and does not use gets one warning that
+    names it; the device defaults to metatrain's auto and takes its names."""
+    import warnings
+
+    given = {
+        "training_set": "data.xyz",
+        "print_stats": True,
+        "final_eval": False,
+        "architecture": {
+            "name": "pet",
+            "training": {"num_workers": 4, "log_mae": True, "log_separate_blocks": True},
+        },
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolve_options(given)
+    messages = [str(w.message) for w in caught]
+    for name in (
+        "architecture.training.num_workers",
+        "architecture.training.log_mae",
+        "architecture.training.log_separate_blocks",
+        "print_stats",
+        "final_eval",
+    ):
+        assert sum(f"option '{name}' is metatrain's and not used by petfunc" in m for m in messages) == 1, (
+            messages
+        )
+    assert len(messages) == 5
+    assert resolve_options({"training_set": "data.xyz"})["device"] == "auto"
+    assert resolve_options({"training_set": "data.xyz", "device": "GPU"})["device"] == "gpu"
+    with pytest.raises(
+        ValueError, match="option 'device' is 'multi-gpu': petfunc trains on one device per process"
+    ):
+        resolve_options({"training_set": "data.xyz", "device": "multi-gpu"})
+    with pytest.raises(ValueError, match="option 'device' must be 'auto', 'cpu', 'cuda'"):
+        resolve_options({"training_set": "data.xyz", "device": "tpu"})

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from petfunc.config import PETConfig
+from petfunc.devices import MULTI_GPU, resolve_device
 from petfunc.trainer.options.baselines import resolve_baselines
 from petfunc.trainer.options.checks import check_keys, merge, number
 from petfunc.trainer.options.datasets import energy_target_name, held_out, indices_only, resolve_datasets
@@ -66,17 +67,44 @@ TRAINING_DEFAULTS: dict[str, Any] = {
 }
 
 #: metatrain trainer keys that only affect metatrain's logging or data loading:
-#: accepted and ignored.
+#: accepted and left out of the resolved options (``distributed_port`` is the
+#: rendezvous port of processes SLURM starts, which ``petfunc train`` reads itself).
 IGNORED_METATRAIN_KEYS = ("num_workers", "log_mae", "log_separate_blocks", "distributed_port")
 
-#: metatrain top-level keys about its own logging: accepted and ignored (``wandb``
-#: with a warning, as petfunc has no Weights & Biases logger).
+#: metatrain top-level keys about its own logging: accepted and left out of the
+#: resolved options (``wandb``: ``petfunc train`` logs to Weights & Biases itself).
 IGNORED_METATRAIN_TOP_LEVEL_KEYS = ("print_stats", "final_eval", "wandb")
+
+#: the metatrain options petfunc accepts and does not use, each with why: a run
+#: that gives one is warned once, naming it
+UNUSED_METATRAIN_OPTIONS = {
+    "architecture.training.num_workers": "petfunc builds its batches in the training process, "
+    "with no data-loader workers",
+    "architecture.training.log_mae": "petfunc logs the MAE and the RMSE of every label always",
+    "architecture.training.log_separate_blocks": "petfunc's energy target has one block",
+    "print_stats": "petfunc prints no dataset statistics",
+    "final_eval": "petfunc evaluates the best model on the validation and test sets at the end of every run",
+}
+
+
+def warn_unused(given: Mapping, prefix: str) -> None:
+    """One warning for each key of ``given`` (the section ``prefix``) that petfunc
+    accepts from metatrain and does not use (:data:`UNUSED_METATRAIN_OPTIONS`)."""
+    for key in given:
+        name = f"{prefix}{key}"
+        if name in UNUSED_METATRAIN_OPTIONS:
+            warnings.warn(
+                f"option '{name}' is metatrain's and not used by petfunc ({UNUSED_METATRAIN_OPTIONS[name]}); "
+                "ignored",
+                stacklevel=3,
+            )
+
 
 TOP_LEVEL_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "base_precision": 32,
-    "device": "cpu",
+    # metatrain's default: the best device of this machine (CUDA when visible)
+    "device": "auto",
     "architecture": {"name": "pet"},
     "training_set": None,
     "validation_set": 0.1,
@@ -104,10 +132,11 @@ def resolve_options(given: Mapping | None = None, base: Mapping | None = None) -
     """
     given = dict(given or {})
     check_keys(given, tuple(TOP_LEVEL_DEFAULTS) + IGNORED_METATRAIN_TOP_LEVEL_KEYS, "")
+    warn_unused(given, "")
     if given.get("wandb"):
         warnings.warn(
-            "option 'wandb': petfunc does not log to Weights & Biases; ignored "
-            "(the metrics are in the run's metrics.csv)",
+            "option 'wandb': petfunc.trainer.fit does not log to Weights & Biases (petfunc train "
+            "does, with wandb installed); ignored (the metrics are in the run's metrics.csv)",
             stacklevel=2,
         )
     for key in IGNORED_METATRAIN_TOP_LEVEL_KEYS:
@@ -149,6 +178,7 @@ def _training(given: Mapping, target: str) -> dict:
     training = dict(given)
     allowed = tuple(TRAINING_DEFAULTS) + IGNORED_METATRAIN_KEYS
     check_keys(training, allowed, "architecture.training")
+    warn_unused(training, "architecture.training.")
     for key in IGNORED_METATRAIN_KEYS:
         training.pop(key, None)
     training = merge(TRAINING_DEFAULTS, training)
@@ -252,9 +282,13 @@ def _top_level(merged: dict) -> None:
     merged["seed"] = number(merged["seed"], "seed", minimum=0, integer=True)
     if merged["base_precision"] not in (32, 64):
         raise ValueError(f"option 'base_precision' must be 32 or 64, got {merged['base_precision']!r}")
-    device = str(merged["device"])
-    if not (device == "cpu" or device.startswith("cuda")):
-        raise ValueError(f"option 'device' must be 'cpu' or 'cuda[:N]', got {device!r}")
+    device = str(merged["device"]).lower()
+    if device in MULTI_GPU:
+        resolve_device(device, "option 'device'")  # raises: how to train on several GPUs
+    if not (device in ("auto", "cpu", "gpu") or device.startswith("cuda")):
+        raise ValueError(
+            f"option 'device' must be 'auto', 'cpu', 'cuda' (or 'gpu') or 'cuda:N', got {merged['device']!r}"
+        )
     merged["device"] = device
     if merged["training_set"] is None:
         raise ValueError("option 'training_set' is required (an extxyz file or a dataset section)")
