@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import warnings
 from pathlib import Path
 
 import torch
@@ -57,10 +56,7 @@ def export_metatomic(
         )
 
         model.long_range_featurizer.__class__ = RowAlignedLongRangeFeaturizer
-    with warnings.catch_warnings():
-        # the length unit is always given; metatomic warns of scripting details
-        warnings.simplefilter("ignore", UserWarning)
-        atomistic = model.export(metadata)
+    atomistic = model.export(metadata)
     path.parent.mkdir(parents=True, exist_ok=True)
     # saved next to the target and renamed into place: a failed export leaves no file
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".petfunc-export-") as scratch:

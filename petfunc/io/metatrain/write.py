@@ -14,8 +14,10 @@ Needs the optional ``metatrain`` extra (``pip install 'petfunc[metatrain]'``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
+import warnings
 from typing import Any
 
 import torch
@@ -148,13 +150,20 @@ def to_metatrain(config: PETConfig, params, dtype: torch.dtype | None = None) ->
             (default: theirs). The composition weights and scale stay float64, as
             metatrain keeps them.
     """
-    require_metatrain()
+    try:
+        require_metatrain()
+    except ImportError as error:
+        raise ImportError(
+            "writing a metatrain checkpoint or a metatomic model needs metatrain, an optional "
+            "dependency: install it with `pip install 'petfunc[metatrain]'`"
+        ) from error
     from metatrain.pet import PET
     from metatrain.pet.trainer import Trainer
     from metatrain.utils.architectures import get_default_hypers
 
     params, dtype = _checked(config, params, dtype)
-    pet = PET(metatrain_hypers(config), _dataset_info(config))
+    with _quiet_long_range():
+        pet = PET(metatrain_hypers(config), _dataset_info(config))
     # as metatrain's trainer keeps them: the network in its dtype, the additive
     # models and the scaler in float64
     pet.to(dtype)
@@ -195,4 +204,16 @@ def metatrain_model(config: PETConfig, params, dtype: torch.dtype | None = None)
     from metatrain.utils.io import model_from_checkpoint
 
     checkpoint = to_metatrain(config, params, dtype)
-    return model_from_checkpoint(checkpoint, context="export").eval()
+    with _quiet_long_range():
+        return model_from_checkpoint(checkpoint, context="export").eval()
+
+
+@contextlib.contextmanager
+def _quiet_long_range():
+    """Silences metatrain's warning, on building a long-range PET, that it trains with
+    Ewald whatever ``use_ewald`` says: nothing is trained here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="Training PET with the LongRangeFeaturizer", category=UserWarning
+        )
+        yield
