@@ -40,9 +40,8 @@ def split_output(output: str | None) -> tuple[Path | None, Path | None]:
     the default run folder, no exported model); see the module docstring.
 
     Raises:
-        ValueError: a ``.ckpt`` name, a model-file name that is an existing folder.
-        NotImplementedError: a model file this petfunc cannot write (its writer is
-            missing): said before training starts.
+        ValueError: a ``.ckpt`` name, a model-file name that is an existing folder, a
+            metatomic model without the metatrain extra: said before training starts.
     """
     if output is None:
         return None, None

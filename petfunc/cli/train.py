@@ -361,11 +361,11 @@ def write_model(result, options: dict, path: Path, output: Path) -> None:
     """Export the best model of a finished run to ``path`` (``-o FILE``), in the run's
     dtype and for its device, and copy it into the run folder ``output`` (as
     ``mtt train`` does). A ``.pt2`` is the torch.export program (``petfunc export``
-    also builds its AOTInductor library)."""
+    also builds its AOTInductor library); a ``.pt`` a metatomic model."""
     dtype = torch.float64 if options["base_precision"] == 64 else torch.float32
-    device = torch.device(options["device"])
+    pt2 = {"device": torch.device(options["device"]), "aoti": False} if path.suffix == ".pt2" else {}
     try:
-        written = export_model(result.config, result.params, path, dtype=dtype, device=device, aoti=False)
+        written = export_model(result.config, result.params, path, dtype=dtype, **pt2)
     except (RuntimeError, ValueError, NotImplementedError) as error:
         raise ValueError(
             f"the run finished (its checkpoints are in {output}), but exporting the model to {str(path)!r} "

@@ -1,5 +1,11 @@
 """Deployment artifacts: a PET with its weights, as one file that runs without petfunc.
 
+:func:`export_model` writes a model in the format its file name says
+(:mod:`petfunc.export.formats`): a metatomic model (``.pt``, for LAMMPS, i-PI, ASE
+and torch-sim through metatomic: :func:`export_metatomic`, with the ``metatrain``
+extra), a metatrain checkpoint (``.ckpt``), or petfunc's own PT2 archive (``.pt2``),
+described below.
+
 :func:`export` writes a PT2 archive (``torch.export``'s package format, a zip file)
 holding the pure function
 
@@ -70,15 +76,18 @@ with ``aoti=True``.
 
 from petfunc.export.artifact import ExportedPET as ExportedPET
 from petfunc.export.artifact import load as load
+from petfunc.export.formats import FORMATS as FORMATS
 from petfunc.export.formats import MODEL_SUFFIXES as MODEL_SUFFIXES
 from petfunc.export.formats import check_model_file as check_model_file
 from petfunc.export.formats import export_model as export_model
+from petfunc.export.formats import format_of as format_of
 from petfunc.export.inputs import INPUTS as INPUTS
 from petfunc.export.inputs import LONG_RANGE_INPUTS as LONG_RANGE_INPUTS
 from petfunc.export.inputs import N_GRAPH_FIELDS as N_GRAPH_FIELDS
 from petfunc.export.inputs import OUTPUTS as OUTPUTS
 from petfunc.export.inputs import input_names as input_names
 from petfunc.export.inputs import long_range_inputs as long_range_inputs
+from petfunc.export.metatomic import export_metatomic as export_metatomic
 from petfunc.export.package import FORMAT as FORMAT
 from petfunc.export.package import METADATA as METADATA
 from petfunc.export.package import READABLE_VERSIONS as READABLE_VERSIONS

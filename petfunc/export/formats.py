@@ -1,44 +1,69 @@
-"""The model files a trained model is exported to, chosen by the file's suffix: the
-one place that maps a suffix to its writer, for ``petfunc train -o FILE`` and
-``petfunc export``.
+"""The formats a model is written in, chosen by the file name: :func:`export_model`.
 
-* ``.pt2``: petfunc's PT2 archive (:func:`petfunc.export.export`);
-* ``.pt``: a metatomic model, as ``mtt export`` writes it, when this petfunc has a
-  writer for it (:data:`WRITERS`); otherwise an error that says so, raised by
-  :func:`check_model_file` before any training starts.
+==========================  =========  ============================================
+format                      extension  what reads it
+==========================  =========  ============================================
+``metatomic``               ``.pt``    LAMMPS, i-PI, ASE (metatomic-ase), torch-sim,
+                                       ``mtt eval``: :func:`export_metatomic`
+``pt2``                     ``.pt2``   petfunc, AOTInductor: :func:`petfunc.export.export`
+``metatrain-checkpoint``    ``.ckpt``  ``mtt export``, ``mtt train --restart``,
+                                       petfunc: :func:`petfunc.io.save_metatrain`
+==========================  =========  ============================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from petfunc._files import PathLike
 from petfunc.config import PETConfig
+from petfunc.export.metatomic import export_metatomic
 from petfunc.export.package import export
+from petfunc.io import save_metatrain
 
 
-def write_pt2(config: PETConfig, params, path, *, dtype, device, aoti, long_range) -> Path:
-    """The PT2 archive of :func:`petfunc.export.export`."""
-    return export(config, params, path, dtype=dtype, device=device, aoti=aoti, long_range=long_range)
+#: each format's file-name extension
+FORMATS = {"metatomic": ".pt", "pt2": ".pt2", "metatrain-checkpoint": ".ckpt"}
 
-
-#: suffix -> writer ``(config, params, path, *, dtype, device, aoti, long_range) -> Path``
-WRITERS: dict[str, Callable[..., Path]] = {".pt2": write_pt2}
-
-#: every suffix of a model file, written here or not (a path ending so is a model file)
+#: the extensions of an exported model (``petfunc train -o FILE``: a path ending so
+#: names the model file, any other the run folder)
 MODEL_SUFFIXES = (".pt2", ".pt")
 
 
-def check_model_file(path) -> Path:
-    """``path`` as a :class:`~pathlib.Path` when a model can be written there.
+def format_of(path: PathLike, format: str | None = None) -> str:
+    """The format of the file ``path``: ``format`` if given, else the one its
+    extension names. A file whose extension is another format's is refused, as is
+    an extension no format has without ``format``."""
+    suffix = Path(path).suffix
+    by_suffix = {ext: name for name, ext in FORMATS.items()}
+    if format is not None:
+        if format not in FORMATS:
+            raise ValueError(f"unknown export format {format!r}; choose one of {sorted(FORMATS)}")
+        if suffix in by_suffix and by_suffix[suffix] != format:
+            raise ValueError(
+                f"{str(path)!r} has the extension of the {by_suffix[suffix]} format, not of {format} "
+                f"({FORMATS[format]}): rename the file or choose --format {by_suffix[suffix]}"
+            )
+        return format
+    if suffix not in by_suffix:
+        choices = ", ".join(f"{ext} ({name})" for name, ext in FORMATS.items())
+        raise ValueError(
+            f"cannot tell the format of {str(path)!r} from its extension: name it {choices}, "
+            "or give the format (--format)"
+        )
+    return by_suffix[suffix]
+
+
+def check_model_file(path: PathLike) -> Path:
+    """``path`` as a :class:`~pathlib.Path` when an exported model can be written
+    there, checked before a run that ends by writing it starts.
 
     Raises:
-        ValueError: the suffix is not a model file's (``.pt2``, ``.pt``), or ``path``
-            is an existing folder.
-        NotImplementedError: this petfunc has no writer for the suffix (a metatomic
-            ``.pt`` without one).
+        ValueError: the extension is not an exported model's (``.pt2``, ``.pt``),
+            ``path`` is an existing folder, or a metatomic model (``.pt``) is asked
+            for without the ``metatrain`` extra.
     """
     path = Path(path)
     if path.suffix not in MODEL_SUFFIXES:
@@ -50,38 +75,41 @@ def check_model_file(path) -> Path:
         raise ValueError(
             f"the model file {str(path)!r} is an existing folder: remove it or choose another name"
         )
-    if path.suffix not in WRITERS:
-        raise NotImplementedError(
-            f"the model file {str(path)!r}: this petfunc cannot write metatomic models (.pt); "
-            "write a .pt2 (petfunc's PT2 archive) instead"
-        )
+    if format_of(path) == "metatomic":
+        try:
+            import metatomic.torch  # noqa: F401 - an optional dependency
+        except ImportError:
+            raise ValueError(
+                f"the model file {str(path)!r}: writing metatomic models needs the metatrain extra "
+                "(pip install 'petfunc[metatrain]'); or write a .pt2 (petfunc's PT2 archive)"
+            ) from None
     return path
 
 
 def export_model(
     config: PETConfig,
     params,
-    path,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device="cpu",
-    aoti: bool | None = None,
-    long_range: str | None = None,
+    path: PathLike,
+    format: str | None = None,
+    dtype: torch.dtype | None = None,
+    **pt2_options,
 ) -> Path:
-    """Write the model ``(config, params)`` to ``path`` in the format of its suffix
-    (:data:`WRITERS`); returns the path written.
+    """Write ``(config, params)`` to ``path`` in ``format`` (default: by its extension,
+    :func:`format_of`).
 
-    Args:
-        config, params: the model.
-        path: the file: ``.pt2`` (petfunc's PT2 archive) or ``.pt`` (metatomic).
-        dtype: the exported model's float type.
-        device: the device the model is exported for (``"cpu"`` or ``"cuda"``).
-        aoti: for ``.pt2``, also build the AOTInductor library (``None``: its default).
-        long_range: for a long-range model, ``"p3m"`` or ``"ewald"``.
-
-    Raises:
-        ValueError / NotImplementedError: see :func:`check_model_file`.
+    ``dtype``: the network's dtype in the file (default: float32 for ``pt2``, the
+    weights' own otherwise). ``pt2_options`` (``device``, ``aoti``,
+    ``inductor_configs``, ``long_range``) go to :func:`petfunc.export.export` and are
+    refused for the other formats. LoRA adapters must be merged first. Returns the
+    path written.
     """
-    path = check_model_file(path)
-    writer = WRITERS[path.suffix]
-    return writer(config, params, path, dtype=dtype, device=device, aoti=aoti, long_range=long_range)
+    kind = format_of(path, format)
+    if kind == "pt2":
+        return export(config, params, path, dtype=dtype or torch.float32, **pt2_options)
+    given = sorted(k for k, v in pt2_options.items() if v is not None)
+    if given:
+        raise ValueError(f"{', '.join(given)}: options of the pt2 format, not of {kind} ({str(path)!r})")
+    if kind == "metatomic":
+        return export_metatomic(config, params, path, dtype=dtype)
+    save_metatrain(config, params, path, dtype=dtype)
+    return Path(path)

@@ -5,7 +5,8 @@
 - :mod:`petfunc.io.checkpoint`: the training checkpoint of ``petfunc train``.
 - :mod:`petfunc.io.load`: :func:`load_model`, ``(config, params)`` of any model file.
 - :mod:`petfunc.io.metatrain`: metatrain checkpoints and exported models
-  (:func:`from_metatrain`), and :func:`to_metatrain_state_dict`.
+  (:func:`from_metatrain`), and metatrain checkpoints of petfunc's models
+  (:func:`to_metatrain`, :func:`save_metatrain`).
 
 Every file is read with ``torch.load(weights_only=True)`` (metatrain's with only
 its own objects allowed) and written atomically (:func:`atomic_write`, which raises
@@ -26,6 +27,8 @@ from petfunc.io.metatrain import from_metatrain as from_metatrain
 from petfunc.io.metatrain import is_llpr_checkpoint as is_llpr_checkpoint
 from petfunc.io.metatrain import metatrain_units as metatrain_units
 from petfunc.io.metatrain import read_metatrain_baseline as read_metatrain_baseline
+from petfunc.io.metatrain import save_metatrain as save_metatrain
+from petfunc.io.metatrain import to_metatrain as to_metatrain
 from petfunc.io.metatrain import to_metatrain_state_dict as to_metatrain_state_dict
 from petfunc.io.params import EXTRA_KEYS as EXTRA_KEYS
 from petfunc.io.params import FORMAT as FORMAT

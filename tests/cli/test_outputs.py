@@ -2,6 +2,7 @@
 folder, and the checkpoint of --restart auto."""
 
 import os
+import sys
 import time
 
 import pytest
@@ -20,7 +21,13 @@ def test_output_is_a_model_file_or_a_run_folder(tmp_path):
         split_output(str(tmp_path / "taken.pt2"))
     with pytest.raises(ValueError, match="checkpoints are written into the run folder"):
         split_output("last.ckpt")
-    with pytest.raises(NotImplementedError, match=r"cannot write metatomic models \(.pt\)"):
+
+
+def test_a_metatomic_model_file_needs_the_extra(tmp_path, monkeypatch):
+    pytest.importorskip("metatomic.torch")
+    assert split_output(str(tmp_path / "model.pt")) == (None, tmp_path / "model.pt")
+    monkeypatch.setitem(sys.modules, "metatomic.torch", None)  # as if not installed
+    with pytest.raises(ValueError, match=r"writing metatomic models needs the metatrain extra"):
         split_output("model.pt")
 
 

@@ -3,6 +3,7 @@ found after a failed start, Ctrl-C or SIGTERM.
 """
 
 import csv
+import sys
 
 import pytest
 import torch
@@ -359,8 +360,10 @@ def test_metatrain_command_line_errors(tmp_path, monkeypatch, capsys):
     (tmp_path / "run.pt2").mkdir()
     assert main(["train", "-o", "run.pt2", *TINY]) == 2
     assert "'run.pt2' is an existing folder" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "metatomic.torch", None)  # as if the extra were not installed
     assert main(["train", "-o", "model.pt", *TINY]) == 2
-    assert "cannot write metatomic models (.pt); write a .pt2" in capsys.readouterr().err
+    assert "writing metatomic models needs the metatrain extra" in capsys.readouterr().err
+    monkeypatch.delitem(sys.modules, "metatomic.torch")
     assert main(["train", "-o", "model.ckpt", *TINY]) == 2
     assert "the checkpoints are written into the run folder" in capsys.readouterr().err
     assert main(["train", "-r", "architecture.training.num_epochs", *TINY]) == 2
@@ -368,3 +371,15 @@ def test_metatrain_command_line_errors(tmp_path, monkeypatch, capsys):
     assert main(["train", "--device", "multi-gpu", *TINY]) == 2
     assert "--device multi-gpu: petfunc trains on one device per process" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.pt2"]
+
+
+def test_training_writes_a_metatomic_model(tmp_path, monkeypatch, capsys):
+    """``petfunc train -o model.pt``: the best model as a metatomic model, as ``mtt train``."""
+    metatomic = pytest.importorskip("metatomic.torch")
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--structures", "8", "--epochs", "1", *tiny_overrides("-r"), "-o", "model.pt"]
+    assert main(args) == 0, capsys.readouterr().err
+    model = metatomic.load_atomistic_model(str(tmp_path / "model.pt"))
+    assert "energy" in model.capabilities().outputs
+    (run,) = (tmp_path / "outputs").glob("*/*")
+    assert (run / "model.pt").read_bytes() == (tmp_path / "model.pt").read_bytes()
