@@ -246,3 +246,37 @@ def test_eval_errors(demo_run, tmp_path, capsys):
     assert "argument --batch-size: expected a positive integer, got -3" in capsys.readouterr().err
     with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
         evaluate(demo_run / "best.ckpt", demo_run / "dataset.xyz", batch_size=0)
+
+
+def test_eval_lines_go_through_the_petfunc_logger(demo_run, capsys, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="petfunc")
+    capsys.readouterr()
+    assert main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [r.getMessage() for r in caplog.records if r.name == "petfunc.cli.eval"] == out
+    assert out[0].endswith("dataset.xyz: 16 structures, " + out[0].split(", ")[-1])
+
+
+def test_eval_out_of_memory_is_one_line(demo_run, capsys, monkeypatch):
+    from petfunc.trainer import evaluation
+    from tests.helpers.runlog import cuda_out_of_memory
+
+    def derivatives(energy, mode):
+        def fails(*args):
+            raise cuda_out_of_memory()
+
+        return fails
+
+    monkeypatch.setattr(evaluation, "energy_forces_strain_derivative", derivatives)
+    capsys.readouterr()
+    assert (
+        main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz"), "--batch-size", "8"]) == 1
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(
+        "petfunc: out of memory on the CPU in the evaluation of structures 1..8 of 16 (8 structures, "
+    )
+    assert "it asked for 2.00 GiB more): evaluate fewer structures at a time (--batch-size)" in err
