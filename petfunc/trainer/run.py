@@ -164,6 +164,8 @@ def fit(
             folder = setup.folder(run, data, model)
             if folder is not None:
                 log_file.enter_context(run_log.writing(*log_file_of(run, data, folder)))
+            else:
+                run_log.without_file()
             state = loop.train(run, data, model, steps, folder)
             return finish(run, data, model, steps, folder, state)
 

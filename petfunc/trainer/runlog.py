@@ -83,14 +83,15 @@ class ConsoleHandler(logging.Handler):
 
 
 class LogFile(logging.FileHandler):
-    """``train.log`` (UTF-8, appended, flushed after every line). A write that fails
-    (a full disk) is said once on standard error; the log then goes on on the console
-    only, and the run's own files say what failed."""
+    """``train.log`` (UTF-8, flushed after every line). A write that fails (a full
+    disk) is said once to ``warn`` (the console); the log then goes on on the
+    console only, and the run's own files say what failed."""
 
-    def __init__(self, path: Path, mode: str):
+    def __init__(self, path: Path, mode: str, warn: Callable[[str], None]):
         super().__init__(path, mode=mode, encoding="utf-8")
         self.setFormatter(logging.Formatter(FILE_FORMAT))
         self.addFilter(ThisThread())
+        self.warn = warn
         self.failed = False
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -100,11 +101,9 @@ class LogFile(logging.FileHandler):
     def handleError(self, record: logging.LogRecord) -> None:
         if not self.failed:
             self.failed = True
-            error = sys.exc_info()[1]
-            print(
-                f"petfunc: warning: cannot write {self.baseFilename} ({error}); "
-                "the log goes on on the console only",
-                file=sys.stderr,
+            self.warn(
+                f"warning: cannot write {self.baseFilename} ({sys.exc_info()[1]}); "
+                "the log goes on on the console only"
             )
 
 
@@ -183,6 +182,11 @@ class RunLog:
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
+    def without_file(self) -> None:
+        """No file is written (no run folder, or a process other than 0): the lines
+        held for it are dropped."""
+        self._drop_held()
+
     def _drop_held(self) -> None:
         if self._held is not None:
             _PACKAGE.removeHandler(self._held)
@@ -196,7 +200,7 @@ class RunLog:
         said. An error that ends the block is its last line; the file is closed on
         every exit (enter it inside the folder's lock: no line is written after the
         lock is released)."""
-        file = LogFile(Path(path), "a" if restart is not None else "w")
+        file = LogFile(Path(path), "a" if restart is not None else "w", self.write)
         try:
             if restart is not None:
                 file.handle(_record(logging.INFO, f"{'=' * 20} restart from {restart} {'=' * 20}"))
@@ -259,7 +263,7 @@ def units_lines(per_atom: bool) -> list[str]:
     return [
         f"units: epoch lines and metrics.csv: E (energy_*) {energy}; F (forces_*) eV/Å; "
         f"S (stress_*) the strain derivative {strain}; loss in training units (energies divided "
-        "by the energy scale, dimensionless); lr (learning_rate) per step; time_s seconds",
+        "by the energy scale, dimensionless); lr (learning_rate) dimensionless; time_s seconds",
         "units: composition weights and energy scale eV; test and final RMSE/MAE: energy per atom eV/atom, "
         "forces eV/Å, stress eV/Å³",
     ]

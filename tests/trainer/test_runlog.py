@@ -123,3 +123,28 @@ def test_two_runs_in_two_threads_keep_their_logs_apart(tmp_path):
             *consoles[name],
         ]
     assert not petfunc_handlers() and logging.getLogger("petfunc").level == logging.NOTSET
+
+
+def test_a_log_file_that_cannot_be_written_is_said_once(tmp_path):
+    import errno
+
+    class Full:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+    lines = []
+    with RunLog(lines.append) as run_log:
+        with run_log.writing(tmp_path / LOG_NAME, ["header"]) as file:
+            file.stream.close()
+            file.stream = Full()
+            say("first")
+            say("second")
+    assert lines[
+        0
+    ] == f"warning: cannot write {tmp_path / LOG_NAME} ([Errno 28] No space left on device); " + (
+        "the log goes on on the console only"
+    )
+    assert lines[1:] == ["first", "second"]
