@@ -18,7 +18,8 @@ Both handlers take only the records of the thread that runs the training, so two
 runs in one process (each in its own thread and folder) never write into each
 other's logs; both are removed, and the file closed, when the run ends in any way
 (an error that ends it is the file's last line). Records also propagate to the root
-logger, for an application's own handlers. Progress bars stay on the console.
+logger, for an application's own handlers. For the run the ``petfunc`` logger passes
+INFO records, unless a level was set on it. Progress bars stay on the console.
 """
 
 from __future__ import annotations
@@ -126,12 +127,13 @@ _level_before = [logging.NOTSET]
 
 @contextlib.contextmanager
 def _at_info():
-    """The ``petfunc`` logger passes INFO records for the block (its level put back
-    after the last such block of any thread)."""
+    """The ``petfunc`` logger passes INFO records for the block unless a level was
+    set on it (Python's default, WARNING from the root logger, would drop the run's
+    lines); its level is put back after the last such block of any thread."""
     with _levels_lock:
         if _runs_lowering[0] == 0:
             _level_before[0] = _PACKAGE.level
-            if _PACKAGE.getEffectiveLevel() > logging.INFO:
+            if _PACKAGE.level == logging.NOTSET and _PACKAGE.getEffectiveLevel() > logging.INFO:
                 _PACKAGE.setLevel(logging.INFO)
         _runs_lowering[0] += 1
     try:

@@ -148,3 +148,22 @@ def test_a_log_file_that_cannot_be_written_is_said_once(tmp_path):
         "the log goes on on the console only"
     )
     assert lines[1:] == ["first", "second"]
+
+
+def test_a_level_set_on_the_petfunc_logger_is_kept(tmp_path):
+    logging.getLogger("petfunc").setLevel(logging.WARNING)
+    lines = []
+    try:
+        with RunLog(lines.append) as run_log:
+            with run_log.writing(tmp_path / LOG_NAME, ["header"]):
+                say("an information")
+                say("warning: a warning")
+    finally:
+        logging.getLogger("petfunc").setLevel(logging.NOTSET)
+    assert lines == ["warning: a warning"]
+    assert (
+        (tmp_path / LOG_NAME)
+        .read_text(encoding="utf-8")
+        .splitlines()[-1]
+        .endswith("[WARNING] - warning: a warning")
+    )
