@@ -14,7 +14,7 @@ from petfunc import allocator
 from petfunc.cli import eval as eval_command
 from petfunc.cli import export as export_command
 from petfunc.cli import train as train_command
-from petfunc.trainer import TrainingError
+from petfunc.trainer import OutOfMemory, TrainingError
 
 
 COMMANDS = {"train": train_command, "eval": eval_command, "export": export_command}
@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Errors in options or data print ``petfunc: error: ...`` and return 2; a diverged
     training (NaN/inf loss) returns 1, and so does a full disk (or quota), with one
-    line naming the file system and the file kept; Ctrl-C 130 and SIGTERM 143.
+    line naming the file system and the file kept, and out of memory, with one line
+    naming what ran out and what to change; Ctrl-C 130 and SIGTERM 143.
     """
     top = parser()
     args = top.parse_args(argv)
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         previous = signal.signal(signal.SIGTERM, terminate)
     try:
         return COMMANDS[args.command].run(args)
+    except OutOfMemory as error:
+        print(f"petfunc: {error}", file=sys.stderr)
+        return 1
     except TrainingError as error:
         print(f"petfunc: training stopped: {error}", file=sys.stderr)
         return 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -16,6 +17,10 @@ from petfunc.cli.arguments import add_threads, positive_int
 from petfunc.cli.datasets import is_dataset_file, numbered, read_dataset_file
 from petfunc.devices import resolve_device
 from petfunc.trainer import evaluate, training_label_options
+from petfunc.trainer.runlog import console
+
+
+log = logging.getLogger(__name__)
 
 
 def add_parser(subparsers) -> None:
@@ -118,7 +123,7 @@ def label_options(args) -> None:
             for name in ("energy_key", "forces_key", "stress_key", "virial_key")
             if getattr(args, name)
         ]
-        print(
+        log.info(
             "labels read as the model was trained: "
             + ", ".join(taken)
             + "; keys "
@@ -141,7 +146,14 @@ LABEL_FLAGS = {
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``petfunc eval`` with the parsed ``args``; returns the exit status."""
+    """Run ``petfunc eval`` with the parsed ``args``; returns the exit status. Its
+    lines go through the ``petfunc.cli.eval`` logger: to stdout, warnings to stderr."""
+    with console(print, lambda message: print(message, file=sys.stderr)):
+        return evaluate_command(args)
+
+
+def evaluate_command(args: argparse.Namespace) -> int:
+    """:func:`run` without the console."""
     device = resolve_device(args.device, "--device")
     if is_dataset_file(args.dataset):
         given = [flag for name, flag in LABEL_FLAGS.items() if getattr(args, name) is not None]
@@ -200,25 +212,25 @@ def evaluate_file(args: argparse.Namespace, dataset: str, device, named: list) -
         target=args.target,
         required_keys=named,
     )
-    print(f"{dataset}: {metrics['n_structures']} structures, {metrics['n_atoms']} atoms")
+    log.info(f"{dataset}: {metrics['n_structures']} structures, {metrics['n_atoms']} atoms")
     rows = (
         ("energy_per_atom", "energy/atom", "eV/atom"),
         ("forces", "forces", "eV/Å"),
         ("stress", "stress", "eV/Å^3"),
     )
     if any(f"{key}_rmse" in metrics for key, _, _ in rows):
-        print(f"{'':16s}{'RMSE':>12s}{'MAE':>12s}  unit      labels")
+        log.info(f"{'':16s}{'RMSE':>12s}{'MAE':>12s}  unit      labels")
     else:
-        print("no labels in the file: predictions only")
+        log.info("no labels in the file: predictions only")
     for key, name, unit in rows:
         if f"{key}_rmse" in metrics:
-            print(
+            log.info(
                 f"{name:16s}{metrics[f'{key}_rmse']:12.5g}{metrics[f'{key}_mae']:12.5g}  "
                 f"{unit:8s}  {metrics[f'{key}_count']}"
             )
         if metrics.get(f"{key}_nan_predictions"):
-            print(f"warning: {metrics[f'{key}_nan_predictions']} {name} predictions are NaN", file=sys.stderr)
+            log.warning(f"warning: {metrics[f'{key}_nan_predictions']} {name} predictions are NaN")
     if args.json:
         Path(args.json).write_text(json.dumps(metrics, indent=2))
     if args.output:
-        print(f"predictions written to {args.output}")
+        log.info(f"predictions written to {args.output}")

@@ -39,6 +39,7 @@ from petfunc.export import export_model
 from petfunc.trainer import TrainingError, fit
 from petfunc.trainer.lock import LOCK_NAME, lock_output_folder
 from petfunc.trainer.options import absolute_paths, resolve_options
+from petfunc.trainer.runlog import LOG_NAME, console, say
 
 
 DESCRIPTION = (
@@ -164,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
     restart = args.restart
     rank, dist_kwargs = join_processes(options)
     if rank == 0 and str(requested).lower() in ("auto", "gpu"):
-        print(f"device {requested}: {describe_device(options['device'])}")
+        with console():
+            say(f"device {requested}: {describe_device(options['device'])}")
     if output is None:
         output = Path(restart).resolve().parent if restart is not None else default_run_folder()
     output = Path(broadcast_object(str(output)))  # rank 0's folder
@@ -231,9 +233,10 @@ def join_processes(options: dict) -> tuple[int, dict]:
 class FolderSnapshot:
     """What the output folder held before ``petfunc train`` began, so that a run that
     stops before its first checkpoint (bad data or options, Ctrl-C while the files
-    are read or in the first epoch) leaves no trace: the ``options.yaml`` it wrote
-    (and the demo's ``dataset.xyz``) is removed, one it replaced (a restart into
-    its own folder) is restored; the folder's lock then removes the folders it made
+    are read or in the first epoch) leaves no trace: the ``options.yaml`` and
+    ``train.log`` it wrote (and the demo's ``dataset.xyz``) are removed, those it
+    replaced or appended to (a restart into its own folder) are restored; the
+    folder's lock then removes the folders it made
     (:func:`petfunc.trainer.lock.lock_folder`).
 
     When anything else in the folder was written or changed (a checkpoint,
@@ -245,7 +248,7 @@ class FolderSnapshot:
     def __init__(self, output: Path, demo: bool):
         self.output = output
         # the files the command itself writes before training starts
-        self.own = ("options.yaml", "dataset.xyz") if demo else ("options.yaml",)
+        self.own = ("options.yaml", LOG_NAME) + (("dataset.xyz",) if demo else ())
         self.entries = self._entries()
         self.previous = {}
         for name in self.own:
@@ -319,10 +322,11 @@ def train_into(args, options, run: RunSetup) -> int:
         resolve_options(probe)
         path = output / "dataset.xyz"
         if rank == 0:  # rank 0 writes, the others wait
-            print(
-                f"demo run: writing the built-in EMT dataset ({args.structures} Cu/Al/Ni structures) "
-                f"to {path}"
-            )
+            with console():
+                say(
+                    f"demo run: writing the built-in EMT dataset ({args.structures} Cu/Al/Ni structures) "
+                    f"to {path}"
+                )
             make_default_dataset(path, args.structures, seed=options.get("seed", 0) or 0)
         barrier()
         options["training_set"] = str(path.resolve())
@@ -333,7 +337,8 @@ def train_into(args, options, run: RunSetup) -> int:
         written = {**resolved, "wandb": run.wandb_section} if run.wandb_section else resolved
         with open(output / "options.yaml", "w", encoding="utf-8") as handle:
             yaml.safe_dump(written, handle, sort_keys=False)
-        print(f"output folder: {output}")
+        with console():
+            say(f"output folder: {output}")
     kwargs = dict(restart=restart, progress=args.progress)
     kwargs.update(dist_kwargs)
     tracker = wandb_run(run.wandb_section, resolved, rank)
@@ -374,4 +379,5 @@ def write_model(result, options: dict, path: Path, output: Path) -> None:
     copy = output / written.name
     if copy.resolve() != written.resolve():
         shutil.copyfile(written, copy)
-    print(f"exported model: {written.resolve()} (a copy in {output})")
+    with console():
+        say(f"exported model: {written.resolve()} (a copy in {output})")

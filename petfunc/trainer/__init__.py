@@ -14,6 +14,8 @@
   folder, and what a restart checks and restores.
 - :mod:`petfunc.trainer.metrics`, :mod:`~petfunc.trainer.evaluation`: the numbers a
   run reports; predictions and their errors (``petfunc eval``).
+- :mod:`petfunc.trainer.runlog`, :mod:`~petfunc.trainer.memory`: the run's log (the
+  ``petfunc`` loggers, ``train.log``); out of memory named as such.
 - :mod:`petfunc.trainer.options`: the options (``docs/options.md``).
 """
 
@@ -28,6 +30,7 @@ from petfunc.trainer.evaluation import parity_plot as parity_plot
 from petfunc.trainer.evaluation import predict as predict
 from petfunc.trainer.evaluation import training_label_options as training_label_options
 from petfunc.trainer.evaluation import write_predictions as write_predictions
+from petfunc.trainer.memory import OutOfMemory as OutOfMemory
 from petfunc.trainer.metrics import TERMS as TERMS
 from petfunc.trainer.metrics import TrainingError as TrainingError
 from petfunc.trainer.metrics import selected_metric as selected_metric

@@ -32,6 +32,7 @@ from petfunc.io.checkpoint import check_checkpoint, is_checkpoint
 from petfunc.io.load import torch_payload
 from petfunc.model import PET
 from petfunc.structures import collate
+from petfunc.trainer.memory import EVALUATION_ADVICE, reporting_out_of_memory
 from petfunc.trainer.options import dataset_sections
 from petfunc.units import energy_unit_factor, length_unit_factor
 
@@ -39,7 +40,8 @@ from petfunc.units import energy_unit_factor, length_unit_factor
 def _evaluate_structures(config: PETConfig, params, samples: Sequence[Sample], batch_size: int, stress: bool):
     """Yield ``(sample, energy, forces, strain_derivative)`` for every sample (eV, eV/Å,
     eV; the strain derivative ``None`` without ``stress`` and for structures that are
-    not periodic in all three directions, whose stress is undefined), in batches."""
+    not periodic in all three directions, whose stress is undefined), in batches.
+    A batch that runs out of memory raises :class:`~petfunc.trainer.memory.OutOfMemory`."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     model = PET(config)
@@ -49,8 +51,11 @@ def _evaluate_structures(config: PETConfig, params, samples: Sequence[Sample], b
     fn = (energy_forces_strain_derivative if stress else energy_and_forces)(model.energy, "autograd")
     for start in range(0, len(samples), batch_size):
         chunk = list(samples[start : start + batch_size])
-        positions, cell, neighbors = collate([s.structure for s in chunk], config, dtype=dtype, device=device)
-        result = fn(params, positions, cell, neighbors)
+        doing = f"in the evaluation of structures {start + 1}..{start + len(chunk)} of {len(samples)}"
+        with reporting_out_of_memory(doing, device, EVALUATION_ADVICE):
+            inputs = collate([s.structure for s in chunk], config, dtype=dtype, device=device)
+        with reporting_out_of_memory(doing, device, EVALUATION_ADVICE, inputs):
+            result = fn(params, *inputs)
         energies = result[0].detach().to("cpu", torch.float64).numpy()
         forces = result[1].detach().to("cpu", torch.float64).numpy()
         offsets = np.cumsum([0] + [len(s) for s in chunk])

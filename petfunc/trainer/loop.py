@@ -20,6 +20,7 @@ from tqdm import tqdm
 from petfunc import tree
 from petfunc.train import TrainState, trainable
 from petfunc.trainer.checkpoints import Folder, Progress
+from petfunc.trainer.memory import reporting_out_of_memory, training_advice
 from petfunc.trainer.metrics import Sums, TrainingError, all_finite, check_loss, epoch_line, selected_metric
 from petfunc.trainer.setup import Data, Model, Run, Steps
 
@@ -84,6 +85,7 @@ def train(
 
     Raises:
         TrainingError: the loss or the parameters became NaN/inf.
+        OutOfMemory: a training step or the validation ran out of memory.
     """
     report(run, data, model, steps)
     training = run.options["architecture"]["training"]
@@ -99,7 +101,7 @@ def train(
     try:
         for epoch in range(steps.start_epoch, steps.num_epochs):
             t0 = time.perf_counter()
-            state, summary = train_epoch(steps, data, model, state, epoch, bar)
+            state, summary = train_epoch(run, steps, data, model, state, epoch, bar)
             row = {
                 "epoch": epoch + 1,
                 "step": progress.step,
@@ -109,7 +111,7 @@ def train(
             if model.samples.val:
                 if val_batches is None:
                     val_batches = steps.batches.validation()
-                summary = validate(steps, data, model, state.params, val_batches)
+                summary = validate(run, steps, data, model, state.params, val_batches, epoch)
                 if not math.isfinite(summary["loss"]):
                     raise TrainingError(
                         f"epoch {epoch + 1}: the validation loss is {summary['loss']}; "
@@ -135,14 +137,25 @@ def train(
     return state
 
 
-def train_epoch(steps: Steps, data: Data, model: Model, state: TrainState, epoch: int, bar):
+def train_epoch(run: Run, steps: Steps, data: Data, model: Model, state: TrainState, epoch: int, bar):
     """``(state, summary)`` after the training steps of ``epoch`` (0-based): the
     state, and the loss and errors of the epoch's batches summed over the processes
-    (:class:`~petfunc.trainer.metrics.Sums`). ``bar`` shows the running errors."""
+    (:class:`~petfunc.trainer.metrics.Sums`). ``bar`` shows the running errors.
+
+    Raises:
+        OutOfMemory: a step ran out of memory (the message names the batch).
+    """
     energy_label = "E(eV/atom)" if data.weights.per_atom else "E(eV)"
     sums = Sums(data.terms)
-    for _, batch in steps.batches.training(epoch):
-        state, values = steps.step(state, batch)
+    advice = training_advice(run.options)
+    for index, (_, batch) in enumerate(steps.batches.training(epoch)):
+        with reporting_out_of_memory(
+            f"in the training step of epoch {epoch + 1}, batch {index + 1} of {steps.steps_per_epoch}",
+            run.device,
+            advice,
+            batch,
+        ):
+            state, values = steps.step(state, batch)
         check_loss(values["loss"], epoch, steps.progress.step)
         steps.progress.step += 1
         sums.add(values)
@@ -161,13 +174,26 @@ def train_epoch(steps: Steps, data: Data, model: Model, state: TrainState, epoch
     return state, summary
 
 
-def validate(steps: Steps, data: Data, model: Model, params, batches) -> dict[str, float]:
+def validate(
+    run: Run, steps: Steps, data: Data, model: Model, params, batches, epoch: int
+) -> dict[str, float]:
     """The loss of the whole validation set and the errors of every labelled term,
-    summed over the processes (each evaluates its share of ``batches``; a process
-    whose share is empty contributes zero sums)."""
+    after ``epoch`` (0-based), summed over the processes (each evaluates its share of
+    ``batches``; a process whose share is empty contributes zero sums).
+
+    Raises:
+        OutOfMemory: a batch ran out of memory (the message names it).
+    """
     sums = Sums(data.val_terms, data.weights)
-    for batch in batches:
-        sums.add(steps.validate(params, batch))
+    advice = training_advice(run.options, step=False)
+    for index, batch in enumerate(batches):
+        with reporting_out_of_memory(
+            f"in the validation after epoch {epoch + 1}, batch {index + 1} of {len(batches)}",
+            run.device,
+            advice,
+            batch,
+        ):
+            sums.add(steps.validate(params, batch))
     sums.values = steps.reduce(sums.values)
     return sums.summary(model.scale)
 

@@ -38,13 +38,11 @@ the parallel float sums of scatter-adds do not depend on thread timing.
 
 from __future__ import annotations
 
-import sys
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from tqdm import tqdm
 
 from petfunc import tree
 from petfunc.config import PETConfig
@@ -54,9 +52,10 @@ from petfunc.train import TrainState
 from petfunc.trainer import loop, setup
 from petfunc.trainer.checkpoints import Folder
 from petfunc.trainer.evaluation import error_metrics, parity_plot, predict
-from petfunc.trainer.lock import lock_output_folder
+from petfunc.trainer.lock import lock_output_folder, this_command
 from petfunc.trainer.metrics import errors_line
 from petfunc.trainer.processes import processes as processes_of
+from petfunc.trainer.runlog import LOG_NAME, RunLog, default_log, header, say
 
 
 @dataclass
@@ -90,11 +89,6 @@ class FitResult:
     test_errors: dict[str, float] = field(default_factory=dict)
 
 
-def default_log(message: str) -> None:
-    """Write a progress line to stdout, above the progress bar."""
-    tqdm.write(message, file=sys.stdout)
-
-
 def fit(
     options: Mapping | None,
     output_dir=None,
@@ -122,7 +116,9 @@ def fit(
             epochs; the learning-rate schedule then changes), the architecture is the
             checkpoint's.
         progress: show a tqdm bar (``None``: only on a terminal).
-        log: where to write progress lines (default: stdout, bar-safe).
+        log: the console: where the run's lines go (default: stdout, bar-safe). They
+            go through the ``petfunc.trainer`` logger (:mod:`petfunc.trainer.runlog`)
+            and, with an ``output_dir`` (rank 0), into ``output_dir/train.log`` too.
         reduce_grads: data-parallel hook ``grads -> grads`` applied between the
             gradient step and the optimizer step (e.g. an all-reduce average). When
             given, or when ``world_size > 1``, the step is split into ``grad_step`` +
@@ -146,25 +142,51 @@ def fit(
             (:mod:`petfunc.trainer.lock`).
         TrainingError: the loss or the parameters became NaN/inf; the message names
             the epoch and step; checkpoints written before stay intact.
+        OutOfMemory: a step, the validation or the test evaluation ran out of memory
+            (a :class:`TrainingError`; the message names the epoch, batch and its
+            size, and what to change); checkpoints written before stay intact.
     """
-    log = log or default_log
     processes = processes_of(rank, world_size, reduce_grads, reduce_metrics)
-    run = setup.run(options, output_dir, restart=restart, progress=progress, log=log, processes=processes)
-    # the folder is this run's alone from before its clean-up until its last file
-    with (
-        lock_output_folder(run.output_dir, processes.is_main, log=log),
-        deterministic_algorithms(run.deterministic),
-    ):
-        data = setup.data(run)
-        model = setup.model(run, data)
-        # every process reads its own options and data: they must describe one run
-        # (another learning rate would train a different model without a word,
-        # another batch size abort in gloo, other epochs hang)
-        processes.check_same_run(setup.description(run, data, model))
-        steps = setup.steps(run, data, model)
-        folder = setup.folder(run, data, model)
-        state = loop.train(run, data, model, steps, folder, on_epoch=on_epoch)
-        return finish(run, data, model, steps, folder, state)
+    # every line goes through the petfunc loggers: to ``log`` and, from the folder's
+    # preparation on, into its train.log (runlog)
+    with RunLog(log or default_log) as run_log:
+        run = setup.run(options, output_dir, restart=restart, progress=progress, log=say, processes=processes)
+        # the folder is this run's alone from before its clean-up until its last
+        # file; train.log is closed before the lock is released
+        with (
+            lock_output_folder(run.output_dir, processes.is_main, log=say),
+            deterministic_algorithms(run.deterministic),
+            contextlib.ExitStack() as log_file,
+        ):
+            data = setup.data(run)
+            model = setup.model(run, data)
+            # every process reads its own options and data: they must describe one run
+            # (another learning rate would train a different model without a word,
+            # another batch size abort in gloo, other epochs hang)
+            processes.check_same_run(setup.description(run, data, model))
+            steps = setup.steps(run, data, model)
+            folder = setup.folder(run, data, model)
+            if folder is not None:
+                log_file.enter_context(run_log.writing(*log_file_of(run, data, folder)))
+            else:
+                run_log.without_file()
+            state = loop.train(run, data, model, steps, folder, on_epoch=on_epoch)
+            return finish(run, data, model, steps, folder, state)
+
+
+def log_file_of(run: setup.Run, data: setup.Data, folder: Folder) -> tuple[Path, list[str], Any]:
+    """``(path, header, restart)`` of the ``train.log`` of ``run`` (see
+    :meth:`petfunc.trainer.runlog.RunLog.writing`)."""
+    lines = header(
+        folder=folder.output_dir,
+        command=this_command(),
+        device=run.device,
+        dtype=run.dtype,
+        world_size=run.processes.world_size,
+        per_atom=data.weights.per_atom,
+        restart=run.restart,
+    )
+    return folder.output_dir / LOG_NAME, lines, run.restart
 
 
 def finish(

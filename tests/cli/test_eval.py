@@ -299,3 +299,37 @@ def test_eval_dataset_file_errors(demo_run, tmp_path, capsys):
     path.write_text(yaml.safe_dump({"system": "x.xyz"}))
     assert main(["eval", model, str(path)]) == 2
     assert "unknown option" in capsys.readouterr().err
+
+
+def test_eval_lines_go_through_the_petfunc_logger(demo_run, capsys, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="petfunc")
+    capsys.readouterr()
+    assert main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [r.getMessage() for r in caplog.records if r.name == "petfunc.cli.eval"] == out
+    assert out[0].endswith("dataset.xyz: 16 structures, " + out[0].split(", ")[-1])
+
+
+def test_eval_out_of_memory_is_one_line(demo_run, capsys, monkeypatch):
+    from petfunc.trainer import evaluation
+    from tests.helpers.runlog import cuda_out_of_memory
+
+    def derivatives(energy, mode):
+        def fails(*args):
+            raise cuda_out_of_memory()
+
+        return fails
+
+    monkeypatch.setattr(evaluation, "energy_forces_strain_derivative", derivatives)
+    capsys.readouterr()
+    assert (
+        main(["eval", str(demo_run / "best.ckpt"), str(demo_run / "dataset.xyz"), "--batch-size", "8"]) == 1
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(
+        "petfunc: out of memory on the CPU in the evaluation of structures 1..8 of 16 (8 structures, "
+    )
+    assert "it asked for 2.00 GiB more): evaluate fewer structures at a time (--batch-size)" in err

@@ -383,3 +383,84 @@ def test_training_writes_a_metatomic_model(tmp_path, monkeypatch, capsys):
     assert "energy" in model.capabilities().outputs
     (run,) = (tmp_path / "outputs").glob("*/*")
     assert (run / "model.pt").read_bytes() == (tmp_path / "model.pt").read_bytes()
+
+
+def test_the_demo_writes_a_train_log(demo_run):
+    text = (demo_run / "train.log").read_text(encoding="utf-8")
+    assert f"petfunc training run in {demo_run}" in text and "command: " in text
+    assert "versions: petfunc " in text and "device: cpu; dtype float32" in text
+    assert "[INFO] - epoch    1/1 |" in text and "units: " in text
+
+
+def test_train_log_of_a_restart_has_the_console_lines(demo_run, tmp_path, capsys):
+    """A restart into the run's own folder appends to its train.log every line the
+    console shows, after a line that names the restart."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(demo_run, run)
+    before = (run / "train.log").read_text(encoding="utf-8")
+    capsys.readouterr()
+    assert main(["train", "--restart", str(run / "last.ckpt"), "--epochs", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    text = (run / "train.log").read_text(encoding="utf-8")
+    assert text.startswith(before) and f"restart from {run / 'last.ckpt'}" in text[len(before) :]
+    assert any(line.startswith("epoch    2/2 |") for line in out)
+    for line in out:
+        if not line.startswith("output folder:"):  # said before the run, the header names it
+            assert f"[INFO] - {line}\n" in text[len(before) :], line
+
+
+@pytest.mark.parametrize("kind", ["cuda", "cpu"])
+def test_out_of_memory_is_one_line(demo_run, tmp_path, capsys, monkeypatch, kind):
+    """Out of memory in a step: one line on stderr naming the step and what to change,
+    no traceback, exit status 1; the run's checkpoints intact."""
+    import shutil
+
+    from tests.helpers.runlog import ALLOCATOR_ERRORS, raise_in_step
+
+    run = tmp_path / "run"
+    shutil.copytree(demo_run, run)
+    before = (run / "last.ckpt").read_bytes()
+    raise_in_step(monkeypatch, ALLOCATOR_ERRORS[kind])
+    capsys.readouterr()
+    assert main(["train", "--restart", str(run / "last.ckpt"), "--epochs", "2", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("petfunc: out of memory on the CPU in the training step of epoch 2, batch 1 of ")
+    assert "lower architecture.training.batch_size (now 4; --batch-size)" in err and "remat: true" in err
+    assert (run / "last.ckpt").read_bytes() == before
+    assert "[ERROR] - the run stopped: OutOfMemory: out of memory" in (run / "train.log").read_text()
+
+
+def test_ctrl_c_in_the_first_epoch_puts_train_log_back(demo_run, tmp_path, capsys, monkeypatch):
+    """A restart into its own folder stopped before its first checkpoint leaves the
+    folder as it was: the lines it appended to train.log go."""
+    import shutil
+
+    from tests.helpers.runlog import raise_in_step
+
+    run = tmp_path / "run"
+    shutil.copytree(demo_run, run)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    raise_in_step(monkeypatch, KeyboardInterrupt)
+    assert main(["train", "--restart", str(run / "last.ckpt"), "--epochs", "2", "--no-progress"]) == 130
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_a_refused_run_leaves_the_holders_train_log_alone(demo_run, tmp_path, capsys):
+    import os
+    import shutil
+
+    from tests.helpers.runlog import hold_folder
+
+    run = tmp_path / "run"
+    shutil.copytree(demo_run, run)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    fd = hold_folder(run)
+    try:
+        assert main(["train", "--restart", str(run / "last.ckpt"), "--epochs", "2", "--no-progress"]) == 2
+    finally:
+        os.close(fd)
+    assert "is in use by petfunc train (pid 4242" in capsys.readouterr().err
+    assert (run / "train.log").read_bytes() == before["train.log"]

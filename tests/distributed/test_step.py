@@ -203,5 +203,7 @@ def test_petfunc_train_under_torchrun_equals_one_process(tmp_path):
             "val_stress_rmse",
         ):
             assert abs(row_a[key] - row_b[key]) <= 1e-10 * abs(row_a[key]), key
-    # rank 0 alone wrote: one output folder, no other
+    # rank 0 alone wrote: one output folder, no other, and one log of the run
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+    log = (tmp_path / "two" / "train.log").read_text(encoding="utf-8")
+    assert log.count("[INFO] - epoch    2/2 |") == 1 and "; 2 processes" in log
