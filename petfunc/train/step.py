@@ -150,7 +150,8 @@ def apply_gradients(
     except (ValueError, RuntimeError) as error:  # optree's "Node arity mismatch", size mismatches
         if made_for_every_parameter(state):
             raise ValueError(STATE_OF_EVERY_PARAMETER) from None
-        if isinstance(error, RuntimeError) or ("arity" not in str(error) and "structure" not in str(error)):
+        mismatch = ("arity", "structure", "trees differ")  # optree's, torch's and petfunc.tree's words
+        if isinstance(error, RuntimeError) or not any(word in str(error) for word in mismatch):
             raise
         raise ValueError(
             f"the optimizer state does not fit the trained parameters (train={train!r}): make the "
