@@ -10,8 +10,11 @@ Derivatives (``torch.func``, every position dependence inside)
     ``forces``, ``energy_and_forces``, ``energy_forces_stress``,
     ``energy_forces_strain_derivative``; ``hessian``, ``hvp`` (memory-bounded).
 Training
-    ``make_loss``, ``LossWeights``, ``make_train_step`` / ``make_grad_step`` with
-    ``init_state``, ``make_optimizer``, ``warmup_cosine``; ``compile`` (make_fx +
+    ``make_loss``, ``LossWeights``, ``make_train_step`` / ``make_grad_step`` (PET's
+    loss or any ``loss_fn``) with ``init_state``, ``make_optimizer``, ``adamw`` (a
+    weight-decay mask), ``warmup_cosine``; ``partition`` / ``combine`` (trained and
+    frozen parameters); ``tree`` (``ravel_pytree``, ``tree_map``, ``tree_vdot``,
+    ``tree_add``, ``tree_scale``); ``compile`` (make_fx +
     torch.compile, one graph for every batch size); ``fit`` (the ``petfunc train``
     trainer); ``distributed`` (data parallel on torch.distributed); ``lora``,
     ``ensemble`` (vmap'd committees), ``hessian_loss``, ``remat``.
@@ -69,7 +72,9 @@ from petfunc.structures import prepare_atoms as prepare_atoms
 from petfunc.train import LossTerm as LossTerm
 from petfunc.train import LossWeights as LossWeights
 from petfunc.train import TrainState as TrainState
+from petfunc.train import adamw as adamw
 from petfunc.train import apply_gradients as apply_gradients
+from petfunc.train import combine as combine
 from petfunc.train import hessian_loss as hessian_loss
 from petfunc.train import init_state as init_state
 from petfunc.train import make_grad_step as make_grad_step
@@ -77,6 +82,7 @@ from petfunc.train import make_loss as make_loss
 from petfunc.train import make_optimizer as make_optimizer
 from petfunc.train import make_train_step as make_train_step
 from petfunc.train import pack_state as pack_state
+from petfunc.train import partition as partition
 from petfunc.train import warmup_cosine as warmup_cosine
 from petfunc.trainer import fit as fit
 

@@ -180,7 +180,7 @@ def make_train_step(
     energy_fn,
     optimizer,
     weights: LossWeights = LossWeights(),
-    grad_clip_norm: float | None = 1.0,
+    grad_clip_norm: float | None = None,
     member_batches: bool = False,
     train=None,
 ):
@@ -188,7 +188,7 @@ def make_train_step(
 
     ``state`` is an ensemble :class:`~petfunc.TrainState` (:func:`init_state`); each
     member takes exactly the step :func:`petfunc.make_train_step` would take
-    (gradient clipping per member), and every metric has a leading member axis.
+    (gradient clipping per member, where asked), and every metric has a leading member axis.
 
     Args:
         energy_fn, optimizer, weights, grad_clip_norm: as for

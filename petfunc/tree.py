@@ -3,13 +3,21 @@
 Two views of one tree. :func:`flatten` gives ``{"gnn_layers.0.trans.layers.0.attention.
 input_linear.weight": tensor, ...}``: exactly metatrain's state-dict names without the
 ``backend.`` prefix (a node whose keys are ``"0", "1", ...`` in order becomes a list
-on :func:`unflatten`). :func:`tree_map`, :func:`tree_leaves`, :func:`tree_flatten` and
+on :func:`unflatten`). :func:`tree_leaves`, :func:`tree_flatten` and
 :func:`tree_unflatten` are ``torch.utils._pytree``'s, for any pytree (dicts, lists,
-tuples, NamedTuples such as optimizer states), so that petfunc uses one tree library.
+tuples, NamedTuples such as optimizer states), so that petfunc uses one tree library;
+:func:`tree_map` is its ``tree_map`` with errors that name the first differing key.
+
+Tree algebra, as JAX and optax have it: :func:`ravel_pytree` (``jax.flatten_util``'s:
+one flat vector and the function that rebuilds the tree), :func:`tree_vdot`,
+:func:`tree_add`, :func:`tree_scale`; :func:`map_with_path` calls a function with each
+leaf's dotted path (the keys of :func:`flatten`); :func:`check_structure` names where
+two trees differ.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -57,8 +65,6 @@ def _listify(node: Any) -> Any:
     return node
 
 
-#: ``fn`` applied to every leaf of one or more pytrees of the same structure
-tree_map = pytree.tree_map
 #: the leaves of a pytree, in order
 tree_leaves = pytree.tree_leaves
 #: ``(leaves, spec)`` of a pytree; :func:`tree_unflatten` inverts it
@@ -66,15 +72,180 @@ tree_flatten = pytree.tree_flatten
 tree_unflatten = pytree.tree_unflatten
 
 
+def key_name(entry) -> str:
+    """The dotted-path part of one ``torch.utils._pytree`` key entry: a dict key, a
+    list or tuple index, a NamedTuple field."""
+    for attribute in ("key", "idx", "name"):
+        if hasattr(entry, attribute):
+            return str(getattr(entry, attribute))
+    return str(entry)
+
+
+def dotted(key_path) -> str:
+    """The dotted path (``"gnn_layers.0.weight"``, as :func:`flatten` names leaves) of a
+    ``torch.utils._pytree`` key path."""
+    return ".".join(key_name(entry) for entry in key_path)
+
+
+def map_with_path(fn, tree: Any, *rest, is_leaf=None) -> Any:
+    """``fn(path, leaf, *other_leaves)`` on every leaf, ``path`` its dotted path (the
+    keys of :func:`flatten`: ``"gnn_layers.0.trans.layers.0.norm_attention.weight"``)."""
+    return pytree.tree_map_with_path(
+        lambda path, *leaves: fn(dotted(path), *leaves), tree, *rest, is_leaf=is_leaf
+    )
+
+
+def _children(node, is_leaf):
+    """``None`` for a leaf, else ``[(key, child), ...]`` one level down."""
+    if pytree.tree_structure(node, is_leaf=is_leaf).is_leaf():
+        return None
+    items, _ = pytree.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    return [(key_name(path[0]), child) for path, child in items]
+
+
+def _describe(node, children) -> str:
+    if children is None:
+        return "None" if node is None else f"a leaf ({type(node).__name__})"
+    return f"a {type(node).__name__} of {len(children)}"
+
+
+def structure_difference(first, second, names=("the first", "the second"), is_leaf=None, prefix=False):
+    """Where two pytrees first differ in structure, in words (``"trees differ at
+    'gnn_layers.0.weight': missing in the second"``), or ``None`` when they have one
+    structure (dicts whose keys come in another order match). ``names`` name the two
+    trees; with ``prefix``, a leaf of ``first`` matches any subtree of ``second``
+    (``tree_map``'s rule)."""
+    return _difference(first, second, "", names, is_leaf, prefix)
+
+
+def _difference(a, b, path, names, is_leaf, prefix):
+    first, second = _children(a, is_leaf), _children(b, is_leaf)
+    if first is None and (second is None or prefix):
+        return None
+    where = f"'{path}'" if path else "the root"
+    if first is None or second is None or type(a) is not type(b):
+        return (
+            f"trees differ at {where}: {_describe(a, first)} in {names[0]}, "
+            f"{_describe(b, second)} in {names[1]}"
+        )
+    keys_a, keys_b = [k for k, _ in first], [k for k, _ in second]
+    for keys, others, name in ((keys_a, keys_b, names[1]), (keys_b, keys_a, names[0])):
+        for key in keys:
+            if key not in others:
+                return f"trees differ at '{path + '.' if path else ''}{key}': missing in {name}"
+    # children paired by key: dicts whose keys come in another order match, as
+    # torch's tree_map matches them
+    by_key = dict(second)
+    for key, child_a in first:
+        found = _difference(child_a, by_key[key], f"{path}.{key}" if path else key, names, is_leaf, prefix)
+        if found is not None:
+            return found
+    return None
+
+
+def _ordinal(i: int) -> str:
+    return ("the first", "the second", "the third")[i] if i < 3 else f"tree {i}"
+
+
+def check_structure(tree: Any, *rest, is_leaf=None) -> None:
+    """Raise ``ValueError`` naming the first differing key (:func:`structure_difference`)
+    unless every tree of ``rest`` has the structure of ``tree``."""
+    for i, other in enumerate(rest, start=1):
+        difference = structure_difference(tree, other, (_ordinal(0), _ordinal(i)), is_leaf)
+        if difference is not None:
+            raise ValueError(difference)
+
+
+def tree_map(fn, tree: Any, *rest, is_leaf=None) -> Any:
+    """``fn(leaf, *other_leaves)`` on every leaf of ``tree`` and the leaves in the same
+    place of each tree of ``rest``, rebuilt in ``tree``'s structure (NamedTuples stay
+    NamedTuples). ``tree`` may be a prefix of the others (its leaf then meets their
+    subtree), as in ``torch.utils._pytree`` and JAX. Trees of another structure raise
+    ``ValueError`` naming the first differing key."""
+    if not rest:
+        return pytree.tree_map(fn, tree, is_leaf=is_leaf)
+    leaves, spec = pytree.tree_flatten(tree, is_leaf=is_leaf)
+    others = [pytree.tree_flatten(other, is_leaf=is_leaf) for other in rest]
+    if all(other_spec == spec for _, other_spec in others):
+        return pytree.tree_unflatten([fn(*xs) for xs in zip(leaves, *(ls for ls, _ in others))], spec)
+    for i, other in enumerate(rest, start=1):
+        difference = structure_difference(tree, other, (_ordinal(0), _ordinal(i)), is_leaf, prefix=True)
+        if difference is not None:
+            raise ValueError(difference)
+    return pytree.tree_map(fn, tree, *rest, is_leaf=is_leaf)
+
+
+def ravel_pytree(tree: Any):
+    """``(flat, unravel)``: every tensor leaf flattened and concatenated in leaf order
+    into one 1-d tensor, and the function that rebuilds the tree from such a vector,
+    as ``jax.flatten_util.ravel_pytree``.
+
+    Leaves of several dtypes are promoted to one (``torch.promote_types``: int64 with
+    float32 gives float32, float32 with float64 float64); ``unravel`` casts each piece
+    back to its leaf's dtype and shape. ``flat`` is always a new tensor. Leaves must be
+    tensors on one device. Works under ``torch.func`` transforms (``flat`` of a
+    vmapped tree is vmapped). ``unravel(v)`` needs a 1-d ``v`` of ``flat``'s size.
+    """
+    leaves, spec = pytree.tree_flatten(tree)
+    paths = [dotted(p) for p, _ in pytree.tree_flatten_with_path(tree)[0]]
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"ravel_pytree: the leaf at '{path}' is a {type(leaf).__name__}, not a tensor")
+    devices = {leaf.device for leaf in leaves}
+    if len(devices) > 1:
+        raise ValueError(
+            f"ravel_pytree: the leaves are on several devices ({sorted(map(str, devices))}): move them to one"
+        )
+    dtypes = [leaf.dtype for leaf in leaves]
+    shapes = [leaf.shape for leaf in leaves]
+    dtype = functools.reduce(torch.promote_types, dtypes) if leaves else torch.get_default_dtype()
+    if leaves:
+        flat = torch.cat([leaf.reshape(-1).to(dtype) for leaf in leaves])
+    else:
+        flat = torch.zeros(0, dtype=dtype)
+    size = flat.shape[0]
+
+    def unravel(vector: torch.Tensor):
+        if vector.dim() != 1 or vector.shape[0] != size:
+            raise ValueError(
+                f"unravel: expected a 1-d tensor of {size} entries (the raveled tree's), "
+                f"got shape {tuple(vector.shape)}"
+            )
+        pieces = torch.split(vector, [math.prod(s) for s in shapes]) if shapes else []
+        out = [piece.reshape(shape).to(d) for piece, shape, d in zip(pieces, shapes, dtypes)]
+        return pytree.tree_unflatten(out, spec)
+
+    return flat, unravel
+
+
+def tree_vdot(tree_x: Any, tree_y: Any) -> torch.Tensor:
+    """``sum over leaves of sum(conj(x) * y)``: the inner product of two trees of one
+    structure as vectors (optax's ``tree_vdot``), a 0-d tensor."""
+    check_structure(tree_x, tree_y)
+    products = tree_leaves(pytree.tree_map(lambda x, y: (x.conj() * y).sum(), tree_x, tree_y))
+    return functools.reduce(torch.add, products) if products else torch.zeros(())
+
+
+def tree_add(tree_x: Any, tree_y: Any, *trees) -> Any:
+    """The leafwise sum of two or more trees of one structure (optax's ``tree_add``)."""
+    check_structure(tree_x, tree_y, *trees)
+    return pytree.tree_map(lambda *leaves: functools.reduce(torch.add, leaves), tree_x, tree_y, *trees)
+
+
+def tree_scale(scalar, tree: Any) -> Any:
+    """Every leaf multiplied by ``scalar`` (a number or 0-d tensor; optax's ``tree_scale``)."""
+    return pytree.tree_map(lambda leaf: scalar * leaf, tree)
+
+
 def stack(trees) -> Any:
     """Stack pytrees of one structure along a new leading axis (ensemble members)."""
     trees = list(trees)
     if not trees:
         raise ValueError("stack() needs at least one parameter tree")
-    spec = tree_flatten(trees[0])[1]
     for i, other in enumerate(trees[1:], start=1):
-        if tree_flatten(other)[1] != spec:
-            raise ValueError(f"parameter tree {i} does not have the structure of tree 0")
+        difference = structure_difference(trees[0], other, names=("tree 0", f"tree {i}"))
+        if difference is not None:
+            raise ValueError(f"parameter tree {i} does not have the structure of tree 0: {difference}")
     return tree_map(lambda *leaves: torch.stack(leaves), *trees)
 
 

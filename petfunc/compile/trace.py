@@ -150,6 +150,41 @@ def _drop_unused_constants(graph_module: torch.fx.GraphModule) -> None:
             delattr(graph_module, name)
 
 
+#: what to write instead of an operation whose output size (or value) depends on the
+#: data, by the start of the aten operation's name (leading underscores dropped)
+DATA_DEPENDENT_FIXES = {
+    "nonzero": "multiply by the mask (x * mask) or use torch.where(mask, x, 0) on the whole tensor",
+    "masked_select": "use torch.where(mask, x, 0) and sum, or multiply by the mask",
+    "index": "use torch.where(mask, x, 0) or x * mask instead of boolean-mask indexing x[mask]",
+    "unique": "use a table of fixed size (one entry per possible value) or find the values before compiling",
+    "local_scalar_dense": "keep the value a tensor: no .item(), int(), float() or Python `if` on a tensor",
+}
+
+
+def data_dependent_operation(graph_module: torch.fx.GraphModule) -> str | None:
+    """A sentence naming the first operation of a traced graph whose output size or
+    value depends on the input data (an unbacked symbol: ``nonzero``, boolean-mask
+    indexing, ``unique``, ``.item()``...) and what to write instead; ``None`` when
+    every size follows from the input sizes. petfunc compiles one graph for symbolic
+    input sizes, which cannot hold such an operation."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function" or not free_unbacked_symbols(node.meta.get("val")):
+            continue
+        name = getattr(node.target, "__name__", str(node.target))
+        base = name.split(".")[0].lstrip("_")
+        fix = next(
+            (text for key, text in DATA_DEPENDENT_FIXES.items() if base.startswith(key)),
+            "make every size follow from the input sizes",
+        )
+        return (
+            f"petfunc.compile: the function calls aten.{name}, whose output size or value depends on "
+            f"the input data; one graph for every input size cannot hold it. Fix: {fix}"
+        )
+    return None
+
+
 def trace(fn, inputs, static, context=contextlib.nullcontext) -> tuple[torch.fx.GraphModule, list]:
     """``(graph, guards)``: ``fn`` traced on fake copies of the graph inputs ``inputs``
     (symbolic sizes but where ``static``), under ``context()`` (a ``with`` block of the
@@ -172,6 +207,10 @@ def trace(fn, inputs, static, context=contextlib.nullcontext) -> tuple[torch.fx.
         stack.enter_context(mode)
         stack.enter_context(torch.no_grad())
         graph = make_fx(fn, tracing_mode="real")(*fakes)
+    # before the graph moves (which drops the fake values this reads)
+    data_dependent = data_dependent_operation(graph)
+    if data_dependent is not None:
+        raise ValueError(data_dependent)
     if device is not None:
         move_graph(graph, device, inputs[0].device)
     guards = shape_guards(mode.shape_env, fakes, static)

@@ -104,7 +104,8 @@ class DataParallel:
         energy_fn: a :class:`~petfunc.PET` or energy function (as for ``make_loss``).
         optimizer: the torchopt optimizer (identical on all ranks).
         weights: loss terms.
-        grad_clip_norm: global gradient norm clip, applied to the reduced gradient.
+        grad_clip_norm: global gradient norm clip, applied to the reduced gradient
+            (``None``, the default: no clipping; ``petfunc train`` passes its own).
         compile: compile the gradient step with :func:`petfunc.compile` on the first
             batch (``backend``: ``"inductor"`` or ``"aot_eager"``).
         info: the :class:`DistInfo` (default: :func:`current`). With one process no
@@ -133,7 +134,7 @@ class DataParallel:
         energy_fn,
         optimizer,
         weights: LossWeights = LossWeights(),
-        grad_clip_norm=1.0,
+        grad_clip_norm: float | None = None,
         compile: bool = False,
         backend: str = "inductor",
         info: DistInfo | None = None,

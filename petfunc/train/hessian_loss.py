@@ -168,7 +168,7 @@ def make_hessian_train_step(
     weights: LossWeights = LossWeights(),
     hvp_weight: float = 1.0,
     hvp_type: str = "mse",
-    grad_clip_norm: float | None = 1.0,
+    grad_clip_norm: float | None = None,
 ):
     """``train_step(state, hessian_batch) -> (state, metrics)``: as
     :func:`petfunc.make_train_step`, with the loss of :func:`make_hessian_loss`."""

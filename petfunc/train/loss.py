@@ -20,8 +20,9 @@ instead, as torch's and metatrain's ``reduction``). Derivatives come from
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from numbers import Real
 
 import torch
 
@@ -60,12 +61,24 @@ class LossWeights:
     """Which terms the loss has. A term with weight 0 is not computed at all
     (no forces are differentiated for an energy-only loss). ``per_atom``: compare
     energies and strain derivatives per atom (metatrain's default); ``False`` compares
-    them per structure (metatrain's ``per_structure_targets: [energy]``)."""
+    them per structure (metatrain's ``per_structure_targets: [energy]``).
+
+    Each term is a :class:`LossTerm`, a number (its weight, with the default ``mse``:
+    ``LossWeights(energy=1.0, forces=10.0)``) or a mapping of :class:`LossTerm`'s
+    fields (``{"weight": 10.0, "type": "huber"}``); anything else raises ``TypeError``
+    here, not at the first step."""
 
     energy: LossTerm = LossTerm()
     forces: LossTerm = LossTerm()
     stress: LossTerm = LossTerm()
     per_atom: bool = True
+
+    def __post_init__(self):
+        for name in ("energy", "forces", "stress"):
+            # a frozen dataclass: fields are set once, here, through object
+            object.__setattr__(self, name, as_term(getattr(self, name), name))
+        if not isinstance(self.per_atom, bool):
+            raise TypeError(f"LossWeights: per_atom must be True or False, got {self.per_atom!r}")
 
     @classmethod
     def make(
@@ -77,6 +90,29 @@ class LossWeights:
             return x if isinstance(x, LossTerm) else LossTerm(float(x), type)
 
         return cls(term(energy), term(forces), term(stress), per_atom)
+
+
+def as_term(value, name: str = "term") -> LossTerm:
+    """``value`` as a :class:`LossTerm`: a term as it is, a number as the weight of an
+    ``mse`` term, a mapping as its fields. ``name`` (``"forces"``) is named in errors."""
+    if isinstance(value, LossTerm):
+        return value
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {f.name for f in fields(LossTerm)})
+        if unknown:
+            raise TypeError(
+                f"LossWeights: {name} has unknown keys {unknown}; "
+                "a term's keys are weight, type, delta, reduction"
+            )
+        return LossTerm(**value)
+    if isinstance(value, Real) and not isinstance(value, bool):
+        return LossTerm(float(value))
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        return LossTerm(float(value))
+    raise TypeError(
+        f"LossWeights: {name} must be a weight (a number), a LossTerm or a mapping of its fields, "
+        f"got {value!r} ({type(value).__name__})"
+    )
 
 
 def _elementwise(term: LossTerm, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -45,14 +45,56 @@ class AdamState(NamedTuple):
     nu: Any
 
 
-def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None):
+def weight_matrices(path: str, leaf) -> bool:
+    """:func:`adamw`'s default weight-decay mask: the leaves of two or more
+    dimensions (weight matrices, embeddings), not biases, norm weights or other
+    1-d and 0-d leaves. Under ``vmap`` (ensembles) ``leaf.dim()`` is a member's."""
+    return leaf.dim() >= 2
+
+
+def decay_mask(mask, params) -> list[bool]:
+    """Which leaves of ``params`` (in leaf order) ``mask`` decays: ``mask`` is a
+    predicate ``(dotted path, leaf) -> bool`` or a tree of bools shaped like
+    ``params`` (``None``: every leaf)."""
+    if mask is None:
+        return [True] * len(tree.tree_leaves(params))
+    if callable(mask):
+        return [bool(x) for x in tree.tree_leaves(tree.map_with_path(mask, params))]
+    try:
+        return [bool(x) for x in tree.tree_leaves(tree.tree_map(lambda _, m: m, params, mask))]
+    except ValueError as error:
+        raise ValueError(f"the weight-decay mask is not shaped like the parameters: {error}") from None
+
+
+def adamw(
+    learning_rate, weight_decay: float = 0.01, mask=weight_matrices, betas=(0.9, 0.999), eps: float = 1e-8
+):
+    """AdamW (``torch.optim.AdamW``'s update) with decay on the leaves ``mask`` selects.
+
+    ``mask``: a predicate ``mask(path, leaf) -> bool`` of each leaf's dotted path
+    (:func:`petfunc.tree.flatten`'s keys) and tensor, or a tree of bools of the
+    parameters' structure; ``None`` decays every leaf (``torch.optim.AdamW`` on one
+    parameter group). By default only weight matrices decay
+    (:func:`weight_matrices`): no biases, no norm weights. It works on nested dicts,
+    under ``vmap`` (ensembles) and :func:`petfunc.compile`: the mask is decided in
+    Python from the parameters' paths and dimensions, never from their values. The
+    numbers equal ``torch.optim.AdamW`` with two parameter groups, ``weight_decay``
+    for the masked leaves and 0 for the others. See :func:`adam`.
+    """
+    if not weight_decay >= 0:
+        raise ValueError(f"adamw: weight_decay must be >= 0, got {weight_decay!r}")
+    return adam(learning_rate, betas=betas, eps=eps, weight_decay=float(weight_decay), mask=mask)
+
+
+def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None, mask=None):
     """Adam (AdamW with ``weight_decay``) as a torchopt ``GradientTransformation``.
 
     The update is ``torch.optim.Adam``'s (``AdamW``'s) to round-off, in the
     parameters' dtype, with the bias corrections in float64 (torchopt's own adam
     computes them in float32, ~1e-5 relative off). ``learning_rate`` is a float or a
     schedule of the step count; the first step uses ``schedule(0)``, as torch's
-    ``LambdaLR`` does.
+    ``LambdaLR`` does. ``mask`` selects the leaves that decay (see :func:`adamw`;
+    ``None``: all of them).
     """
     b1, b2 = betas
     tree_map = tree.tree_map
@@ -98,17 +140,19 @@ def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None
         def second(v, g):
             return torch.addcmul(v * b2, g, g, value=1.0 - b2)
 
-        def step(m, v, p):
+        def step(m, v, p, decayed=True):
             step_size, b2_sqrt, decay = scalars(m.dtype)
             out = (step_size * m).div_(v.sqrt().div_(b2_sqrt).add_(eps))
-            if decay is not None:
+            if decay is not None and decayed:
                 out = out.sub_(decay * p)
             return out
 
         if weight_decay is not None and params is None:
             raise ValueError("AdamW needs params in update()")
         decayed = [params] if weight_decay is not None else []
-        flat = _flat_leaves(grads, state.mu, state.nu, *decayed)
+        chosen = decay_mask(mask, params) if decayed else []
+        # the packed pass decays every leaf: a mask that spares some goes leaf by leaf
+        flat = _flat_leaves(grads, state.mu, state.nu, *decayed) if all(chosen) else None
         if flat is not None:
             # one pass over whole vectors (no copies when the trees are packed)
             (g, m, v, *p), spec, shapes = flat
@@ -119,8 +163,11 @@ def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None
         # mixed dtypes or devices: leaf by leaf
         mu = tree_map(first, state.mu, grads)
         nu = tree_map(second, state.nu, grads)
-        updates = tree_map(step, mu, nu, params if params is not None else mu)
-        return updates, AdamState(count, mu, nu)
+        if not decayed:
+            return tree_map(step, mu, nu, mu), AdamState(count, mu, nu)
+        leaves, spec = tree.tree_flatten(mu)
+        steps = map(step, leaves, tree.tree_leaves(nu), tree.tree_leaves(params), chosen)
+        return tree.tree_unflatten(list(steps), spec), AdamState(count, mu, nu)
 
     return torchopt.base.GradientTransformation(init, update)
 

@@ -1,17 +1,21 @@
 """Pure training steps: ``state, metrics = train_step(state, batch)``.
 
 The step computes the parameter gradient of :func:`petfunc.train.loss.make_loss`'s
-loss with ``torch.func.grad`` (a grad of the grad that gives forces and stress),
-clips its global norm as ``torch.nn.utils.clip_grad_norm_`` does, and applies a
-torchopt optimizer functionally (:mod:`petfunc.train.optim`). A gradient step
-(:func:`make_grad_step`) returns the gradients as plain outputs instead, for data
-parallelism to all-reduce them before :func:`apply_gradients`.
+loss (or of any ``loss_fn(params, batch) -> (loss, metrics)``) with
+``torch.func.grad`` (a grad of the grad that gives forces and stress), clips its
+global norm as ``torch.nn.utils.clip_grad_norm_`` does where asked
+(``grad_clip_norm``; ``petfunc train`` asks for metatrain's), and applies an
+optimizer functionally: any object with ``init(params)`` and ``update(grads, state,
+...)`` (a torchopt or optax-like ``GradientTransformation``, :mod:`petfunc.train.optim`).
+A gradient step (:func:`make_grad_step`) returns the gradients as plain outputs
+instead, for data parallelism to all-reduce them before :func:`apply_gradients`.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.func import grad_and_value
@@ -21,7 +25,7 @@ from petfunc.compile import register_input_check
 from petfunc.derivatives import assert_eager, check_autodiff
 from petfunc.train.loss import LossWeights, make_loss
 from petfunc.train.optim import apply_updates, clip_by_global_norm
-from petfunc.train.state import FROZEN, TrainState, trainable, with_trained
+from petfunc.train.state import FROZEN, Train, TrainState, trainable, with_trained
 
 
 #: why an optimizer state made by ``optimizer.init(params)`` does not fit a step
@@ -33,10 +37,12 @@ STATE_OF_EVERY_PARAMETER = (
 
 
 def make_grad_step(
-    energy_fn,
+    energy_fn=None,
     weights: LossWeights = LossWeights(),
     autodiff: str = "func",
-    train: Sequence[str] | None = None,
+    train: Train = None,
+    *,
+    loss_fn: Callable | None = None,
 ):
     """``grad_step(params, batch) -> (grads, metrics)`` of the trainable parameters.
 
@@ -49,8 +55,29 @@ def make_grad_step(
     ``create_graph=True`` for the forces, eagerly only; 20-30 % faster than eager
     ``"func"`` on CPU (see :mod:`petfunc.derivatives`).
     ``train``: which parameters get gradients (:func:`trainable`).
+    ``loss_fn``: any ``loss_fn(params, batch) -> (loss, metrics)`` in place of
+    ``energy_fn`` and ``weights`` (see :func:`make_train_step`).
     """
-    return grad_step_of(make_loss(energy_fn, weights, autodiff), autodiff, train)
+    return grad_step_of(loss_of(energy_fn, weights, autodiff, loss_fn), autodiff, train)
+
+
+def loss_of(energy_fn, weights: LossWeights, autodiff: str, loss_fn: Callable | None) -> Callable:
+    """The loss a step differentiates: ``loss_fn`` as it is, or
+    :func:`make_loss` of ``energy_fn`` and ``weights``; exactly one of the two."""
+    if loss_fn is None:
+        if energy_fn is None:
+            raise TypeError("a train step needs an energy function (a PET) or loss_fn=")
+        return make_loss(energy_fn, weights, autodiff)
+    if energy_fn is not None:
+        raise TypeError(
+            "a train step takes an energy function (with weights=) or loss_fn=, not both: "
+            "a loss_fn computes its own energies"
+        )
+    if weights != LossWeights():
+        raise TypeError("weights= applies to petfunc's own loss; a loss_fn= weighs its terms itself")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function (params, batch) -> (loss, metrics), got {loss_fn!r}")
+    return loss_fn
 
 
 def value_and_grad(objective, train_params, autodiff: str = "func"):
@@ -72,7 +99,7 @@ def value_and_grad(objective, train_params, autodiff: str = "func"):
     return tree.tree_unflatten(grads, spec), aux
 
 
-def grad_step_of(loss_fn, autodiff: str = "func", train: Sequence[str] | None = None):
+def grad_step_of(loss_fn, autodiff: str = "func", train: Train = None):
     """``grad_step(params, batch) -> (grads, metrics)`` of any ``loss_fn(params, batch)
     -> (loss, metrics)``: the gradient of the trainable parameters (``trainable(params,
     train)``; the rest, composition and scale included, held fixed), by
@@ -88,10 +115,11 @@ def grad_step_of(loss_fn, autodiff: str = "func", train: Sequence[str] | None = 
     return grad_step
 
 
-def train_step_of(grad_step, optimizer, grad_clip_norm: float = 1.0, train: Sequence[str] | None = None):
+def train_step_of(grad_step, optimizer, grad_clip_norm: float | None = None, train: Train = None):
     """``train_step(state, batch) -> (state, metrics)`` from a ``grad_step``: clipping
-    and the optimizer update of :func:`apply_gradients`, with the gradient norm added
-    to the metrics when clipping. ``train`` must be the grad step's selection."""
+    (only with a ``grad_clip_norm``) and the optimizer update of
+    :func:`apply_gradients`, with the gradient norm added to the metrics when
+    clipping. ``train`` must be the grad step's selection."""
 
     def train_step(state: TrainState, batch):
         grads, metrics = grad_step(state.params, batch)
@@ -104,22 +132,26 @@ def train_step_of(grad_step, optimizer, grad_clip_norm: float = 1.0, train: Sequ
 
 
 def apply_gradients(
-    optimizer, state: TrainState, grads, grad_clip_norm: float = 1.0, train: Sequence[str] | None = None
+    optimizer, state: TrainState, grads, grad_clip_norm: float | None = None, train: Train = None
 ):
-    """Clip ``grads`` (of ``trainable(params, train)``) and take one optimizer step:
-    ``(new_state, grad_norm)``. The norm is that of the trained parameters only, as
-    ``clip_grad_norm_`` skips metatrain's frozen ones."""
+    """Clip ``grads`` (of ``trainable(params, train)``) when ``grad_clip_norm`` is a
+    number, and take one optimizer step: ``(new_state, grad_norm)`` (``grad_norm``
+    ``None`` unclipped). The norm is that of the trained parameters only, as
+    ``clip_grad_norm_`` skips metatrain's frozen ones. ``optimizer.update`` gets
+    ``params=`` and ``inplace=False`` where its signature takes them."""
     norm = None
     if grad_clip_norm is not None and math.isfinite(grad_clip_norm):
         grads, norm = clip_by_global_norm(grads, grad_clip_norm)
     params = state.params
     train_params = trainable(params, train)
+    options = update_options(optimizer, params=train_params, inplace=False)
     try:
-        updates, opt_state = optimizer.update(grads, state.opt_state, params=train_params, inplace=False)
+        updates, opt_state = optimizer.update(grads, state.opt_state, **options)
     except (ValueError, RuntimeError) as error:  # optree's "Node arity mismatch", size mismatches
         if made_for_every_parameter(state):
             raise ValueError(STATE_OF_EVERY_PARAMETER) from None
-        if isinstance(error, RuntimeError) or ("arity" not in str(error) and "structure" not in str(error)):
+        mismatch = ("arity", "structure", "trees differ")  # optree's, torch's and petfunc.tree's words
+        if isinstance(error, RuntimeError) or not any(word in str(error) for word in mismatch):
             raise
         raise ValueError(
             f"the optimizer state does not fit the trained parameters (train={train!r}): make the "
@@ -127,6 +159,31 @@ def apply_gradients(
         ) from None
     new_params = apply_updates(train_params, updates)
     return TrainState(with_trained(params, new_params, train), opt_state), norm
+
+
+def update_options(optimizer, **options) -> dict:
+    """The keyword ``options`` that ``optimizer.update`` accepts (all of them when it
+    takes ``**kwargs``): torchopt's ``update(updates, state, *, params=None,
+    inplace=True)``, optax's ``update(updates, state, params=None)``, a hand-written
+    ``update(grads, state)``."""
+    try:
+        signature = inspect.signature(optimizer.update)
+    except AttributeError:
+        raise TypeError(
+            f"the optimizer must have init(params) and update(grads, state, ...) (a GradientTransformation), "
+            f"got {type(optimizer).__name__}"
+        ) from None
+    except (TypeError, ValueError):  # a builtin without a signature: pass nothing optional
+        return {}
+    parameters = signature.parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return options
+    accepted = {
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return {name: value for name, value in options.items() if name in accepted}
 
 
 def made_for_every_parameter(state: TrainState) -> bool:
@@ -168,28 +225,50 @@ def _made_for(opt_state, params) -> bool:
 
 
 def make_train_step(
-    energy_fn,
-    optimizer,
+    energy_fn=None,
+    optimizer=None,
     weights: LossWeights = LossWeights(),
-    grad_clip_norm: float = 1.0,
+    grad_clip_norm: float | None = None,
     autodiff: str = "func",
-    train: Sequence[str] | None = None,
+    train: Train = None,
+    *,
+    loss_fn: Callable | None = None,
 ):
     """``train_step(state, batch) -> (state, metrics)``, a pure function.
 
     Args:
         energy_fn: a :class:`~petfunc.PET` (its training-mode ``raw_energy`` is used)
             or an energy function in the batch's training units.
-        optimizer: any torchopt ``GradientTransformation`` (schedules inside it).
+        optimizer: a ``GradientTransformation``: any object with ``init(params)`` and
+            ``update(grads, state, ...)`` returning ``(updates, state)`` (torchopt's,
+            :func:`petfunc.train.adamw`, optax-like ones; schedules inside it).
         weights: the loss terms.
-        grad_clip_norm: maximal global gradient norm (``None`` or ``inf``: no clipping).
+        grad_clip_norm: maximal global gradient norm. ``None`` (default) or ``inf``:
+            no clipping, so an optimizer that clips itself is not clipped twice;
+            ``petfunc train`` passes metatrain's ``grad_clip_norm`` (1.0).
         autodiff: ``"func"`` (traceable, for :func:`petfunc.compile`) or ``"autograd"``
             (eager only, faster eagerly); see :func:`make_grad_step`.
         train: which parameters are trained (:func:`trainable`): ``None`` for all
-            but composition and scale, or path prefixes such as :data:`HEADS`
-            (fine-tuning the readout only); the others stay exactly as they are.
-            The state must come from ``init_state(params, optimizer, train)``.
+            but composition and scale, path prefixes such as :data:`HEADS`
+            (fine-tuning the readout only) or a predicate ``(path, leaf) -> bool``;
+            the others stay exactly as they are. The state must come from
+            ``init_state(params, optimizer, train)``.
+        loss_fn: any ``loss_fn(params, batch) -> (loss, metrics)`` (``loss`` a 0-d
+            tensor, ``metrics`` a dict of tensors), in place of ``energy_fn`` and
+            ``weights``; ``params`` is the whole tree, the frozen part included.
+
+    Example, a loss of one's own (docs/training.md)::
+
+        def loss_fn(params, batch):
+            energies = model.raw_energy(params, batch.positions, batch.cell, batch.neighbors)
+            loss = ((energies - batch.energy) ** 2).mean()
+            return loss, {"loss": loss}
+
+        optimizer = petfunc.train.adamw(1e-3, weight_decay=0.01)
+        step = petfunc.make_train_step(optimizer=optimizer, loss_fn=loss_fn)
+        state, metrics = step(petfunc.init_state(params, optimizer), batch)
     """
-    return train_step_of(
-        make_grad_step(energy_fn, weights, autodiff, train), optimizer, grad_clip_norm, train
-    )
+    if optimizer is None:
+        raise TypeError("make_train_step needs an optimizer (a GradientTransformation with init and update)")
+    grad_step = make_grad_step(energy_fn, weights, autodiff, train, loss_fn=loss_fn)
+    return train_step_of(grad_step, optimizer, grad_clip_norm, train)

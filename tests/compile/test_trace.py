@@ -136,3 +136,51 @@ def test_vmap_inside_grad_keeps_sizes_symbolic():
         args = example(rows)
         torch.testing.assert_close(compiled(*args), fn(*args), rtol=1e-12, atol=1e-12)
     assert compiled.num_graphs == 1
+
+
+# -----------------------------------------------------------------------------------
+# data-dependent sizes are refused when traced, naming the operation and the fix
+
+
+def masked_sum(params, x):
+    return (x[x > 0] * params["w"]).sum()
+
+
+def nonzero_count(params, x):
+    return x.nonzero().sum() * params["w"]
+
+
+def unique_sum(params, x):
+    return torch.unique(x).sum() * params["w"]
+
+
+def item_scale(params, x):
+    return (x * params["w"]).sum().item() * x
+
+
+@pytest.mark.parametrize(
+    "fn, operation, fix",
+    [
+        (
+            masked_sum,
+            r"aten\.index\.Tensor",
+            r"torch\.where\(mask, x, 0\) or x \* mask instead of boolean-mask indexing",
+        ),
+        (nonzero_count, r"aten\.nonzero", r"multiply by the mask"),
+        (unique_sum, r"aten\._unique2", r"a table of fixed size"),
+        (item_scale, r"aten\._local_scalar_dense", r"no \.item\(\)"),
+    ],
+    ids=["mask-index", "nonzero", "unique", "item"],
+)
+def test_data_dependent_sizes_are_refused_when_traced(fn, operation, fix):
+    params, x = {"w": torch.tensor(2.0)}, torch.randn(5, 3)
+    with pytest.raises(
+        ValueError,
+        match=rf"petfunc\.compile: the function calls {operation}.*depends on the input data.*Fix: .*{fix}",
+    ):
+        petfunc.compile(fn, params, x, backend="aot_eager")
+    # the fix the message names compiles, and equals the masked sum
+    compiled = petfunc.compile(
+        lambda p, x: (torch.where(x > 0, x, 0.0) * p["w"]).sum(), params, x, backend="aot_eager"
+    )
+    assert torch.allclose(compiled(params, x), masked_sum(params, x))

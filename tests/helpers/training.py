@@ -139,7 +139,7 @@ def warmed_up_compiled_step(dataset, fitted, device="cpu", **compile_options):
     params = fitted_params(fitted, device=device)
     optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(1e-3, 100, 0.05))
     state = petfunc.init_state(params, optimizer)
-    step = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights())
+    step = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights(), grad_clip_norm=1.0)
     for index in ([0, 1], [2, 3, 4]):
         state, _ = step(state, batch_of(dataset, fitted, index, device=device))
     compiled = petfunc.compile(

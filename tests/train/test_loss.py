@@ -10,7 +10,9 @@ import torch
 import petfunc
 from petfunc.data import make_batch, zbl_baseline
 from petfunc.derivatives import energy_forces_strain_derivative
+from tests.helpers import toy
 from tests.helpers.samples import zbl_training_samples
+from tests.helpers.toolkit import toy_batch
 from tests.helpers.training import CONFIG, batch_of, fitted_params
 
 
@@ -123,3 +125,37 @@ def test_training_targets_exclude_zbl():
     assert loss.item() < 1e-20, metrics
     for term in ("energy", "forces", "stress"):
         assert metrics[f"{term}_count"].item() > 0
+
+
+def test_loss_weights_take_numbers_and_mappings_as_terms():
+    """``LossWeights(energy=1.0, forces=10.0)`` is the structured form with mse terms,
+    and its loss is the hand-weighted sum of the terms."""
+    weights = petfunc.LossWeights(energy=1.0, forces=10.0, stress=0)
+    structured = petfunc.LossWeights(
+        energy=petfunc.LossTerm(1.0), forces=petfunc.LossTerm(10.0), stress=petfunc.LossTerm(0.0)
+    )
+    assert weights == structured
+    assert petfunc.LossWeights(forces={"weight": 2.0, "type": "huber"}).forces == petfunc.LossTerm(
+        2.0, "huber"
+    )
+    assert petfunc.LossWeights(energy=torch.tensor(3.0)).energy == petfunc.LossTerm(3.0)
+    batch = toy_batch(3)
+    params = toy.init()
+    loss, metrics = petfunc.make_loss(toy.energy, weights)(params, batch)
+    assert torch.allclose(loss, metrics["energy_loss"] + 10.0 * metrics["forces_loss"], rtol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("forces", "10", r"forces must be a weight \(a number\), a LossTerm or a mapping.*'10'"),
+        ("energy", True, r"energy must be a weight"),
+        ("stress", {"weigth": 1.0}, r"stress has unknown keys \['weigth'\]"),
+        ("per_atom", "yes", r"per_atom must be True or False"),
+    ],
+)
+def test_loss_weights_refuse_bad_values_when_made(field, value, message):
+    with pytest.raises(TypeError, match=message):
+        petfunc.LossWeights(**{field: value})
+    with pytest.raises(ValueError, match=r"loss weight must be >= 0"):
+        petfunc.LossWeights(forces=-1.0)

@@ -207,7 +207,7 @@ def test_inductor_compiled_step_equals_eager(dataset, fitted):
     params = fitted_params(fitted)
     optimizer = petfunc.make_optimizer(1e-3)
     state = petfunc.init_state(params, optimizer)
-    step = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights())
+    step = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights(), grad_clip_norm=1.0)
     compiled = petfunc.compile(step, state, batch_of(dataset, fitted, [0, 1]), backend="inductor")
     for index in SHAPES:
         batch = batch_of(dataset, fitted, index)
@@ -232,7 +232,7 @@ def test_loss_falls(dataset, fitted):
     params = fitted_params(fitted, seed=1)
     optimizer = petfunc.make_optimizer(petfunc.warmup_cosine(1e-2, 60, 0.05))
     state = petfunc.init_state(params, optimizer)
-    step = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights())
+    step = petfunc.make_train_step(petfunc.PET(CONFIG), optimizer, petfunc.LossWeights(), grad_clip_norm=1.0)
     losses = []
     for epoch in range(30):
         total = 0.0
@@ -301,3 +301,109 @@ def test_compile_refuses_a_state_of_every_parameter_before_tracing(dataset, fitt
     refuse_state_of_every_parameter((petfunc.init_state(params, adamw),))
     custom = {"weight": params["edge_embedder"]["weight"]}
     refuse_state_of_every_parameter((petfunc.TrainState(custom, adamw.init(custom)),))
+
+
+# -----------------------------------------------------------------------------------
+# a loss of one's own, any GradientTransformation, clipping only where asked
+
+
+def hand_gradient(loss_fn, params, batch, train_paths):
+    """``{path: gradient}`` of ``loss_fn`` by autograd on the whole tree."""
+    leaves, spec = petfunc.tree.tree_flatten(params)
+    variables = [leaf.detach().requires_grad_(True) for leaf in leaves]
+    loss = loss_fn(petfunc.tree.tree_unflatten(variables, spec), batch)[0]
+    grads = dict(zip(petfunc.tree.flatten(params), torch.autograd.grad(loss, variables)))
+    return {path: grads[path] for path in train_paths}
+
+
+def test_train_step_of_any_loss_with_a_hand_written_sgd_is_unclipped():
+    """``make_train_step(optimizer=..., loss_fn=...)`` with an optimizer whose update
+    takes neither ``params`` nor ``inplace``: one step is ``p - lr * grad`` of the
+    trained leaves, unclipped though the gradient norm is above 1; clipping happens
+    only with ``grad_clip_norm``."""
+    from tests.helpers.toolkit import SGD, energy_loss, toy_batch, toy_params
+
+    params, batch = toy_params(), toy_batch()
+    sgd = SGD(0.01)
+    train = lambda path, leaf: path.startswith(("mlp", "readout"))  # noqa: E731
+    step = petfunc.make_train_step(optimizer=sgd, loss_fn=energy_loss, train=train)
+    new, metrics = step(petfunc.init_state(params, sgd, train), batch)
+    grads = hand_gradient(energy_loss, params, batch, petfunc.partition(params, train)[0])
+    norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads.values()]))
+    assert norm > 1.0 and "grad_norm" not in metrics and set(metrics) == {"loss", "mean_energy"}
+    before, after = petfunc.tree.flatten(params), petfunc.tree.flatten(new.params)
+    for path in before:
+        if path in grads:
+            assert torch.allclose(after[path], before[path] - 0.01 * grads[path], rtol=1e-12, atol=1e-15), (
+                path
+            )
+        else:
+            assert torch.equal(after[path], before[path]), path
+    assert int(new.opt_state["steps"]) == 1
+    clipped = petfunc.make_train_step(optimizer=sgd, loss_fn=energy_loss, train=train, grad_clip_norm=1.0)
+    new, metrics = clipped(petfunc.init_state(params, sgd, train), batch)
+    assert torch.allclose(metrics["grad_norm"], norm, rtol=1e-12)
+    after = petfunc.tree.flatten(new.params)
+    for path, grad in grads.items():
+        expected = before[path] - 0.01 * grad / (norm + 1e-6)
+        assert torch.allclose(after[path], expected, rtol=1e-12, atol=1e-15), path
+
+
+def test_compiled_train_step_of_any_loss_equals_eager():
+    from tests.helpers.toolkit import energy_loss, toy_batch, toy_params
+
+    optimizer = petfunc.adamw(1e-2, weight_decay=0.1)
+    step = petfunc.make_train_step(optimizer=optimizer, loss_fn=energy_loss)
+    state = petfunc.init_state(toy_params(), optimizer)
+    compiled = petfunc.compile(step, state, toy_batch(3, seed=0), backend="aot_eager")
+    for n, seed in ((3, 0), (4, 1)):
+        batch = toy_batch(n, seed)
+        (eager, eager_metrics), (got, metrics) = step(state, batch), compiled(state, batch)
+        assert torch.allclose(metrics["loss"], eager_metrics["loss"], rtol=1e-12)
+        for key, value in petfunc.tree.flatten(eager.params).items():
+            assert torch.allclose(petfunc.tree.flatten(got.params)[key], value, rtol=1e-12, atol=1e-15), key
+    assert compiled.num_graphs == 1
+
+
+def test_train_step_takes_an_energy_or_a_loss():
+    from tests.helpers.toolkit import SGD, energy_loss
+
+    with pytest.raises(TypeError, match=r"an energy function \(with weights=\) or loss_fn=, not both"):
+        petfunc.make_train_step(petfunc.PET(CONFIG), SGD(0.1), loss_fn=energy_loss)
+    with pytest.raises(TypeError, match=r"weights= applies to petfunc's own loss"):
+        petfunc.make_train_step(
+            optimizer=SGD(0.1), loss_fn=energy_loss, weights=petfunc.LossWeights(forces=2.0)
+        )
+    with pytest.raises(TypeError, match=r"needs an optimizer"):
+        petfunc.make_train_step(loss_fn=energy_loss)
+    with pytest.raises(TypeError, match=r"must have init\(params\) and update"):
+        petfunc.apply_gradients(
+            object(), petfunc.TrainState({"w": torch.ones(2)}, None), {"w": torch.ones(2)}
+        )
+
+
+def test_update_gets_params_and_inplace_only_where_its_signature_takes_them():
+    import torchopt
+
+    from petfunc.train.step import update_options
+    from tests.helpers.toolkit import SGD
+
+    class Optax:
+        def init(self, params):
+            return ()
+
+        def update(self, updates, state, params=None):
+            return updates, state
+
+    class AnyKeywords(Optax):
+        def update(self, updates, state, **options):
+            return updates, state
+
+    params = {"w": torch.ones(2)}
+    assert update_options(SGD(0.1), params=params, inplace=False) == {}
+    assert update_options(Optax(), params=params, inplace=False) == {"params": params}
+    assert update_options(torchopt.adam(0.1), params=params, inplace=False) == {
+        "params": params,
+        "inplace": False,
+    }
+    assert update_options(AnyKeywords(), params=params, inplace=False) == {"params": params, "inplace": False}
