@@ -130,16 +130,11 @@ def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None
                 factors[dtype] = ((-lr / bias1).to(dtype), bias2_sqrt.to(dtype), decay)
             return factors[dtype]
 
-        def first(m, g):
-            return torch.lerp(m, g, 1.0 - b1)
+        first = functools.partial(_first_moment, b1=b1)
+        second = functools.partial(_second_moment, b2=b2)
 
         # in-place operations on fresh temporaries only: on whole vectors, each
-        # temporary is as large as the model (11 MB for the default PET).
-        # addcmul out of place: vmap (ensembles) has no batching rule for addcmul_
-        # and would run it member by member (the same kernel, the same numbers)
-        def second(v, g):
-            return torch.addcmul(v * b2, g, g, value=1.0 - b2)
-
+        # temporary is as large as the model (11 MB for the default PET)
         def step(m, v, p, decayed=True):
             step_size, b2_sqrt, decay = scalars(m.dtype)
             out = (step_size * m).div_(v.sqrt().div_(b2_sqrt).add_(eps))
@@ -170,6 +165,17 @@ def adam(learning_rate, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay=None
         return tree.tree_unflatten(list(steps), spec), AdamState(count, mu, nu)
 
     return torchopt.base.GradientTransformation(init, update)
+
+
+def _first_moment(m, g, b1):
+    """Adam's first moment after the gradient ``g``."""
+    return torch.lerp(m, g, 1.0 - b1)
+
+
+def _second_moment(v, g, b2):
+    """Adam's second moment after the gradient ``g``. Out of place: vmap (ensembles)
+    has no batching rule for ``addcmul_`` and would run it member by member."""
+    return torch.addcmul(v * b2, g, g, value=1.0 - b2)
 
 
 def _flat_leaves(*trees):

@@ -137,14 +137,11 @@ def fit(
 
     Raises:
         ValueError / FileNotFoundError: bad options or data (before training starts).
-        FolderInUseError: another run writes into the output folder (a ``ValueError``;
-            the message names it): the folder is locked for the run's life
-            (:mod:`petfunc.trainer.lock`).
-        TrainingError: the loss or the parameters became NaN/inf; the message names
-            the epoch and step; checkpoints written before stay intact.
-        OutOfMemory: a step, the validation or the test evaluation ran out of memory
-            (a :class:`TrainingError`; the message names the epoch, batch and its
-            size, and what to change); checkpoints written before stay intact.
+        FolderInUseError: another run writes into the output folder, locked for the
+            run's life (:mod:`petfunc.trainer.lock`); a ``ValueError`` naming it.
+        TrainingError: the loss or the parameters became NaN/inf, or (:class:`OutOfMemory`)
+            a step, the validation or the test evaluation ran out of memory; the message
+            names where, and what to change; checkpoints written before stay intact.
     """
     processes = processes_of(rank, world_size, reduce_grads, reduce_metrics)
     # every line goes through the petfunc loggers: to ``log`` and, from the folder's
