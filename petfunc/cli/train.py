@@ -45,9 +45,10 @@ from petfunc.trainer.runlog import LOG_NAME, console, say
 DESCRIPTION = (
     "Train a PET model from an options file in metatrain's options.yaml layout "
     "(examples/options.yaml; every key and flag in docs/options.md). Flags and --set "
-    "KEY=VALUE override the file. Without an options file: a demo of about a minute on a "
-    "built-in EMT dataset. The output folder gets options.yaml (the complete options), "
-    "last.ckpt, best.ckpt, epoch_N.ckpt, best_params.pt, metrics.csv and parity.png."
+    "KEY=VALUE (or -r/--override) override the file. Without an options file: a demo of "
+    "about a minute on a built-in EMT dataset. The output folder gets options.yaml (the "
+    "complete options), last.ckpt, best.ckpt, epoch_N.ckpt, best_params.pt, metrics.csv, "
+    "parity.png and train.log."
 )
 
 
