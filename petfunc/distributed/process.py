@@ -73,9 +73,7 @@ def init_from_env(
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = resolve_device(device, "device")
+    device = resolve_device("auto" if device is None else device, "device")
     if device.type == "cuda":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)

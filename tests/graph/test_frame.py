@@ -8,6 +8,7 @@ import pytest
 
 import petfunc
 from petfunc.graph import check_rigid_motion, edge_list, model_frame
+from tests.helpers.samples import slab
 
 
 CUTOFF = 3.0
@@ -25,12 +26,7 @@ def _molecule():
 
 def _slab():
     """pbc (T, T, F), 1e6 Å above the origin and 1e4 cells away in-plane."""
-    atoms = ase.Atoms(
-        "CCOH",
-        positions=[[0, 0, 0], [1.3, 1.2, 0.1], [0.1, 1.4, 1.3], [1.5, 0.2, 2.4]],
-        cell=[[2.6, 0, 0], [0.4, 2.7, 0], [0, 0, 0]],
-        pbc=[True, True, False],
-    )
+    atoms = slab()
     atoms.positions += np.array([1e4, -1e4, 0]) @ atoms.cell.array + [0, 0, 1e6]
     return atoms
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import petfunc
+from tests.helpers.samples import slab
 
 
 SMALL = dict(atomic_types=(1, 6, 7, 8), d_pet=8, d_node=16, d_head=8, d_feedforward=16, num_heads=2)
@@ -48,12 +49,7 @@ def _cubic_cell():
 
 
 def _slab():
-    atoms = ase.Atoms(
-        "CCOH",
-        positions=[[0, 0, 0], [1.3, 1.2, 0.1], [0.1, 1.4, 1.3], [1.5, 0.2, 2.4]],
-        cell=[[2.6, 0, 0], [0.4, 2.7, 0], [0, 0, 0]],
-        pbc=[True, True, False],
-    )
+    atoms = slab()
     atoms.rattle(0.03, seed=4)
     return atoms
 
