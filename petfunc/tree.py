@@ -147,11 +147,12 @@ def _ordinal(i: int) -> str:
     return ("the first", "the second", "the third")[i] if i < 3 else f"tree {i}"
 
 
-def check_structure(tree: Any, *rest, is_leaf=None) -> None:
+def check_structure(tree: Any, *rest, is_leaf=None, prefix: bool = False) -> None:
     """Raise ``ValueError`` naming the first differing key (:func:`structure_difference`)
-    unless every tree of ``rest`` has the structure of ``tree``."""
+    unless every tree of ``rest`` has the structure of ``tree`` (with ``prefix``: has
+    ``tree`` as a prefix)."""
     for i, other in enumerate(rest, start=1):
-        difference = structure_difference(tree, other, (_ordinal(0), _ordinal(i)), is_leaf)
+        difference = structure_difference(tree, other, (_ordinal(0), _ordinal(i)), is_leaf, prefix)
         if difference is not None:
             raise ValueError(difference)
 
@@ -168,10 +169,7 @@ def tree_map(fn, tree: Any, *rest, is_leaf=None) -> Any:
     others = [pytree.tree_flatten(other, is_leaf=is_leaf) for other in rest]
     if all(other_spec == spec for _, other_spec in others):
         return pytree.tree_unflatten([fn(*xs) for xs in zip(leaves, *(ls for ls, _ in others))], spec)
-    for i, other in enumerate(rest, start=1):
-        difference = structure_difference(tree, other, (_ordinal(0), _ordinal(i)), is_leaf, prefix=True)
-        if difference is not None:
-            raise ValueError(difference)
+    check_structure(tree, *rest, is_leaf=is_leaf, prefix=True)
     return pytree.tree_map(fn, tree, *rest, is_leaf=is_leaf)
 
 
